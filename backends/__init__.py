@@ -1,0 +1,1 @@
+"""Transport backends: the contract in `backends.base`, one module per backend, loaded lazily."""

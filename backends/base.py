@@ -1,0 +1,583 @@
+"""The Transport contract: memory registration and one-sided writes, shared by every backend.
+
+This module is the only one that `planner/` and `transfer/` import from `backends/`. It holds
+the contract (`Transport`), its small value types, the lazy backend table and the project's
+exception hierarchy (one module, so every layer raises the same types).
+
+Contract in one paragraph (the model is NIXL's BackendGuide): a transport registers local
+memory and returns a `Region`; a region registered as a `TARGET` has a `RegionDescriptor`
+whose bytes a peer needs to write into it. A transport publishes its endpoint as bytes and
+connects to peers from theirs. `post_writes` never blocks on the network: it queues a batch of
+one-sided writes to one peer and returns a `WriteHandle`; `poll` reports completion without
+blocking, `wait` blocks with a timeout. There is no ordering between batches, nor between the
+writes of one batch; a batch is complete when every byte of it is in the target's memory.
+Methods are not thread-safe unless a backend says so: one thread drives one transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "ConfigurationError",
+    "ControlPlaneAuthError",
+    "MemoryKind",
+    "PeerLostError",
+    "PlanMismatchError",
+    "Region",
+    "RegionDescriptor",
+    "RegionRole",
+    "Transport",
+    "TransportCapabilities",
+    "TransportConfig",
+    "TransportError",
+    "TransportTimeoutError",
+    "TransportUnavailableError",
+    "WeightTransferError",
+    "WriteHandle",
+    "WriteOp",
+    "load_backend",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one hierarchy for the whole project.
+# ---------------------------------------------------------------------------------------------
+
+
+class WeightTransferError(RuntimeError):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigurationError(WeightTransferError, ValueError):
+    """A configuration value or an argument is invalid."""
+
+
+class PlanMismatchError(WeightTransferError):
+    """Source and destination manifests cannot be reconciled; `problems` lists every cause."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        shown = "\n  ".join(self.problems[:50])
+        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
+        super().__init__(f"{len(self.problems)} plan problem(s):\n  {shown}{more}")
+
+
+class TransportError(WeightTransferError):
+    """A transport operation failed."""
+
+
+class TransportUnavailableError(TransportError):
+    """A backend cannot run here (package missing, no device); the message says how to fix it."""
+
+
+class PeerLostError(TransportError):
+    """A peer (named in the message) disconnected or stopped answering."""
+
+
+class TransportTimeoutError(WeightTransferError, TimeoutError):
+    """A wait ran past its timeout; the message says what was awaited and from whom."""
+
+
+class ControlPlaneAuthError(WeightTransferError):
+    """A control-plane message failed authentication (wrong token or tampered data)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Value types.
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryKind(str, enum.Enum):
+    """Where registered memory lives."""
+
+    HOST = "host"
+    CUDA = "cuda"
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> MemoryKind:
+        """The memory kind of a tensor's storage."""
+        if tensor.device.type == "cpu":
+            return MemoryKind.HOST
+        if tensor.device.type == "cuda":
+            return MemoryKind.CUDA
+        raise ConfigurationError(f"unsupported device {tensor.device} (only cpu and cuda)")
+
+
+class RegionRole(str, enum.Enum):
+    """What a region is registered for.
+
+    SOURCE regions are only read locally by `post_writes`. TARGET regions are written by peers
+    and have a descriptor to publish; some backends do extra work for them (the loopback
+    backend moves host memory into a named shared-memory segment, in place).
+    """
+
+    SOURCE = "source"
+    TARGET = "target"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransportCapabilities:
+    """What a backend can do on this host."""
+
+    memory_kinds: frozenset[MemoryKind]
+    """Memory kinds it can register (as source and target)."""
+    one_sided: bool
+    """True if the target runs no code of its own per write (RDMA, shared memory, CUDA IPC)."""
+    cross_host: bool
+    """True if peers may be on other hosts."""
+
+
+_DESCRIPTOR_FIELDS = ("backend", "kind", "nbytes", "payload")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegionDescriptor:
+    """What a peer needs to write into a TARGET region. Travels as plain bytes (msgpack).
+
+    `payload` is backend-specific (a shared-memory name, a packed UCX rkey, a NIXL serialized
+    descriptor, an rkey and address). Peers treat it as opaque.
+    """
+
+    backend: str
+    kind: MemoryKind
+    nbytes: int
+    payload: bytes
+
+    def to_bytes(self) -> bytes:
+        """Encode as msgpack (never pickle)."""
+        return msgpack.packb(
+            [self.backend, self.kind.value, self.nbytes, self.payload], use_bin_type=True
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RegionDescriptor:
+        """Decode and schema-check bytes produced by `to_bytes`.
+
+        Raises:
+            ValueError: the bytes are not a valid descriptor.
+        """
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ValueError(f"region descriptor is not valid msgpack: {exc}") from exc
+        if not (isinstance(obj, list) and len(obj) == 4):
+            raise ValueError("region descriptor must be a 4-element list")
+        backend, kind, nbytes, payload = obj
+        if not isinstance(backend, str) or not isinstance(payload, bytes):
+            raise ValueError("region descriptor has a field of the wrong type")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"region descriptor has invalid nbytes {nbytes!r}")
+        try:
+            mkind = MemoryKind(kind)
+        except ValueError as exc:
+            raise ValueError(f"region descriptor has unknown memory kind {kind!r}") from exc
+        return cls(backend=backend, kind=mkind, nbytes=nbytes, payload=payload)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Region:
+    """A registered range of local memory. Owned by the transport that registered it.
+
+    The memory itself stays owned by the caller (the tensor passed to `register`), who must keep
+    it alive and in place until `deregister`.
+    """
+
+    region_id: int
+    address: int
+    nbytes: int
+    kind: MemoryKind
+    device_index: int | None
+    role: RegionRole
+    descriptor: RegionDescriptor | None
+    """Set for TARGET regions; None for SOURCE regions."""
+    tensor: torch.Tensor = dataclasses.field(repr=False)
+    """The uint8 view the region covers; keeps the memory alive while registered."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteOp:
+    """One one-sided write: `nbytes` from `source` at `source_offset` to `target` at `target_offset`."""
+
+    source: Region
+    source_offset: int
+    target: RegionDescriptor
+    target_offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class WriteHandle:
+    """A posted batch of writes to one peer. Poll it with `Transport.poll`."""
+
+    handle_id: int
+    peer: str
+    num_ops: int
+    nbytes: int
+    posted_at: float
+    done: bool = False
+    error: BaseException | None = None
+    state: Any = None
+    """Backend-private completion state."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TransportConfig:
+    """Settings every backend understands; backend-specific ones live in `options`."""
+
+    name: str = "loopback"
+    """Backend name, a key of `BACKENDS`."""
+    device_index: int | None = None
+    """CUDA device this transport's process uses for GPU memory; None for host only."""
+    connect_timeout_s: float = 30.0
+    """How long `connect` waits for a peer."""
+    listen_host: str = "127.0.0.1"
+    """Interface the backends that listen (tcp) bind to; loopback by default."""
+    options: tuple[tuple[str, str], ...] = ()
+    """Backend-specific key/value strings (for example UCX transport lists)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in BACKENDS:
+            raise ConfigurationError(
+                f"unknown transport {self.name!r}; choose one of {sorted(BACKENDS)}"
+            )
+        if self.connect_timeout_s <= 0:
+            raise ConfigurationError("connect_timeout_s must be positive")
+        if self.device_index is not None and self.device_index < 0:
+            raise ConfigurationError("device_index must be >= 0")
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        """The value of a backend option, or `default`."""
+        for k, v in self.options:
+            if k == key:
+                return v
+        return default
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract.
+# ---------------------------------------------------------------------------------------------
+
+
+class Transport(ABC):
+    """One process's endpoint of a one-sided write transport.
+
+    Public methods check state and arguments once, then call the `_hook` a backend implements;
+    backends never repeat these checks. Not thread-safe: drive one transport from one thread
+    (the pipeline's write stage), except `endpoint()` and `capabilities`, which are immutable.
+    """
+
+    name: ClassVar[str]
+    """Backend name, a key of `BACKENDS`."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self._regions: dict[int, Region] = {}
+        self._peers: set[str] = set()
+        self._region_ids = itertools.count(1)
+        self._handle_ids = itertools.count(1)
+        self._closed = False
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        """What this backend supports on this host."""
+        return self._capabilities()
+
+    @property
+    def regions(self) -> list[Region]:
+        """Regions currently registered, in registration order."""
+        return list(self._regions.values())
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of connected peers."""
+        return sorted(self._peers)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor, *, role: RegionRole) -> Region:
+        """Register the bytes of a contiguous tensor.
+
+        Blocks until the memory is registered. The caller keeps ownership of the memory and
+        must keep it alive and in place until `deregister`. For a TARGET region the returned
+        region's `descriptor` is what peers need to write into it.
+
+        Raises:
+            ValueError: the tensor is not contiguous or is empty.
+            TransportError: the backend cannot register this memory kind.
+        """
+        self._check_open()
+        if not tensor.is_contiguous():
+            raise ValueError("register() needs a contiguous tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            raise ValueError("register() needs a non-empty tensor")
+        kind = MemoryKind.of(tensor)
+        if kind not in self.capabilities.memory_kinds:
+            raise TransportError(
+                f"transport {self.name!r} cannot register {kind.value} memory on this host"
+            )
+        flat = tensor.detach().view(-1).view(torch.uint8)
+        region_id = next(self._region_ids)
+        region = self._register(region_id, flat, role)
+        self._regions[region.region_id] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Release a registration. Writes still in flight from or to it are the caller's fault."""
+        self._check_open()
+        if self._regions.pop(region.region_id, None) is None:
+            raise ValueError(f"region {region.region_id} is not registered with this transport")
+        self._deregister(region)
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def endpoint(self) -> bytes:
+        """This transport's address as bytes, for peers' `connect`."""
+        self._check_open()
+        return self._endpoint()
+
+    def connect(self, peer: str, endpoint: bytes) -> None:
+        """Connect to a peer, named `peer` in every later call and error message.
+
+        Blocks until connected or `config.connect_timeout_s` passes.
+
+        Raises:
+            ValueError: `peer` is already connected.
+            TransportTimeoutError: the peer did not answer in time.
+            PeerLostError: the peer refused or vanished.
+        """
+        self._check_open()
+        if not peer:
+            raise ValueError("peer name must be non-empty")
+        if peer in self._peers:
+            raise ValueError(f"peer {peer!r} is already connected")
+        self._connect(peer, bytes(endpoint))
+        self._peers.add(peer)
+
+    def disconnect(self, peer: str) -> None:
+        """Drop a peer; posting to it afterwards raises."""
+        self._check_open()
+        self._check_peer(peer)
+        self._peers.discard(peer)
+        self._disconnect(peer)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def post_writes(self, peer: str, ops: Sequence[WriteOp]) -> WriteHandle:
+        """Queue a batch of one-sided writes to `peer`. Never blocks on the network.
+
+        Every op is checked before anything is queued: the source range must lie inside its
+        registered region, the target range inside the descriptor's bytes, and the descriptor
+        must belong to this backend. On any bad op nothing is written.
+
+        Raises:
+            ValueError: an op is out of bounds or refers to an unknown region (named).
+            PeerLostError: `peer` is not connected.
+        """
+        self._check_open()
+        self._check_peer(peer)
+        total = 0
+        for i, op in enumerate(ops):
+            if op.nbytes <= 0:
+                raise ValueError(f"write {i} to {peer!r}: nbytes must be positive, got {op.nbytes}")
+            if self._regions.get(op.source.region_id) is not op.source:
+                raise ValueError(
+                    f"write {i} to {peer!r}: source region {op.source.region_id} is not "
+                    "registered with this transport"
+                )
+            if op.source_offset < 0 or op.source_offset + op.nbytes > op.source.nbytes:
+                raise ValueError(
+                    f"write {i} to {peer!r}: source range [{op.source_offset}, "
+                    f"{op.source_offset + op.nbytes}) is outside its region of "
+                    f"{op.source.nbytes} bytes"
+                )
+            if op.target.backend != self.name:
+                raise ValueError(
+                    f"write {i} to {peer!r}: target descriptor is for backend "
+                    f"{op.target.backend!r}, not {self.name!r}"
+                )
+            if op.target_offset < 0 or op.target_offset + op.nbytes > op.target.nbytes:
+                raise ValueError(
+                    f"write {i} to {peer!r}: target range [{op.target_offset}, "
+                    f"{op.target_offset + op.nbytes}) is outside the remote region of "
+                    f"{op.target.nbytes} bytes"
+                )
+            total += op.nbytes
+        handle = WriteHandle(
+            handle_id=next(self._handle_ids),
+            peer=peer,
+            num_ops=len(ops),
+            nbytes=total,
+            posted_at=time.monotonic(),
+        )
+        if not ops:
+            handle.done = True
+            return handle
+        self._post_writes(peer, list(ops), handle)
+        return handle
+
+    def poll(self, handle: WriteHandle) -> bool:
+        """True once every write of the batch is complete. Never blocks.
+
+        Raises:
+            TransportError / PeerLostError: the batch failed (raised on every poll after that).
+        """
+        if handle.error is not None:
+            raise handle.error
+        if handle.done:
+            return True
+        self._check_open()
+        try:
+            handle.done = self._poll(handle)
+        except WeightTransferError as exc:
+            handle.error = exc
+            raise
+        return handle.done
+
+    def wait(self, handle: WriteHandle, timeout_s: float) -> None:
+        """Block until the batch completes.
+
+        Raises:
+            TransportTimeoutError: not complete after `timeout_s`, naming the peer.
+        """
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        deadline = time.monotonic() + timeout_s
+        backoff = 0.0
+        while not self.poll(handle):
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(
+                    f"{self.name}: {handle.num_ops} write(s), {handle.nbytes} bytes to peer "
+                    f"{handle.peer!r} not complete after {timeout_s:.1f} s"
+                )
+            # Progress-driven backends need tight polling; back off gently to spare the CPU.
+            if backoff:
+                time.sleep(backoff)
+            backoff = min(backoff * 2 or 1e-5, 1e-3)
+
+    def close(self) -> None:
+        """Release every registration and connection. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._close()
+        finally:
+            self._closed = True
+            self._regions.clear()
+            self._peers.clear()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+
+    def _check_peer(self, peer: str) -> None:
+        if peer not in self._peers:
+            raise PeerLostError(f"{self.name}: peer {peer!r} is not connected")
+
+    # -- hooks a backend implements ---------------------------------------------------------
+
+    @abstractmethod
+    def _capabilities(self) -> TransportCapabilities: ...
+
+    @abstractmethod
+    def _register(self, region_id: int, flat: torch.Tensor, role: RegionRole) -> Region:
+        """Register `flat` (a contiguous uint8 tensor); return the Region with `region_id`."""
+
+    @abstractmethod
+    def _deregister(self, region: Region) -> None: ...
+
+    @abstractmethod
+    def _endpoint(self) -> bytes: ...
+
+    @abstractmethod
+    def _connect(self, peer: str, endpoint: bytes) -> None: ...
+
+    @abstractmethod
+    def _disconnect(self, peer: str) -> None: ...
+
+    @abstractmethod
+    def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
+        """Queue already-checked ops; keep completion state in `handle.state`."""
+
+    @abstractmethod
+    def _poll(self, handle: WriteHandle) -> bool:
+        """Return True when complete; raise a TransportError subclass on failure."""
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Lazy backend table: importing the project never imports pyverbs, ucx or nixl.
+# ---------------------------------------------------------------------------------------------
+
+BACKENDS: dict[str, str] = {
+    "loopback": "backends.loopback:LoopbackTransport",
+    "tcp": "backends.tcp:TcpTransport",
+    "ucx": "backends.ucx:UcxTransport",
+    "nixl": "backends.nixl:NixlTransport",
+    "ibverbs": "backends.ibverbs:IbverbsTransport",
+}
+"""Backend name -> "module:Class", imported on first use."""
+
+EXTRAS: dict[str, str] = {
+    "ucx": "pip install 'weight-transfer[ucx]'",
+    "nixl": "pip install 'weight-transfer[nixl]'",
+    "ibverbs": "apt-get install python3-pyverbs (rdma-core); see README 'ibverbs'",
+}
+"""How to install what each optional backend needs."""
+
+
+def load_backend(name: str) -> type[Transport]:
+    """Import and return the Transport class registered under `name`.
+
+    Raises:
+        ConfigurationError: `name` is not a known backend.
+        TransportUnavailableError: its optional dependency is missing (the message names the
+            extra to install).
+    """
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"unknown transport {name!r}; choose one of {sorted(BACKENDS)}"
+        ) from None
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = EXTRAS.get(name, "")
+        raise TransportUnavailableError(
+            f"transport {name!r} is not available: {exc}" + (f"; install it with: {hint}" if hint else "")
+        ) from exc
+    cls = getattr(module, class_name)
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"{target} is not a Transport subclass")
+    return cls
+
+
+def create_transport(config: TransportConfig) -> Transport:
+    """Build the transport named by `config.name`."""
+    return load_backend(config.name)(config)

@@ -1,0 +1,1 @@
+"""Layout presets: recipes for engine conventions and model shapes for benchmarks."""

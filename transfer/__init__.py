@@ -1,0 +1,1 @@
+"""The runtime: receiver, sender, controller, pipeline, control plane and CLI."""
