@@ -1,0 +1,326 @@
+"""vLLM layout preset: recipes that build one vLLM tensor-parallel rank's parameters.
+
+Conventions are those of vLLM 0.33.0's own weight loaders, checked against
+``tests/fixtures/vllm_layouts.txt`` (recorded from vLLM's loaders: `QKVParallelLinear`,
+`MergedColumnParallelLinear`, `RowParallelLinear`, `FusedMoE` routed experts) for a GQA model at
+tp 1/2/4/8 and a MoE layer at tp 1/2:
+
+* ``self_attn.qkv_proj.weight`` (and ``.bias`` for Qwen2): ``[q rows of r | k rows of r |
+  v rows of r]``; with tp > num_kv_heads rank r holds kv head ``r // (tp // num_kv_heads)``.
+* ``self_attn.o_proj.weight``: row-parallel (dim 1 split by query heads).
+* ``mlp.gate_up_proj.weight``: ``[gate rows of r | up rows of r]``; ``mlp.down_proj.weight``
+  row-parallel.
+* MoE: ``{moe_prefix}.w13_weight [E, 2*I/tp, H]`` (per expert gate rows then up rows) and
+  ``{moe_prefix}.w2_weight [E, H, I/tp]``; the router ``mlp.gate.weight`` is replicated.
+  `moe_prefix` defaults to ``mlp.experts.routed_experts`` as in the oracle. Expert
+  parallelism is not modelled (every rank holds every expert's tensor-parallel slice).
+* Shared expert (Qwen2-MoE): ``mlp.shared_expert.{gate_up,down}_proj.weight`` like a dense MLP,
+  ``mlp.shared_expert_gate.weight`` replicated (not covered by the oracle).
+* Norms (``input_layernorm``, ``post_attention_layernorm``, ``q_norm``/``k_norm``,
+  ``model.norm``) are replicated.
+* Embedding and lm_head (`VocabParallelEmbedding` / `ParallelLMHead`): vLLM pads the vocabulary
+  to a multiple of 64 (`VOCAB_PADDING`) and gives each rank ``padded / tp`` rows; rank r's real
+  rows are ``[r * padded / tp, min((r + 1) * padded / tp, vocab))``, the rest of its shard is
+  zero padding written once at load. The recipe and spec describe the real-row prefix of the
+  rank's parameter (``param[:rows]``, contiguous at offset 0): a receiver registers that view,
+  and the padding is never written. A tied lm_head has no recipe (vLLM shares the embedding).
+
+vLLM requires tensor-parallel divisibility, so these recipes raise `ConfigurationError` (a
+`ValueError`) naming the tensor when a size does not divide by tp; `planner.recipes` has the
+generic, uneven-capable builders.
+
+FP8 (``fp8=True``): the linear weights (qkv, o, gate_up, down, w13, w2, shared-expert
+gate_up/down) become float8_e4m3fn with a ``<name>_scale_inv`` float32 tensor, quantized per
+128x128 block of the engine rank's fused, sharded tensor; embeddings, norms, lm_head, routers
+and biases stay in `param_dtype`. Quantizing the destination layout means per-rank sizes that
+are not multiples of 128 work here (the scale tensor uses ceil); vLLM's own loader of
+pre-quantized checkpoints refuses such partitions.
+"""
+
+from __future__ import annotations
+
+from backends.base import ConfigurationError
+from planner.presets.models import MOE_LAYOUTS, ModelShape, MoeLayout
+from planner.recipes import (
+    TensorSpec,
+    column_shard,
+    engine_tensor_specs,
+    even_bounds,
+    fused_gate_up,
+    fused_qkv,
+    identity,
+    moe_w2,
+    moe_w2_fused,
+    moe_w13,
+    moe_w13_fused,
+    qkv_head_ranges,
+    row_shard,
+    with_fp8,
+)
+from planner.types import Range, Recipe
+
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose conventions this preset reproduces."""
+VOCAB_PADDING = 64
+"""vLLM's DEFAULT_VOCAB_PADDING_SIZE."""
+DEFAULT_MOE_PREFIX = "mlp.experts.routed_experts"
+"""Where vLLM 0.33.0 keeps routed-expert parameters inside a layer (per the oracle)."""
+
+
+def vocab_rows(vocab_size: int, tp_rank: int, tp_size: int) -> Range:
+    """The real (unpadded) vocabulary rows vLLM places on rank `tp_rank`.
+
+    Raises:
+        ConfigurationError: the padded vocabulary does not divide by tp, or the rank would
+            hold padding only.
+    """
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tp_size:
+        raise ConfigurationError(
+            f"model.embed_tokens.weight: padded vocabulary {padded} (vocab {vocab_size} padded "
+            f"to a multiple of {VOCAB_PADDING}) is not divisible by tp_size {tp_size}"
+        )
+    per = padded // tp_size
+    start, stop = tp_rank * per, min((tp_rank + 1) * per, vocab_size)
+    if start >= stop:
+        raise ConfigurationError(
+            f"model.embed_tokens.weight: tp rank {tp_rank} of {tp_size} holds only vocabulary "
+            f"padding (vocab {vocab_size}); this preset needs every rank to hold real rows"
+        )
+    return (start, stop)
+
+
+def _even(size: int, tp_size: int, what: str) -> tuple[Range, ...]:
+    try:
+        return even_bounds(size, tp_size, what=what)
+    except ValueError as exc:
+        raise ConfigurationError(f"vLLM requires divisibility: {exc}") from None
+
+
+def vllm_recipes(
+    shape: ModelShape,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    fp8: bool = False,
+    moe_prefix: str = DEFAULT_MOE_PREFIX,
+    hf_moe_layout: MoeLayout = "per_expert",
+    fp8_block: tuple[int, int] = (128, 128),
+) -> tuple[Recipe, ...]:
+    """Recipes for every parameter of vLLM tensor-parallel rank `tp_rank` of `tp_size`.
+
+    Sources are the HF trainer names of `planner.presets.models.hf_parameter_shapes(shape,
+    moe_layout=hf_moe_layout)`. Recipes carry no dtype: `vllm_tensor_specs` gives the
+    tensors (and dtypes) to allocate.
+
+    Args:
+        shape: the model.
+        tp_rank: this engine rank's tensor-parallel rank.
+        tp_size: the engine's tensor-parallel size.
+        fp8: block-quantize the linear weights (module docstring).
+        moe_prefix: where a layer's routed experts live in vLLM's module tree.
+        hf_moe_layout: how the trainer holds experts ("per_expert" or "fused").
+        fp8_block: quantization block (rows, cols).
+
+    Raises:
+        ConfigurationError: (a ValueError) naming the tensor or config that does not divide by
+            `tp_size` as vLLM requires, or a bad rank.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConfigurationError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
+    if hf_moe_layout not in MOE_LAYOUTS:
+        raise ConfigurationError(
+            f"hf_moe_layout must be one of {MOE_LAYOUTS}, got {hf_moe_layout!r}"
+        )
+    h, hd = shape.hidden_size, shape.head_dim
+
+    def quant(recipe: Recipe) -> Recipe:
+        return with_fp8(recipe, block=fp8_block) if fp8 else recipe
+
+    def mlp(prefix: str, inter: int) -> list[Recipe]:
+        bounds = _even(inter, tp_size, f"{prefix}gate_up_proj.weight (intermediate {inter})")
+        return [
+            quant(
+                fused_gate_up(
+                    prefix + "gate_up_proj.weight",
+                    prefix + "gate_proj.weight",
+                    prefix + "up_proj.weight",
+                    shape=(inter, h),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            ),
+            quant(
+                row_shard(
+                    prefix + "down_proj.weight",
+                    prefix + "down_proj.weight",
+                    (h, inter),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            ),
+        ]
+
+    vocab_bounds = [vocab_rows(shape.vocab_size, r, tp_size) for r in range(tp_size)]
+    vocab_shape = (shape.vocab_size, h)
+    out: list[Recipe] = [
+        column_shard(
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+            vocab_shape,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            bounds=vocab_bounds,
+        )
+    ]
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        try:
+            qkv_head_ranges(shape.num_heads, shape.num_kv_heads, tp_rank, tp_size)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"{attn}qkv_proj.weight: vLLM cannot shard it: {exc}"
+            ) from None
+        for suffix, trailing in (("weight", (h,)), ("bias", ())):
+            if suffix == "bias" and not shape.qkv_bias:
+                continue
+            qkv = fused_qkv(
+                attn + "qkv_proj." + suffix,
+                attn + "q_proj." + suffix,
+                attn + "k_proj." + suffix,
+                attn + "v_proj." + suffix,
+                num_heads=shape.num_heads,
+                num_kv_heads=shape.num_kv_heads,
+                head_dim=hd,
+                trailing=trailing,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
+            out.append(quant(qkv) if suffix == "weight" else qkv)
+        # o_proj's input dim splits by query heads, which divide by tp (checked above).
+        out.append(
+            quant(
+                row_shard(
+                    attn + "o_proj.weight",
+                    attn + "o_proj.weight",
+                    (h, shape.q_size),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                )
+            )
+        )
+        if shape.qk_norm:
+            out.append(identity(attn + "q_norm.weight", attn + "q_norm.weight", (hd,)))
+            out.append(identity(attn + "k_norm.weight", attn + "k_norm.weight", (hd,)))
+        if shape.is_moe:
+            e, inter = shape.num_experts, shape.moe_intermediate_size
+            mp = p + moe_prefix + "."
+            bounds = _even(inter, tp_size, f"{mp}w13_weight (moe_intermediate_size {inter})")
+            if hf_moe_layout == "fused":
+                w13 = moe_w13_fused(
+                    mp + "w13_weight",
+                    p + "mlp.experts.gate_up_proj",
+                    num_experts=e,
+                    intermediate_size=inter,
+                    hidden_size=h,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+                w2 = moe_w2_fused(
+                    mp + "w2_weight",
+                    p + "mlp.experts.down_proj",
+                    num_experts=e,
+                    hidden_size=h,
+                    intermediate_size=inter,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            else:
+                ex = [f"{p}mlp.experts.{x}." for x in range(e)]
+                w13 = moe_w13(
+                    mp + "w13_weight",
+                    [s + "gate_proj.weight" for s in ex],
+                    [s + "up_proj.weight" for s in ex],
+                    intermediate_size=inter,
+                    hidden_size=h,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+                w2 = moe_w2(
+                    mp + "w2_weight",
+                    [s + "down_proj.weight" for s in ex],
+                    hidden_size=h,
+                    intermediate_size=inter,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            out.append(quant(w13))
+            out.append(quant(w2))
+            out.append(identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)))
+            if shape.shared_expert_intermediate_size:
+                out.extend(mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
+                out.append(
+                    identity(
+                        p + "mlp.shared_expert_gate.weight",
+                        p + "mlp.shared_expert_gate.weight",
+                        (1, h),
+                    )
+                )
+        else:
+            out.extend(mlp(p + "mlp.", shape.intermediate_size))
+        out.append(identity(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
+        out.append(
+            identity(
+                p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)
+            )
+        )
+    out.append(identity("model.norm.weight", "model.norm.weight", (h,)))
+    if not shape.tie_word_embeddings:
+        out.append(
+            column_shard(
+                "lm_head.weight",
+                "lm_head.weight",
+                vocab_shape,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                bounds=vocab_bounds,
+            )
+        )
+    return tuple(out)
+
+
+def vllm_tensor_specs(
+    shape: ModelShape,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    fp8: bool = False,
+    param_dtype: str = "bfloat16",
+    moe_prefix: str = DEFAULT_MOE_PREFIX,
+    hf_moe_layout: MoeLayout = "per_expert",
+    fp8_block: tuple[int, int] = (128, 128),
+) -> tuple[TensorSpec, ...]:
+    """The tensors vLLM rank `tp_rank` holds (name, shape, dtype), FP8 scales included.
+
+    An engine process (or a test standing in for one) allocates exactly these and registers
+    them with a `WeightReceiver` together with `vllm_recipes(...)` of the same arguments.
+    """
+    return engine_tensor_specs(
+        vllm_recipes(
+            shape,
+            tp_rank,
+            tp_size,
+            fp8=fp8,
+            moe_prefix=moe_prefix,
+            hf_moe_layout=hf_moe_layout,
+            fp8_block=fp8_block,
+        ),
+        param_dtype=param_dtype,
+    )

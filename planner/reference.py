@@ -1,0 +1,223 @@
+"""Reference materializer: builds engine tensors from full trainer tensors by applying recipes.
+
+This is the oracle the transfer pipeline is checked against. It is deliberately simple and
+independent of the planner and of the recipe builders: for each recipe it allocates the
+destination, copies every part's source box into its destination box (casting between float
+dtypes), and for FP8 recipes assembles the whole destination in float32 and quantizes it with
+`planner.fp8.quantize_fp8_blockwise` (the weight and its scale tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import torch
+
+from planner.fp8 import quantize_fp8_blockwise, scale_shape
+from planner.types import (
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    Box,
+    Recipe,
+    box_shape,
+    numel,
+    squeeze_shape,
+)
+
+FP8_DTYPE = "float8_e4m3fn"
+SCALE_DTYPE = "float32"
+
+
+class TensorSpecLike(Protocol):
+    """Anything naming a tensor with its shape and dtype (`TensorSpec`, `DestTensor`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The project's name of a torch dtype ("bfloat16", not "torch.bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a project dtype name.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unsupported dtype {name!r}; known: {sorted(DTYPE_SIZES)}")
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
+    if len(box) != len(shape):
+        raise ValueError(
+            f"{what}: box {box} has {len(box)} dims, tensor shape {shape} has {len(shape)}"
+        )
+    for (a, b), n in zip(box, shape, strict=True):
+        if not (0 <= a < b <= n):
+            raise ValueError(f"{what}: box {box} is empty or outside shape {shape}")
+
+
+def check_coverage(recipe: Recipe, dest_shape: tuple[int, ...]) -> None:
+    """Check that a recipe's parts cover a destination of `dest_shape` exactly once.
+
+    Every part's destination box must lie inside the destination, be non-empty, and have the
+    same shape as its source box once size-1 dimensions are dropped; no two parts may overlap;
+    together they must fill every element.
+
+    Raises:
+        ValueError: naming the destination tensor and the offending part(s).
+    """
+    name = recipe.dest
+    if not recipe.parts and numel(dest_shape) > 0:
+        raise ValueError(f"recipe for {name!r} has no parts but the tensor has shape {dest_shape}")
+    for part in recipe.parts:
+        _check_box(part.dest_box, dest_shape, f"recipe for {name!r}, part from {part.source!r}")
+        if any(not (0 <= a < b) for a, b in part.source_box):
+            raise ValueError(
+                f"recipe for {name!r}: source box {part.source_box} of "
+                f"{part.source!r} is empty or negative"
+            )
+        if squeeze_shape(box_shape(part.source_box)) != squeeze_shape(box_shape(part.dest_box)):
+            raise ValueError(
+                f"recipe for {name!r}: part from {part.source!r} maps source box "
+                f"{part.source_box} onto dest box {part.dest_box} of a different shape"
+            )
+    # Sweep along dim 0: only parts whose dim-0 ranges overlap can collide, which keeps
+    # stacked-expert and fused recipes (hundreds of parts) linear in practice.
+    order = sorted(range(len(recipe.parts)), key=lambda i: recipe.parts[i].dest_box)
+    active: list[int] = []
+    for i in order:
+        box = recipe.parts[i].dest_box
+        active = [j for j in active if recipe.parts[j].dest_box[0][1] > box[0][0]]
+        for j in active:
+            other = recipe.parts[j].dest_box
+            if all(
+                max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(box, other, strict=True)
+            ):
+                raise ValueError(
+                    f"recipe for {name!r}: parts from {recipe.parts[j].source!r} (dest box "
+                    f"{other}) and {recipe.parts[i].source!r} (dest box {box}) overlap"
+                )
+        active.append(i)
+    covered = sum(numel(box_shape(p.dest_box)) for p in recipe.parts)
+    if covered != numel(dest_shape):
+        raise ValueError(
+            f"recipe for {name!r}: parts cover {covered} of {numel(dest_shape)} elements of "
+            f"shape {dest_shape} (gaps)"
+        )
+
+
+def _source_box(
+    sources: Mapping[str, torch.Tensor], dest: str, source: str, box: Box
+) -> torch.Tensor:
+    try:
+        tensor = sources[source]
+    except KeyError:
+        raise ValueError(
+            f"engine tensor {dest!r} needs source tensor {source!r}, which was not given"
+        ) from None
+    _check_box(box, tuple(tensor.shape), f"engine tensor {dest!r}, source {source!r}")
+    return tensor[_slices(box)]
+
+
+def materialize(
+    recipes: Iterable[Recipe],
+    dest_specs: Iterable[TensorSpecLike],
+    sources: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Build every engine tensor the recipes describe from full (unsharded) trainer tensors.
+
+    Args:
+        recipes: one recipe per engine tensor.
+        dest_specs: name, shape and dtype of every engine tensor, including FP8 scale tensors.
+        sources: full trainer tensors by name (CPU or any device; results are on CPU).
+
+    Returns:
+        Engine tensors by name: each recipe's destination, plus the scale tensor of each FP8
+        recipe.
+
+    Raises:
+        ValueError: naming the tensor: a destination or scale without a spec, a duplicate
+            destination, a missing source, a box outside its tensor, parts that do not cover the
+            destination exactly once, a cast that is not between float dtypes, a wrong scale
+            shape or dtype.
+    """
+    specs = {s.name: s for s in dest_specs}
+    out: dict[str, torch.Tensor] = {}
+    for recipe in recipes:
+        name = recipe.dest
+        if name in out:
+            raise ValueError(f"engine tensor {name!r} is built twice (duplicate recipe or scale)")
+        spec = specs.get(name)
+        if spec is None:
+            raise ValueError(f"recipe for {name!r} has no destination spec")
+        shape = tuple(spec.shape)
+        check_coverage(recipe, shape)
+        if recipe.quant is None:
+            dest = torch.empty(shape, dtype=torch_dtype(spec.dtype))
+            for part in recipe.parts:
+                src = _source_box(sources, name, part.source, part.source_box)
+                src_dtype = dtype_name(src.dtype)
+                if src_dtype != spec.dtype and not (
+                    src_dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
+                ):
+                    raise ValueError(
+                        f"engine tensor {name!r} ({spec.dtype}) cannot be built "
+                        f"from {part.source!r} ({src_dtype}): only float casts"
+                    )
+                region = dest[_slices(part.dest_box)]
+                region.copy_(src.reshape(region.shape).to(dest.dtype))
+            out[name] = dest
+            continue
+        quant = recipe.quant
+        if spec.dtype != FP8_DTYPE:
+            raise ValueError(f"FP8 recipe for {name!r} but its spec says dtype {spec.dtype!r}")
+        if len(shape) < 2:
+            raise ValueError(f"FP8 recipe for {name!r} needs >= 2 dims, shape is {shape}")
+        scale_spec = specs.get(quant.scale_dest)
+        want = scale_shape(shape, quant.block)
+        if scale_spec is None:
+            raise ValueError(
+                f"FP8 recipe for {name!r}: scale tensor {quant.scale_dest!r} "
+                "has no destination spec"
+            )
+        if tuple(scale_spec.shape) != want or scale_spec.dtype != SCALE_DTYPE:
+            raise ValueError(
+                f"scale tensor {quant.scale_dest!r} of {name!r} is {scale_spec.dtype} "
+                f"{tuple(scale_spec.shape)}, expected {SCALE_DTYPE} {want}"
+            )
+        if quant.scale_dest in out:
+            raise ValueError(f"engine tensor {quant.scale_dest!r} is built twice")
+        # Assemble in float32: every float source dtype casts into it exactly (bf16, fp16) or
+        # the way any float32 assembly would (fp64), and the quantizer works in float32.
+        assembled = torch.empty(shape, dtype=torch.float32)
+        for part in recipe.parts:
+            src = _source_box(sources, name, part.source, part.source_box)
+            if dtype_name(src.dtype) not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"FP8 engine tensor {name!r} cannot quantize {part.source!r} "
+                    f"of dtype {dtype_name(src.dtype)}"
+                )
+            region = assembled[_slices(part.dest_box)]
+            region.copy_(src.reshape(region.shape).to(torch.float32))
+        weight, scale = quantize_fp8_blockwise(assembled, quant.block)
+        out[name] = weight
+        out[quant.scale_dest] = scale
+    return out
