@@ -1,0 +1,282 @@
+"""Small Python objects over libucp (UCX 1.22): one context + worker, endpoints, memory, rkeys.
+
+This package is the only place that touches raw UCX handles; `backends.ucx` builds the
+`Transport` on top of it. Every UCX status that is not OK raises `UcxError` (a
+`TransportError`) carrying UCX's own text. Nothing here is thread-safe: the worker is created
+in `UCS_THREAD_MODE_SINGLE`, so one thread drives it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterable
+
+from backends.base import TransportError
+
+from . import _libucp as L
+
+__all__ = ["Request", "UcxError", "UcxWorker", "load"]
+
+logger = logging.getLogger(__name__)
+
+load = L.load
+
+
+class UcxError(TransportError):
+    """A libucp call returned an error status."""
+
+    def __init__(self, what: str, status: int, text: str) -> None:
+        self.status = status
+        super().__init__(f"{what} failed: {text} (ucs_status {status})")
+
+
+class Request:
+    """An in-flight UCX request (or one that completed immediately: `ptr` None)."""
+
+    __slots__ = ("ptr", "status")
+
+    def __init__(self, ptr: int | None, status: int) -> None:
+        self.ptr = ptr
+        self.status = status
+
+
+class UcxWorker:
+    """One UCX context with one worker, configured from `options` via `ucp_config_modify`.
+
+    Args:
+        options: UCX configuration as (name, value), names with or without the `UCX_` prefix
+            (for example ("TLS", "sm,cma,tcp"), ("NET_DEVICES", "lo")). Applied through the
+            config API; UCX itself still reads `UCX_*` environment variables of the process
+            first, as it always does (`ucp_config_read`).
+        name: A name for UCX's logs.
+
+    Raises:
+        UcxError: UCX rejected an option or could not start.
+    """
+
+    def __init__(self, options: Iterable[tuple[str, str]], name: str) -> None:
+        self.lib = L.load()
+        self._context = L.ucp_context_h()
+        self._worker = L.ucp_worker_h()
+        self._name = name.encode()
+        config = L.ucp_config_p()
+        self._check("ucp_config_read", self.lib.ucp_config_read(None, None, ctypes.byref(config)))
+        try:
+            for key, value in options:
+                ucx_key = key[4:] if key.startswith("UCX_") else key
+                self._check(
+                    f"ucp_config_modify({ucx_key}={value})",
+                    self.lib.ucp_config_modify(config, ucx_key.encode(), value.encode()),
+                )
+            params = L.ucp_params_t()
+            params.field_mask = L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME
+            params.features = L.UCP_FEATURE_RMA
+            params.name = self._name
+            self._check(
+                "ucp_init",
+                self.lib.ucp_init_version(
+                    L.UCP_API_MAJOR,
+                    L.UCP_API_MINOR,
+                    ctypes.byref(params),
+                    config,
+                    ctypes.byref(self._context),
+                ),
+            )
+        finally:
+            self.lib.ucp_config_release(config)
+        wparams = L.ucp_worker_params_t()
+        wparams.field_mask = L.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        wparams.thread_mode = L.UCS_THREAD_MODE_SINGLE
+        status = self.lib.ucp_worker_create(
+            self._context, ctypes.byref(wparams), ctypes.byref(self._worker)
+        )
+        if status != L.UCS_OK:
+            self.lib.ucp_cleanup(self._context)
+            self._context = L.ucp_context_h()
+            self._check("ucp_worker_create", status)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _check(self, what: str, status: int) -> None:
+        if status != L.UCS_OK:
+            raise UcxError(what, status, self.lib.status_string(status))
+
+    def _request(self, what: str, ptr: int | None) -> Request:
+        if L.ptr_is_err(ptr):
+            status = L.ptr_status(ptr)
+            raise UcxError(what, status, self.lib.status_string(status))
+        if ptr is None:
+            return Request(None, L.UCS_OK)
+        return Request(ptr, L.UCS_INPROGRESS)
+
+    # -- worker ---------------------------------------------------------------------------
+
+    def address(self) -> bytes:
+        """The worker's address, for a peer's `ep_create`."""
+        addr = L.ucp_address_p()
+        length = ctypes.c_size_t()
+        self._check(
+            "ucp_worker_get_address",
+            self.lib.ucp_worker_get_address(self._worker, ctypes.byref(addr), ctypes.byref(length)),
+        )
+        try:
+            return ctypes.string_at(addr, length.value)
+        finally:
+            self.lib.ucp_worker_release_address(self._worker, addr)
+
+    def progress(self) -> int:
+        """Drive communication once; returns how many events were processed."""
+        return int(self.lib.ucp_worker_progress(self._worker))
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def mem_map(self, address: int, nbytes: int, cuda: bool) -> int:
+        """Register `nbytes` at `address` for local and remote access; returns the memh."""
+        params = L.ucp_mem_map_params_t()
+        params.field_mask = (
+            L.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | L.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | L.UCP_MEM_MAP_PARAM_FIELD_PROT
+            | L.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        )
+        params.address = address
+        params.length = nbytes
+        params.prot = (
+            L.UCP_MEM_MAP_PROT_LOCAL_READ
+            | L.UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | L.UCP_MEM_MAP_PROT_REMOTE_READ
+            | L.UCP_MEM_MAP_PROT_REMOTE_WRITE
+        )
+        params.memory_type = L.UCS_MEMORY_TYPE_CUDA if cuda else L.UCS_MEMORY_TYPE_HOST
+        memh = L.ucp_mem_h()
+        self._check(
+            "ucp_mem_map",
+            self.lib.ucp_mem_map(self._context, ctypes.byref(params), ctypes.byref(memh)),
+        )
+        assert memh.value is not None
+        return memh.value
+
+    def mem_unmap(self, memh: int) -> None:
+        """Release a registration made by `mem_map`."""
+        self._check("ucp_mem_unmap", self.lib.ucp_mem_unmap(self._context, memh))
+
+    def rkey_pack(self, memh: int) -> bytes:
+        """The packed remote key of a registration, for a peer's `rkey_unpack`."""
+        buf = ctypes.c_void_p()
+        size = ctypes.c_size_t()
+        self._check(
+            "ucp_rkey_pack",
+            self.lib.ucp_rkey_pack(self._context, memh, ctypes.byref(buf), ctypes.byref(size)),
+        )
+        try:
+            return ctypes.string_at(buf, size.value)
+        finally:
+            self.lib.ucp_rkey_buffer_release(buf)
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    def ep_create(self, address: bytes) -> int:
+        """An endpoint to the worker at `address`, without peer error handling.
+
+        UCP_ERR_HANDLING_MODE_NONE keeps zero-copy one-sided lanes (cma, cuda_ipc, RDMA)
+        available; with PEER mode UCX drops to software-emulated puts. The price: UCX does not
+        report a dead peer, so callers detect peer loss by their own timeouts.
+        """
+        addr_buf = ctypes.create_string_buffer(address, len(address))
+        params = L.ucp_ep_params_t()
+        params.field_mask = (
+            L.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | L.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+        )
+        params.address = ctypes.cast(addr_buf, ctypes.c_void_p)
+        params.err_mode = L.UCP_ERR_HANDLING_MODE_NONE
+        ep = L.ucp_ep_h()
+        self._check(
+            "ucp_ep_create",
+            self.lib.ucp_ep_create(self._worker, ctypes.byref(params), ctypes.byref(ep)),
+        )
+        assert ep.value is not None
+        return ep.value
+
+    def ep_close(self, ep: int) -> Request:
+        """Start closing an endpoint, flushing it first.
+
+        (UCX allows a forced close only on endpoints created with peer error handling, which
+        this binding never uses.)
+        """
+        param = L.ucp_request_param_t()
+        return self._request("ucp_ep_close_nbx", self.lib.ucp_ep_close_nbx(ep, ctypes.byref(param)))
+
+    def rkey_unpack(self, ep: int, packed: bytes) -> int:
+        """Unpack a peer's packed rkey for use on `ep`."""
+        rkey = L.ucp_rkey_h()
+        self._check(
+            "ucp_ep_rkey_unpack",
+            self.lib.ucp_ep_rkey_unpack(ep, packed, ctypes.byref(rkey)),
+        )
+        assert rkey.value is not None
+        return rkey.value
+
+    def rkey_destroy(self, rkey: int) -> None:
+        """Release an unpacked rkey."""
+        self.lib.ucp_rkey_destroy(rkey)
+
+    # -- data path ------------------------------------------------------------------------
+
+    def put(
+        self,
+        ep: int,
+        address: int,
+        nbytes: int,
+        remote_address: int,
+        rkey: int,
+        memh: int,
+        cuda: bool,
+    ) -> Request:
+        """Post a one-sided put of local [address, address+nbytes) (inside `memh`)."""
+        param = L.ucp_request_param_t()
+        param.op_attr_mask = L.UCP_OP_ATTR_FIELD_MEMH | L.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+        param.memh = memh
+        param.memory_type = L.UCS_MEMORY_TYPE_CUDA if cuda else L.UCS_MEMORY_TYPE_HOST
+        return self._request(
+            "ucp_put_nbx",
+            self.lib.ucp_put_nbx(ep, address, nbytes, remote_address, rkey, ctypes.byref(param)),
+        )
+
+    def flush(self, ep: int) -> Request:
+        """Post a flush: completes once every earlier operation on `ep` is remotely complete."""
+        param = L.ucp_request_param_t()
+        return self._request("ucp_ep_flush_nbx", self.lib.ucp_ep_flush_nbx(ep, ctypes.byref(param)))
+
+    def check(self, request: Request) -> bool:
+        """True once `request` completed (and freed); raises UcxError if it failed."""
+        if request.ptr is None:
+            return True
+        status = int(self.lib.ucp_request_check_status(request.ptr))
+        if status == L.UCS_INPROGRESS:
+            return False
+        self.lib.ucp_request_free(request.ptr)
+        request.ptr = None
+        request.status = status
+        self._check("UCX request", status)
+        return True
+
+    def release(self, request: Request) -> None:
+        """Give up on a request: cancel it if still running, then free it."""
+        if request.ptr is None:
+            return
+        if int(self.lib.ucp_request_check_status(request.ptr)) == L.UCS_INPROGRESS:
+            self.lib.ucp_request_cancel(self._worker, request.ptr)
+        self.lib.ucp_request_free(request.ptr)
+        request.ptr = None
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Destroy the worker and the context. Idempotent."""
+        if self._worker.value:
+            self.lib.ucp_worker_destroy(self._worker)
+            self._worker = L.ucp_worker_h()
+        if self._context.value:
+            self.lib.ucp_cleanup(self._context)
+            self._context = L.ucp_context_h()
