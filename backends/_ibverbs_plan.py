@@ -445,7 +445,10 @@ def gid_from_string(text: str) -> bytes:
 
 def gid_to_string(gid: bytes) -> str:
     """IPv6-style text of a 16-byte GID (IPv4-mapped ones print as ::ffff:a.b.c.d)."""
-    return str(ipaddress.IPv6Address(gid))
+    address = ipaddress.IPv6Address(gid)
+    if address.ipv4_mapped is not None:  # Python < 3.13 prints these in hex
+        return f"::ffff:{address.ipv4_mapped}"
+    return str(address)
 
 
 def gid_ipv4(gid: bytes) -> str | None:
