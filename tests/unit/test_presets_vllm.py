@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from backends.base import ConfigurationError
-from planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
+from planner.presets.models import (
+    ModelShape,
+    from_hf_config,
+    get_model_shape,
+    hf_parameter_shapes,
+    num_parameters,
+)
 from planner.presets.vllm import (
     DEFAULT_MOE_PREFIX,
     VLLM_VERSION,
@@ -368,3 +374,115 @@ def test_bad_rank_and_layout() -> None:
         vllm_recipes(get_model_shape("tiny"), 2, 2)
     with pytest.raises(ConfigurationError, match="hf_moe_layout"):
         vllm_recipes(get_model_shape("tiny"), 0, 1, hf_moe_layout="stacked")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes (planner.presets.models)
+# ---------------------------------------------------------------------------------------------
+
+_SMALL = {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "extra", "tied"),
+    [
+        ("LlamaConfig", {}, False),
+        ("LlamaConfig", {"tie_word_embeddings": True}, True),
+        ("Qwen2Config", {}, False),
+        ("Qwen3Config", {"head_dim": 24}, False),
+        (
+            "Qwen3MoeConfig",
+            {"num_experts": 4, "moe_intermediate_size": 40, "num_experts_per_tok": 2},
+            False,
+        ),
+        (
+            "Qwen2MoeConfig",
+            {
+                "num_experts": 4,
+                "moe_intermediate_size": 40,
+                "shared_expert_intermediate_size": 48,
+                "num_experts_per_tok": 2,
+            },
+            False,
+        ),
+    ],
+)
+def test_hf_parameter_shapes_match_transformers_modules(
+    config_cls: str, extra: dict[str, object], tied: bool
+) -> None:
+    """Names and shapes equal a real transformers model's parameters (built on meta).
+
+    transformers >= 5 holds experts stacked ("fused"); per-expert names are the checkpoints'.
+    """
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(**_SMALL, **extra)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    actual = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shape = from_hf_config(cfg)
+    assert shape.tie_word_embeddings == tied
+    assert shape == from_hf_config(cfg.to_dict())
+    assert hf_parameter_shapes(shape, moe_layout="fused") == actual
+    # Every engine tensor of every rank builds from these names.
+    for rank in range(2):
+        for recipe in vllm_recipes(shape, rank, 2, hf_moe_layout="fused"):
+            for part in recipe.parts:
+                assert box_in(part.source_box, full_box(actual[part.source])), recipe.dest
+
+
+def test_from_hf_config_dict_and_errors() -> None:
+    shape = from_hf_config(
+        {**_SMALL, "model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 32}
+    )
+    assert shape.is_moe and shape.qk_norm and not shape.qkv_bias
+    assert shape.head_dim == 16 and shape.num_kv_heads == 2 and not shape.tie_word_embeddings
+    assert from_hf_config({**_SMALL, "num_key_value_heads": None}).num_kv_heads == 4
+    with pytest.raises(ValueError, match="lacks required keys \\['hidden_size'\\]"):
+        from_hf_config({k: v for k, v in _SMALL.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="mixes dense and MoE layers.*mlp_only_layers=\\[0\\]"):
+        from_hf_config(
+            {**_SMALL, "num_experts": 8, "moe_intermediate_size": 32, "mlp_only_layers": [0]}
+        )
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        from_hf_config({**_SMALL, "attention_bias": True})
+
+
+def test_named_shapes_and_validation() -> None:
+    tiny = get_model_shape("tiny")
+    assert (
+        tiny.hidden_size,
+        tiny.num_heads,
+        tiny.num_kv_heads,
+        tiny.head_dim,
+        tiny.intermediate_size,
+        tiny.num_layers,
+        tiny.vocab_size,
+    ) == (256, 8, 2, 32, 704, 2, 1000)
+    moe = get_model_shape("tiny-moe")
+    assert (moe.num_experts, moe.moe_intermediate_size, moe.hidden_size) == (4, 384, 256)
+    qwen = get_model_shape("qwen3-30b-a3b")
+    # About 30.5 B parameters, 48 layers of 128 experts.
+    assert 30.0e9 < num_parameters(qwen) < 31.0e9
+    assert 8.0e9 < num_parameters(get_model_shape("llama-3.1-8b")) < 8.1e9
+    with pytest.raises(
+        ValueError,
+        match="unknown model shape 'gpt'; known: llama-3.1-8b, qwen3-30b-a3b, tiny, tiny-moe",
+    ):
+        get_model_shape("gpt")
+    with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        dataclasses.replace(tiny, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="needs moe_intermediate_size > 0"):
+        dataclasses.replace(tiny, num_experts=4)
+    with pytest.raises(ValueError, match="ModelShape.hidden_size must be a positive int"):
+        dataclasses.replace(tiny, hidden_size=0)
+    with pytest.raises(ValueError, match="moe_layout must be one of"):
+        hf_parameter_shapes(tiny, moe_layout="stacked")  # type: ignore[arg-type]
