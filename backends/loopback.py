@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import queue
+import secrets
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 
 from backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
 from backends.base import (
+    ConfigurationError,
     MemoryKind,
     PeerLostError,
     Region,
@@ -63,6 +65,8 @@ class _Target:
 
     host: str
     pid: int
+    owner: int
+    """Random id of the transport that registered the region."""
     nbytes: int
     offset: int
     """Byte offset of the region inside the shm file (host) or the IPC storage (cuda)."""
@@ -79,9 +83,11 @@ def _decode_target(desc: RegionDescriptor) -> _Target:
     if not isinstance(obj, dict) or obj.get("v") != _PAYLOAD_VERSION:
         raise ValueError("loopback descriptor payload has an unknown format")
     host, pid, nbytes, offset = obj.get("host"), obj.get("pid"), obj.get("nbytes"), obj.get("off")
+    owner = obj.get("id")
     shm, ipc = obj.get("shm"), obj.get("ipc")
     if not isinstance(host, str) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (pid, nbytes, offset)
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        for x in (pid, owner, nbytes, offset)
     ):
         raise ValueError("loopback descriptor payload has a field of the wrong type")
     if nbytes != desc.nbytes:
@@ -91,10 +97,10 @@ def _decode_target(desc: RegionDescriptor) -> _Target:
     if desc.kind is MemoryKind.HOST:
         if not isinstance(shm, str) or not shm or "/" in shm:
             raise ValueError("loopback host descriptor lacks a valid shared-memory name")
-        return _Target(host, pid, nbytes, offset, shm, None)
+        return _Target(host, pid, owner, nbytes, offset, shm, None)
     if not (isinstance(ipc, list) and len(ipc) == 8 and isinstance(ipc[1], bytes)):
         raise ValueError("loopback cuda descriptor lacks a valid CUDA IPC handle")
-    return _Target(host, pid, nbytes, offset, None, tuple(ipc))
+    return _Target(host, pid, owner, nbytes, offset, None, tuple(ipc))
 
 
 class _BatchState:
@@ -126,7 +132,8 @@ class LoopbackTransport(Transport):
         super().__init__(config)
         self._host = host_identity()
         self._pid = os.getpid()
-        self._peer_pids: dict[str, int] = {}
+        self._id = secrets.randbits(63)  # tells transports of one process apart
+        self._peer_ids: dict[str, tuple[int, int]] = {}  # peer -> (pid, transport id)
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
         self._cuda_targets: dict[tuple[str, bytes], torch.Tensor] = {}  # (peer, handle) -> view
         self._local_cuda_handles: dict[int, bytes] = {}  # region id -> IPC handle
@@ -150,7 +157,8 @@ class LoopbackTransport(Transport):
 
     def _endpoint(self) -> bytes:
         return msgpack.packb(
-            {"v": _PAYLOAD_VERSION, "host": self._host, "pid": self._pid}, use_bin_type=True
+            {"v": _PAYLOAD_VERSION, "host": self._host, "pid": self._pid, "id": self._id},
+            use_bin_type=True,
         )
 
     # -- registration ---------------------------------------------------------------------
@@ -199,6 +207,7 @@ class LoopbackTransport(Transport):
                 "v": _PAYLOAD_VERSION,
                 "host": self._host,
                 "pid": self._pid,
+                "id": self._id,
                 "nbytes": flat.numel(),
                 "off": found[1],
                 "shm": name,
@@ -234,6 +243,7 @@ class LoopbackTransport(Transport):
                 "v": _PAYLOAD_VERSION,
                 "host": self._host,
                 "pid": self._pid,
+                "id": self._id,
                 "nbytes": flat.numel(),
                 "off": flat.data_ptr() - storage.data_ptr(),
                 "ipc": ipc,
@@ -258,19 +268,19 @@ class LoopbackTransport(Transport):
             raise ValueError(f"loopback: endpoint of peer {peer!r} is not valid msgpack") from exc
         if not isinstance(obj, dict) or obj.get("v") != _PAYLOAD_VERSION:
             raise ValueError(f"loopback: endpoint of peer {peer!r} is not a loopback endpoint")
-        host, pid = obj.get("host"), obj.get("pid")
-        if not isinstance(host, str) or not isinstance(pid, int):
+        host, pid, owner = obj.get("host"), obj.get("pid"), obj.get("id")
+        if not isinstance(host, str) or not isinstance(pid, int) or not isinstance(owner, int):
             raise ValueError(f"loopback: endpoint of peer {peer!r} has fields of the wrong type")
         if host != self._host:
-            raise PeerLostError(
+            raise ConfigurationError(
                 f"loopback: peer {peer!r} is on host {host!r}, this process is on {self._host!r}; "
                 "the loopback backend only connects processes of one host (use tcp, ucx or nixl)"
             )
-        self._peer_pids[peer] = pid
+        self._peer_ids[peer] = (pid, owner)
         self._mappings[peer] = {}
 
     def _disconnect(self, peer: str) -> None:
-        self._peer_pids.pop(peer, None)
+        self._peer_ids.pop(peer, None)
         mappings = self._mappings.pop(peer, {})
         for key in [k for k in self._cuda_targets if k[0] == peer]:
             del self._cuda_targets[key]
@@ -313,10 +323,12 @@ class LoopbackTransport(Transport):
                 f"write {index} to {peer!r}: target descriptor is from host {target.host!r}, "
                 f"not this host {self._host!r}"
             )
-        if target.pid != self._peer_pids[peer]:
+        pid, owner = self._peer_ids[peer]
+        if (target.pid, target.owner) != (pid, owner):
             raise ValueError(
-                f"write {index} to {peer!r}: target descriptor belongs to process {target.pid}, "
-                f"but peer {peer!r} is process {self._peer_pids[peer]}"
+                f"write {index} to {peer!r}: target descriptor belongs to another transport "
+                f"(process {target.pid}, id {target.owner:#x}), not to peer {peer!r} "
+                f"(process {pid}, id {owner:#x})"
             )
         if desc.kind not in self.capabilities.memory_kinds:
             raise ValueError(

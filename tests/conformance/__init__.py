@@ -1,0 +1,1 @@
+"""The transport conformance suite: one set of tests every Transport must pass."""

@@ -1,0 +1,8 @@
+"""Put the repository root on sys.path so tests import planner/transfer/backends uninstalled."""
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)

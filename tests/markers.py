@@ -1,0 +1,80 @@
+"""The single place for hardware and dependency skips; each reason says what is missing."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from backends.base import BACKENDS, TransportConfig, TransportError, load_backend
+
+__all__ = [
+    "available_backends",
+    "backend_unavailable_reason",
+    "requires_cuda",
+    "requires_gpus",
+    "requires_module",
+    "requires_rdma_device",
+]
+
+_INFINIBAND_SYSFS = "/sys/class/infiniband"
+
+
+def _num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return sorted(os.listdir(_INFINIBAND_SYSFS))
+    except OSError:
+        return []
+
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+
+requires_rdma_device = pytest.mark.skipif(
+    not _rdma_devices(), reason=f"needs an RDMA device ({_INFINIBAND_SYSFS} lists none)"
+)
+
+
+def requires_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip unless at least `n` CUDA GPUs are visible."""
+    have = _num_gpus()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU(s), this host has {have}")
+
+
+def requires_module(name: str) -> pytest.MarkDecorator:
+    """Skip unless the Python module `name` can be imported."""
+    try:
+        missing = importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        missing = True
+    return pytest.mark.skipif(missing, reason=f"needs Python module {name!r}, not installed")
+
+
+@functools.cache
+def backend_unavailable_reason(name: str) -> str | None:
+    """Why backend `name` cannot run here (load or construction failed), or None if it can.
+
+    Constructs one transport with the default config and closes it again.
+    """
+    if name == "ibverbs" and not _rdma_devices():
+        return f"backend 'ibverbs' needs an RDMA device ({_INFINIBAND_SYSFS} lists none)"
+    try:
+        cls = load_backend(name)
+        transport = cls(TransportConfig(name=name))
+    except (TransportError, ImportError, OSError) as exc:
+        return f"backend {name!r} cannot run here: {exc}"
+    transport.close()
+    return None
+
+
+def available_backends() -> list[str]:
+    """Names from `BACKENDS` whose class loads and constructs on this host."""
+    return [name for name in BACKENDS if backend_unavailable_reason(name) is None]
