@@ -552,7 +552,7 @@ class PyverbsDevice:
             mr = self.pv.mr.DmaBufMR(self.pd, length, self._access(), fd, offset)
         except TypeError as exc:
             raise TransportError(
-                f"this pyverbs' DmaBufMR does not take a dma-buf fd ({exc}); rdma-core >= 43 does"
+                f"this pyverbs' DmaBufMR does not take a dma-buf fd ({exc}); rdma-core 44 does"
             ) from exc
         except self.pv.error.PyverbsError as exc:
             raise TransportError(f"ibv_reg_dmabuf_mr failed: {exc}") from exc
