@@ -426,7 +426,7 @@ def test_hf_parameter_shapes_match_transformers_modules(
 
     cfg = getattr(transformers, config_cls)(**_SMALL, **extra)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     actual = {n: tuple(p.shape) for n, p in model.named_parameters()}
     shape = from_hf_config(cfg)
     assert shape.tie_word_embeddings == tied
