@@ -85,11 +85,12 @@ def _decode_target(desc: RegionDescriptor) -> _Target:
     host, pid, nbytes, offset = obj.get("host"), obj.get("pid"), obj.get("nbytes"), obj.get("off")
     owner = obj.get("id")
     shm, ipc = obj.get("shm"), obj.get("ipc")
+    ints = (pid, owner, nbytes, offset)
     if not isinstance(host, str) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0
-        for x in (pid, owner, nbytes, offset)
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints
     ):
         raise ValueError("loopback descriptor payload has a field of the wrong type")
+    pid, owner, nbytes, offset = (int(x) for x in ints)  # type: ignore[arg-type]
     if nbytes != desc.nbytes:
         raise ValueError(
             f"loopback descriptor says {desc.nbytes} bytes but its payload says {nbytes}"

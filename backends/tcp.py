@@ -412,7 +412,7 @@ class TcpTransport(Transport):
             _recv_into_exact(conn, host_view(target.address + offset, length))
             return
         bounce = torch.empty(min(length, _CHUNK_BYTES), dtype=torch.uint8)
-        view = memoryview(bounce.numpy()).cast("B")
+        view = host_view(bounce.data_ptr(), bounce.numel())
         for begin in range(offset, offset + length, _CHUNK_BYTES):
             end = min(begin + _CHUNK_BYTES, offset + length)
             _recv_into_exact(conn, view[: end - begin])
