@@ -1,0 +1,542 @@
+"""NIXL backend: WRITE transfers between NIXL agents with prepared descriptor lists.
+
+Uses NIXL's Python API (`nixl_cu13`, NIXL 1.5.1; see NIXL's docs/python_api.md) with its UCX
+plugin. What travels over our control plane:
+
+- endpoint bytes: msgpack `["nixl", agent name, agent metadata]`, the metadata from
+  `get_agent_metadata()` (NIXL's own binary serialisation, loaded with `add_remote_agent`);
+- a region descriptor's payload: msgpack `[agent name, address, nbytes, device id, memory
+  type, partial metadata]`, the partial metadata from `get_partial_agent_metadata` for just
+  that registration, so a peer can write into a region registered after the endpoints were
+  exchanged. NIXL's own `get_serialized_descs` is not used: it is pickle.
+
+Writes: a batch is grouped by (source memory type, target memory type) and cut into segments
+of at most `segment_bytes`; each segment is one NIXL transfer built from two prepared
+descriptor lists (`prep_xfer_dlist`, local and remote) and `make_prepped_xfer("WRITE", ...)`.
+Lists and transfer handles are cached by (peer, exact segment layout): a static schedule posts
+the same batches every update, so after the first update a segment costs one `transfer()` call
+and no preparation. `post_writes` starts the first segment; each `poll` checks the running
+ones (`check_xfer_state`) and starts the next while fewer than `window` run. Segments exist
+because NIXL's UCX moves host memory on one host with cma inside `transfer()` itself: without
+them a 1 GiB batch would be copied inside `post_writes`. A handle goes back to the cache once
+it reports DONE.
+
+Options (`TransportConfig.options`):
+- `ucx_error_handling_mode` (default `none`), `ucx_devices`, `num_workers`: passed to NIXL's
+  UCX plugin. Mode `none` keeps UCX's one-sided lanes (cma on one host, cuda_ipc for GPUs,
+  RDMA); with `peer` UCX emulates puts with messages that the target must progress, and this
+  backend runs no progress on targets. The consequence of `none`: a dead peer is not reported
+  by UCX; its transfers never complete and `Transport.wait`'s timeout names the peer.
+- `ucx_devices` defaults to `lo` when `config.listen_host` is a loopback address (the
+  default), so a default transport never leaves this host.
+- `segment_bytes` (default 16 MiB) and `window` (default 8): see Writes above.
+- keys starting with `UCX_` (for example `UCX_TLS`): set in this process's environment by the
+  constructor, before the agent exists, because NIXL's bundled UCX reads its configuration only
+  from there. They are process-wide and also affect other UCX users in the process. The library
+  never reads the environment.
+
+The agent runs without NIXL's progress thread (`enable_prog_thread=False`): the thread that
+polls drives progress, which suits the two-core machines this runs on.
+Not thread-safe, like every `Transport`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import ipaddress
+import logging
+import os
+import uuid
+from typing import Any
+
+import msgpack
+import torch
+
+from backends.base import (
+    ConfigurationError,
+    MemoryKind,
+    PeerLostError,
+    Region,
+    RegionDescriptor,
+    RegionRole,
+    Transport,
+    TransportCapabilities,
+    TransportConfig,
+    TransportError,
+    TransportUnavailableError,
+    WriteHandle,
+    WriteOp,
+)
+
+__all__ = ["NixlTransport"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "pip install 'weight-transfer[nixl]'"
+_ENDPOINT_TAG = "nixl"
+_PLUGIN_OPTIONS = ("ucx_error_handling_mode", "ucx_devices", "num_workers")
+_OWN_OPTIONS = ("segment_bytes", "window")
+_DEFAULT_SEGMENT_BYTES = 16 << 20
+_DEFAULT_WINDOW = 8
+_MAX_CACHED_BATCHES = 4096
+_MEM_TYPE = {MemoryKind.HOST: "DRAM", MemoryKind.CUDA: "VRAM"}
+
+
+def _import_nixl() -> Any:
+    try:
+        import nixl_cu13
+    except ImportError as exc:
+        raise TransportUnavailableError(
+            f"transport 'nixl' needs the NIXL wheel ({exc}); install it with: {_INSTALL_HINT}"
+        ) from exc
+    return nixl_cu13
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _positive_int_option(config: TransportConfig, key: str, default: int) -> int:
+    raw = config.option(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigurationError(f"nixl: option {key!r} must be a positive integer, got {raw!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Target:
+    """A peer's registered region, decoded from a descriptor payload."""
+
+    agent: str
+    address: int
+    nbytes: int
+    device_id: int
+    mem_type: str
+    partial_md: bytes
+
+
+def _encode_payload(target: _Target) -> bytes:
+    return msgpack.packb(
+        [
+            target.agent,
+            target.address,
+            target.nbytes,
+            target.device_id,
+            target.mem_type,
+            target.partial_md,
+        ],
+        use_bin_type=True,
+    )
+
+
+def _decode_payload(payload: bytes) -> _Target:
+    try:
+        obj = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"nixl region payload is not valid msgpack: {exc}") from exc
+    ok = (
+        isinstance(obj, list)
+        and len(obj) == 6
+        and isinstance(obj[0], str)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in obj[1:4])
+        and obj[4] in ("DRAM", "VRAM")
+        and isinstance(obj[5], bytes)
+    )
+    if not ok:
+        raise ValueError(
+            "nixl region payload must be [agent, address, nbytes, device id, DRAM|VRAM, metadata]"
+        )
+    return _Target(*obj)
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    name: str
+    agent: str
+    targets: dict[bytes, _Target] = dataclasses.field(default_factory=dict)
+    """Regions of this peer whose metadata is loaded, by descriptor payload."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Prepared:
+    """Prepared lists for one group of a batch layout, and its reusable transfer handles."""
+
+    peer: str
+    source_ids: frozenset[int]
+    local: Any
+    remote: Any
+    num_descs: int
+    idle: list[Any] = dataclasses.field(default_factory=list)
+    busy: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    todo: collections.deque[_Prepared]
+    """Segments not started yet, in order."""
+    running: list[tuple[_Prepared, Any]]
+    """Started segments and their transfer handles."""
+
+
+class NixlTransport(Transport):
+    """NIXL agent with the UCX plugin. See the module docstring for the options.
+
+    Raises (constructor):
+        TransportUnavailableError: the NIXL wheel is missing or its UCX plugin cannot start.
+        ConfigurationError: an option is unknown.
+    """
+
+    name = "nixl"
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
+        nixl = _import_nixl()
+        init: dict[str, str] = {"ucx_error_handling_mode": "none"}
+        if _is_loopback(config.listen_host):
+            init["ucx_devices"] = "lo"
+        for key, value in config.options:
+            if key.startswith("UCX_"):
+                # NIXL's bundled UCX reads its configuration from the environment only.
+                os.environ[key] = value
+            elif key in _PLUGIN_OPTIONS:
+                init[key] = value
+            elif key in _OWN_OPTIONS:
+                continue
+            else:
+                raise ConfigurationError(
+                    f"nixl: unknown option {key!r}; expected UCX_* or one of {_PLUGIN_OPTIONS}"
+                )
+        self._segment_bytes = _positive_int_option(config, "segment_bytes", _DEFAULT_SEGMENT_BYTES)
+        self._window = _positive_int_option(config, "window", _DEFAULT_WINDOW)
+        self._cuda = config.device_index is not None and torch.cuda.is_available()
+        if self._cuda:
+            torch.cuda.set_device(config.device_index)
+        self._agent_name = f"wt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            self._agent = nixl.nixl_agent(
+                self._agent_name,
+                nixl.nixl_agent_config(enable_prog_thread=False, backends=[]),
+            )
+            self._agent.create_backend("UCX", init)
+        except Exception as exc:  # nixl raises RuntimeError/nixlBind errors of several kinds
+            raise TransportUnavailableError(
+                f"transport 'nixl' could not start its UCX plugin: {exc}"
+            ) from exc
+        self._reg_descs: dict[int, Any] = {}
+        self._by_peer: dict[str, _Peer] = {}
+        self._prepared: collections.OrderedDict[tuple[Any, ...], _Prepared] = (
+            collections.OrderedDict()
+        )
+        logger.debug("nixl agent %s up with UCX options %s", self._agent_name, init)
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _capabilities(self) -> TransportCapabilities:
+        kinds = {MemoryKind.HOST}
+        if self._cuda:
+            kinds.add(MemoryKind.CUDA)
+        return TransportCapabilities(memory_kinds=frozenset(kinds), one_sided=True, cross_host=True)
+
+    def _register(self, region_id: int, flat: torch.Tensor, role: RegionRole) -> Region:
+        kind = MemoryKind.of(flat)
+        device_id = flat.device.index if kind is MemoryKind.CUDA else 0
+        mem_type = _MEM_TYPE[kind]
+        try:
+            reg = self._agent.register_memory(
+                [(flat.data_ptr(), flat.numel(), device_id, "")], mem_type
+            )
+        except Exception as exc:  # nixlBind raises its own exception types
+            raise TransportError(f"nixl: register_memory failed: {exc}") from exc
+        descriptor = None
+        if role is RegionRole.TARGET:
+            partial = self._agent.get_partial_agent_metadata(reg, False)
+            target = _Target(
+                agent=self._agent_name,
+                address=flat.data_ptr(),
+                nbytes=flat.numel(),
+                device_id=device_id,
+                mem_type=mem_type,
+                partial_md=bytes(partial),
+            )
+            descriptor = RegionDescriptor(
+                backend=self.name, kind=kind, nbytes=flat.numel(), payload=_encode_payload(target)
+            )
+        self._reg_descs[region_id] = reg
+        return Region(
+            region_id=region_id,
+            address=flat.data_ptr(),
+            nbytes=flat.numel(),
+            kind=kind,
+            device_index=flat.device.index if kind is MemoryKind.CUDA else None,
+            role=role,
+            descriptor=descriptor,
+            tensor=flat,
+        )
+
+    def _deregister(self, region: Region) -> None:
+        for key in [k for k, p in self._prepared.items() if region.region_id in p.source_ids]:
+            self._release_prepared(self._prepared.pop(key))
+        self._agent.deregister_memory(self._reg_descs.pop(region.region_id))
+
+    def _endpoint(self) -> bytes:
+        metadata = bytes(self._agent.get_agent_metadata())
+        return msgpack.packb([_ENDPOINT_TAG, self._agent_name, metadata], use_bin_type=True)
+
+    def _connect(self, peer: str, endpoint: bytes) -> None:
+        try:
+            obj = msgpack.unpackb(endpoint, raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ValueError(f"nixl endpoint of peer {peer!r} is not valid msgpack: {exc}") from exc
+        if not (
+            isinstance(obj, list)
+            and len(obj) == 3
+            and obj[0] == _ENDPOINT_TAG
+            and isinstance(obj[1], str)
+            and isinstance(obj[2], bytes)
+        ):
+            raise ValueError(f"nixl endpoint of peer {peer!r} is malformed")
+        _, agent, metadata = obj
+        if any(p.agent == agent for p in self._by_peer.values()):
+            raise ValueError(f"nixl agent {agent!r} of peer {peer!r} is already connected")
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:  # nixlBind raises its own exception types
+            raise PeerLostError(f"nixl: cannot load the metadata of peer {peer!r}: {exc}") from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != agent:
+            self._agent.remove_remote_agent(loaded_name)
+            raise ValueError(
+                f"nixl endpoint of peer {peer!r} names agent {agent!r} but its metadata is "
+                f"for {loaded_name!r}"
+            )
+        self._by_peer[peer] = _Peer(name=peer, agent=agent)
+
+    def _disconnect(self, peer: str) -> None:
+        state = self._by_peer.pop(peer)
+        for key in [k for k in self._prepared if k[0] == peer]:
+            self._release_prepared(self._prepared.pop(key))
+        try:
+            self._agent.remove_remote_agent(state.agent)
+        except Exception as exc:  # nixlBind raises its own exception types
+            logger.warning("nixl: removing the agent of peer %r failed: %s", peer, exc)
+
+    def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
+        state = self._by_peer[peer]
+        groups: dict[tuple[str, str], list[tuple[int, int, int, int, int, int]]] = {}
+        sources: dict[tuple[str, str], set[int]] = {}
+        for i, op in enumerate(ops):  # check everything before preparing or posting anything
+            target = self._target(state, i, op)
+            key = (_MEM_TYPE[op.source.kind], target.mem_type)
+            groups.setdefault(key, []).append(
+                (
+                    op.source.address + op.source_offset,
+                    op.source.device_index or 0,
+                    target.address + op.target_offset,
+                    target.device_id,
+                    op.nbytes,
+                    op.source.region_id,
+                )
+            )
+            sources.setdefault(key, set()).add(op.source.region_id)
+        batch = _Batch(todo=collections.deque(), running=[])
+        try:
+            for (src_type, dst_type), pieces in groups.items():
+                for segment in self._segments(pieces):
+                    batch.todo.append(
+                        self._prepared_for(peer, state.agent, src_type, dst_type, segment)
+                    )
+            # Start the first segment now so that asynchronous lanes (RDMA, cuda_ipc) begin at
+            # once; the rest start from `poll`, one per call, so that no call copies more than
+            # one segment inline on lanes that complete synchronously (cma).
+            self._start_next(batch, peer)
+        except TransportError:
+            self._abandon(batch.running)
+            raise
+        except Exception as exc:  # nixlBind raises its own exception types
+            self._abandon(batch.running)
+            raise TransportError(f"nixl: posting writes to peer {peer!r} failed: {exc}") from exc
+        handle.state = batch
+
+    def _poll(self, handle: WriteHandle) -> bool:
+        batch: _Batch = handle.state
+        still: list[tuple[_Prepared, Any]] = []
+        failure: str | None = None
+        for prepared, xfer in batch.running:
+            if failure is not None:
+                still.append((prepared, xfer))
+                continue
+            try:
+                status = self._agent.check_xfer_state(xfer)
+            except Exception as exc:  # nixlBind raises its own exception types
+                status = f"ERR ({exc})"
+            if status == "DONE":
+                prepared.busy -= 1
+                prepared.idle.append(xfer)
+            elif status == "PROC":
+                still.append((prepared, xfer))
+            else:
+                failure = status
+                still.append((prepared, xfer))
+        batch.running = still
+        if failure is None and batch.todo and len(batch.running) < self._window:
+            try:
+                self._start_next(batch, handle.peer)
+            except TransportError as exc:
+                failure = str(exc)
+            except Exception as exc:  # nixlBind raises its own exception types
+                failure = f"ERR ({exc})"
+        if failure is not None:
+            self._abandon(batch.running)
+            batch.running = []
+            batch.todo.clear()
+            raise TransportError(f"nixl: writes to peer {handle.peer!r} failed: {failure}")
+        return not batch.running and not batch.todo
+
+    def _start_next(self, batch: _Batch, peer: str) -> None:
+        prepared = batch.todo.popleft()
+        xfer = prepared.idle.pop() if prepared.idle else self._make_xfer(prepared)
+        prepared.busy += 1
+        batch.running.append((prepared, xfer))
+        if self._agent.transfer(xfer) == "ERR":
+            raise TransportError(f"nixl: posting writes to peer {peer!r} failed")
+
+    def _segments(
+        self, pieces: list[tuple[int, int, int, int, int, int]]
+    ) -> list[list[tuple[int, int, int, int, int, int]]]:
+        """Cut a group's writes into segments of at most `segment_bytes`, splitting long ones."""
+        limit = self._segment_bytes
+        segments: list[list[tuple[int, int, int, int, int, int]]] = [[]]
+        filled = 0
+        for src, src_dev, dst, dst_dev, nbytes, region_id in pieces:
+            done = 0
+            while done < nbytes:
+                if filled == limit:
+                    segments.append([])
+                    filled = 0
+                n = min(nbytes - done, limit - filled)
+                segments[-1].append((src + done, src_dev, dst + done, dst_dev, n, region_id))
+                filled += n
+                done += n
+        return segments
+
+    def _close(self) -> None:
+        for prepared in self._prepared.values():
+            self._release_prepared(prepared)
+        self._prepared.clear()
+        for peer in list(self._by_peer):
+            self._disconnect(peer)
+        for reg in self._reg_descs.values():
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as exc:  # nixlBind raises its own exception types
+                logger.warning("nixl: deregister_memory failed at close: %s", exc)
+        self._reg_descs.clear()
+        del self._agent
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _target(self, state: _Peer, i: int, op: WriteOp) -> _Target:
+        """The decoded target of `op`, its metadata loaded into the agent; checked for `op`."""
+        target = state.targets.get(op.target.payload)
+        if target is None:
+            target = _decode_payload(op.target.payload)
+            if target.agent != state.agent:
+                raise ValueError(
+                    f"write {i} to {state.name!r}: the target region belongs to nixl agent "
+                    f"{target.agent!r}, not to peer {state.name!r}"
+                )
+            try:
+                self._agent.add_remote_agent(target.partial_md)
+            except Exception as exc:  # nixlBind raises its own exception types
+                raise TransportError(
+                    f"nixl: write {i} to {state.name!r}: cannot load the target's metadata: {exc}"
+                ) from exc
+            state.targets[op.target.payload] = target
+        if op.target_offset + op.nbytes > target.nbytes:
+            # The payload holds what the target registered; an altered `nbytes` in the
+            # descriptor must not let a write run past the registration.
+            raise ValueError(
+                f"write {i} to {state.name!r}: target range [{op.target_offset}, "
+                f"{op.target_offset + op.nbytes}) is outside the {target.nbytes} bytes the peer "
+                f"registered (the descriptor claims {op.target.nbytes})"
+            )
+        return target
+
+    def _prepared_for(
+        self,
+        peer: str,
+        agent: str,
+        src_type: str,
+        dst_type: str,
+        segment: list[tuple[int, int, int, int, int, int]],
+    ) -> _Prepared:
+        local = tuple((src, n, src_dev) for src, src_dev, _, _, n, _ in segment)
+        remote = tuple((dst, n, dst_dev) for _, _, dst, dst_dev, n, _ in segment)
+        key = (peer, src_type, dst_type, local, remote)
+        prepared = self._prepared.get(key)
+        if prepared is not None:
+            self._prepared.move_to_end(key)
+            return prepared
+        local_handle = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", list(local), src_type)
+        try:
+            remote_handle = self._agent.prep_xfer_dlist(agent, list(remote), dst_type)
+        except Exception:
+            local_handle.release()
+            raise
+        prepared = _Prepared(
+            peer=peer,
+            source_ids=frozenset(piece[5] for piece in segment),
+            local=local_handle,
+            remote=remote_handle,
+            num_descs=len(segment),
+        )
+        self._prepared[key] = prepared
+        self._evict()
+        return prepared
+
+    def _make_xfer(self, prepared: _Prepared) -> Any:
+        indices = list(range(prepared.num_descs))
+        return self._agent.make_prepped_xfer(
+            "WRITE", prepared.local, indices, prepared.remote, indices
+        )
+
+    def _evict(self) -> None:
+        """Drop least recently used prepared lists beyond the cap (never ones in flight)."""
+        excess = len(self._prepared) - _MAX_CACHED_BATCHES
+        for key in list(self._prepared):
+            if excess <= 0:
+                break
+            if self._prepared[key].busy == 0:
+                self._release_prepared(self._prepared.pop(key))
+                excess -= 1
+
+    def _abandon(self, pending: list[tuple[_Prepared, Any]]) -> None:
+        """Release transfers that failed or will never be polled again."""
+        for prepared, xfer in pending:
+            prepared.busy -= 1
+            try:
+                xfer.release()
+            except Exception as exc:  # nixlBind raises its own exception types
+                logger.warning("nixl: releasing a transfer handle failed: %s", exc)
+
+    def _release_prepared(self, prepared: _Prepared) -> None:
+        for xfer in prepared.idle:
+            xfer.release()
+        prepared.idle.clear()
+        for dlist in (prepared.local, prepared.remote):
+            try:
+                dlist.release()
+            except Exception as exc:  # nixlBind raises its own exception types
+                logger.warning("nixl: releasing a prepared descriptor list failed: %s", exc)
