@@ -1,0 +1,97 @@
+"""NIXL backend specifics: payload codec (msgpack, never NIXL's pickle serializer), options,
+segmenting, and reuse of prepared descriptor lists across repeated batches.
+Cross-process writes live in tests/conformance.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import msgpack
+import pytest
+import torch
+
+from backends.base import (
+    ConfigurationError,
+    RegionRole,
+    TransportConfig,
+    TransportUnavailableError,
+    WriteOp,
+)
+from backends.nixl import NixlTransport, _decode_payload, _encode_payload, _Target
+from tests.markers import requires_module
+
+
+def test_payload_round_trip_and_garbage() -> None:
+    target = _Target("agent-a", 4096, 100, 0, "DRAM", b"\x00md")
+    assert _decode_payload(_encode_payload(target)) == target
+    bad_payloads = [
+        b"",
+        b"\xc1",
+        msgpack.packb(["agent-a", 4096, 100, 0, "HBM", b""]),
+        msgpack.packb(["agent-a", -1, 100, 0, "DRAM", b""]),
+        msgpack.packb(["agent-a", 4096, 100, 0, "DRAM"]),
+    ]
+    for bad in bad_payloads:
+        with pytest.raises(ValueError):
+            _decode_payload(bad)
+
+
+def test_segments_split_long_writes_at_the_limit() -> None:
+    fake = types.SimpleNamespace(_segment_bytes=10)
+    pieces = [(1000, 0, 5000, 0, 25, 1), (2000, 0, 6000, 0, 3, 2)]
+    segments = NixlTransport._segments(fake, pieces)  # type: ignore[arg-type]
+    assert [[p[4] for p in seg] for seg in segments] == [[10], [10], [5, 3]]
+    assert segments[1][0][:3] == (1010, 0, 5010)
+    assert segments[2][1][:3] == (2000, 0, 6000)
+
+
+def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nixl_cu13", None)
+    with pytest.raises(TransportUnavailableError, match=r"weight-transfer\[nixl\]"):
+        NixlTransport(TransportConfig(name="nixl"))
+
+
+@requires_module("nixl_cu13")
+@pytest.mark.parametrize(
+    "options", [(("no_such_option", "1"),), (("segment_bytes", "0"),), (("window", "x"),)]
+)
+def test_bad_options_are_refused_by_name(options: tuple[tuple[str, str], ...]) -> None:
+    with pytest.raises(ConfigurationError, match=options[0][0]):
+        NixlTransport(TransportConfig(name="nixl", options=options))
+
+
+@requires_module("nixl_cu13")
+def test_repeated_batches_reuse_prepared_lists_and_write_new_bytes() -> None:
+    """Every update posts the same layout with new bytes: lists are prepared once, and the
+    bytes written are the new ones (a stale cached list would show old data)."""
+    opts = (("segment_bytes", "4096"),)
+    rx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    tx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    try:
+        gen = torch.Generator().manual_seed(11)
+        target = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+        tx.connect("rx", rx.endpoint())
+        # registered after the endpoint exchange: its metadata travels in the descriptor
+        desc = rx.register(target, role=RegionRole.TARGET).descriptor
+        assert desc is not None
+        assert msgpack.unpackb(desc.payload)[0] == rx._agent_name
+        source = torch.empty(1 << 15, dtype=torch.uint8)
+        src = tx.register(source, role=RegionRole.SOURCE)
+        ops = [WriteOp(src, 0, desc, 1001, 5000), WriteOp(src, 5000, desc, 30000, 27768)]
+        for step in range(3):
+            source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8, generator=gen))
+            tx.wait(tx.post_writes("rx", ops), timeout_s=10)
+            assert torch.equal(target[1001:6001], source[:5000]), step
+            assert torch.equal(target[30000:57768], source[5000:]), step
+            if step == 0:
+                num_prepared = len(tx._prepared)
+                assert num_prepared == 8  # 32768 bytes in 4096-byte segments
+        assert len(tx._prepared) == num_prepared
+        assert all(p.busy == 0 and len(p.idle) == 1 for p in tx._prepared.values())
+        tx.deregister(src)
+        assert len(tx._prepared) == 0
+    finally:
+        tx.close()
+        rx.close()
