@@ -160,9 +160,7 @@ def from_msgpack(cls: type[T], data: bytes) -> T:
         ValueError: the bytes are not valid msgpack or do not match the schema.
     """
     try:
-        plain = msgpack.unpackb(
-            data, raw=False, strict_map_key=False, max_buffer_size=1 << 30
-        )
+        plain = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many unrelated exception types on garbage
         raise ValueError(f"not valid msgpack: {type(exc).__name__}: {exc}") from exc
     return from_plain(cls, plain)

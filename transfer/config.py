@@ -1,0 +1,199 @@
+"""Configuration dataclasses of every runtime component, and their TOML / CLI mapping.
+
+One frozen dataclass per component, units in field names, a one-line docstring per field,
+`__post_init__` raising `ValueError` on bad values. A TOML file and CLI flags fill the same
+dataclasses (`load_toml`, `config_from_mapping`); nothing is configurable in only one of them.
+The library never reads environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from backends.base import BACKENDS, TransportConfig
+from planner.plan import PlannerConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ControlPlaneConfig:
+    """Where the control plane (a torch.distributed TCPStore) lives and how to join it."""
+
+    host: str = "127.0.0.1"
+    """Address of the store; the server binds it (loopback by default)."""
+    port: int = 29700
+    """TCP port of the store."""
+    token: str = ""
+    """Shared secret every member must know; messages are authenticated with it."""
+    timeout_s: float = 60.0
+    """Longest any control-plane wait may take (joining, manifests, signals)."""
+    session: str = "default"
+    """Namespace of keys, so several transfers can share one store."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("control plane host must be non-empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"control plane port {self.port} is out of range")
+        if len(self.token) < 8:
+            raise ValueError("control plane token must be at least 8 characters")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if not self.session or "/" in self.session:
+            raise ValueError("session must be non-empty and contain no '/'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SenderConfig:
+    """Settings of a trainer rank's `WeightSender`."""
+
+    memory_budget_bytes: int = 1 << 30
+    """Temporary memory (staging + gathered tensors) in flight at once on this rank."""
+    update_timeout_s: float = 300.0
+    """Longest one update may take on this rank before it fails."""
+    record_trace: bool = True
+    """Record per-task stage times (cheap) for `WeightSender.trace_events`."""
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes <= 0:
+            raise ValueError("memory_budget_bytes must be positive")
+        if self.update_timeout_s <= 0:
+            raise ValueError("update_timeout_s must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReceiverConfig:
+    """Settings of an engine rank's `WeightReceiver`."""
+
+    allow_unwritten: bool = False
+    """If False, every tensor handed to the receiver must be written by some recipe."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ControllerConfig:
+    """Settings of the `Controller` (hosted by trainer rank 0)."""
+
+    num_trainer_ranks: int
+    """Trainer ranks that will send."""
+    num_engines: int
+    """Engine ranks that will receive (all replicas together)."""
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    """Planner settings (memory budget, write sizes)."""
+
+    def __post_init__(self) -> None:
+        if self.num_trainer_ranks <= 0:
+            raise ValueError("num_trainer_ranks must be positive")
+        if self.num_engines <= 0:
+            raise ValueError("num_engines must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TransferConfig:
+    """Everything a deployment configures, as one TOML file maps it.
+
+    ```toml
+    transport = "tcp"            # loopback | tcp | ucx | nixl | ibverbs
+    [control]
+    host = "10.0.0.1"
+    port = 29700
+    token = "..."
+    [sender]
+    memory_budget_bytes = 1073741824
+    [transport_options]
+    UCX_TLS = "rc,cuda_ipc"
+    ```
+    """
+
+    transport: str = "loopback"
+    """Backend name."""
+    transport_options: tuple[tuple[str, str], ...] = ()
+    """Backend-specific options (key, value)."""
+    connect_timeout_s: float = 30.0
+    """How long connecting to a peer may take."""
+    control: ControlPlaneConfig = dataclasses.field(
+        default_factory=lambda: ControlPlaneConfig(token="change-me-please")
+    )
+    """Control plane."""
+    sender: SenderConfig = dataclasses.field(default_factory=SenderConfig)
+    """Trainer-side settings."""
+    receiver: ReceiverConfig = dataclasses.field(default_factory=ReceiverConfig)
+    """Engine-side settings."""
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    """Planner settings."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in BACKENDS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}")
+
+    def transport_config(self, device_index: int | None = None) -> TransportConfig:
+        """The `TransportConfig` for one process."""
+        return TransportConfig(
+            name=self.transport,
+            device_index=device_index,
+            connect_timeout_s=self.connect_timeout_s,
+            listen_host=self.control.host if self.control.host != "localhost" else "127.0.0.1",
+            options=self.transport_options,
+        )
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ValueError(f"{path}: unknown setting {key!r}; known: {sorted(fields)}")
+        tp = hints[key]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{path}.{key}: expected a table")
+            kwargs[key] = _build(tp, value, f"{path}.{key}")
+        elif key == "transport_options":
+            if isinstance(value, Mapping):
+                kwargs[key] = tuple(sorted((str(k), str(v)) for k, v in value.items()))
+            else:
+                kwargs[key] = tuple((str(k), str(v)) for k, v in value)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> TransferConfig:
+    """Build a `TransferConfig` from nested plain data (a parsed TOML file or CLI overrides).
+
+    Raises:
+        ValueError: unknown keys or bad values, naming the setting.
+    """
+    return typing.cast(TransferConfig, _build(TransferConfig, data, "config"))
+
+
+def load_toml(path: str | Path) -> TransferConfig:
+    """Read a TOML configuration file."""
+    with open(path, "rb") as f:
+        return config_from_mapping(tomllib.load(f))
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge two nested mappings (CLI flags over a TOML file)."""
+    out: dict[str, Any] = dict(base)
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out

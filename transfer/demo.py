@@ -1,0 +1,330 @@
+"""The main job on one machine: real FSDP2 trainer processes update vLLM-layout engine processes.
+
+`run_demo` starts `train_ranks` trainer processes (a `transformers` Llama model sharded with
+FSDP2 over gloo, trained with AdamW between updates) and `engine_ranks` engine processes (each
+one tensor-parallel rank of a vLLM-layout copy of the model, BF16 or FP8, allocated and filled
+with random bytes). Each update is verified: every engine publishes a sha256 of each tensor, and
+trainer rank 0 compares them with the reference materialization (`planner.reference`) of the
+trainer's full weights. The same functions back the integration tests, which can also ask the
+engines to hand their tensors back for `torch.equal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """What the demo runs."""
+
+    backend: str = "loopback"
+    """Transport backend name."""
+    fp8: bool = False
+    """Engines hold FP8 block-quantized linear weights."""
+    train_ranks: int = 3
+    """Trainer processes (FSDP2 over gloo)."""
+    engine_ranks: int = 2
+    """Engine processes (tensor-parallel size of the engine)."""
+    steps: int = 3
+    """Verified updates, with an optimizer step before each."""
+    model: str = "tiny"
+    """Model shape preset (`planner.presets.models`)."""
+    trainer_dtype: str = "bfloat16"
+    """Trainer parameter dtype (float32 exercises the cast to the engine's bfloat16)."""
+    memory_budget_bytes: int = 256 << 20
+    """Per-rank temporary memory budget."""
+    timeout_s: float = 240.0
+    """Longest the whole demo may take."""
+    return_tensors: bool = False
+    """Engines and trainer rank 0 hand tensors back (for tests; costs memory)."""
+    seed: int = 0
+    """Seed of weights, data and engine fill."""
+    transport_options: tuple[tuple[str, str], ...] = ()
+    """Backend options (for example UCX transports)."""
+
+    def __post_init__(self) -> None:
+        if self.train_ranks < 1 or self.engine_ranks < 1 or self.steps < 1:
+            raise ValueError("train_ranks, engine_ranks and steps must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateReport:
+    """One verified update as trainer rank 0 saw it."""
+
+    step: int
+    seconds: float
+    nbytes: int
+    mismatches: tuple[str, ...]
+
+    @property
+    def gbps(self) -> float:
+        """Bytes per second / 1e9 (all trainer ranks' bytes over rank 0's update time)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class DemoResult:
+    """Everything the demo observed."""
+
+    updates: list[UpdateReport]
+    exit_codes: dict[str, int | None]
+    errors: list[str]
+    engine_tensors: dict[int, dict[int, dict[str, torch.Tensor]]]
+    expected: dict[int, dict[int, dict[str, torch.Tensor]]]
+
+    @property
+    def ok(self) -> bool:
+        """True if every process exited 0, every update ran and every tensor matched."""
+        return (
+            not self.errors
+            and all(c == 0 for c in self.exit_codes.values())
+            and bool(self.updates)
+            and all(not u.mismatches for u in self.updates)
+        )
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model_config(name: str) -> Any:
+    from transformers import LlamaConfig
+
+    from planner.presets.models import get_model_shape
+
+    shape = get_model_shape(name)
+    if shape.num_experts:
+        raise ValueError(f"the demo trains a dense Llama; {name!r} is a MoE shape")
+    return LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=256,
+    )
+
+
+def _control(cfg: DemoConfig, port: int, token: str) -> Any:
+    from transfer.config import ControlPlaneConfig
+
+    return ControlPlaneConfig(host="127.0.0.1", port=port, token=token, timeout_s=cfg.timeout_s)
+
+
+def _transport(cfg: DemoConfig) -> Any:
+    from backends.base import TransportConfig
+
+    return TransportConfig(name=cfg.backend, options=cfg.transport_options)
+
+
+def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
+    """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
+    from planner.presets.models import get_model_shape
+    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from transfer.manifest import torch_dtype
+    from transfer.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    shape = get_model_shape(cfg.model)
+    recipes = vllm_recipes(shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8)
+    specs = vllm_tensor_specs(shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8)
+    g = torch.Generator().manual_seed(10_000 + cfg.seed * 100 + tp_rank)
+    tensors: dict[str, torch.Tensor] = {}
+    for s in specs:
+        # Random fill, never zeros: an unwritten byte or a wrong offset cannot pass.
+        tensors[s.name] = torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype))
+    receiver = WeightReceiver(
+        tensors, recipes, engine=f"engine{tp_rank}", transport=_transport(cfg),
+        control=_control(cfg, port, token),
+    )
+    try:
+        for step in range(1, cfg.steps + 1):
+            receiver.wait_for_version(step, cfg.timeout_s)
+            if cfg.return_tensors:
+                out.put(("engine", tp_rank, step, {n: t.clone() for n, t in tensors.items()}))
+            receiver.publish_digests(step)
+        # Stay registered until the trainers have verified the last update.
+        receiver._control.get(f"finished/{cfg.steps}", _Finished, cfg.timeout_s)
+    finally:
+        receiver.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Finished:
+    step: int
+
+
+def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: str, out: Any) -> None:
+    """One trainer process: FSDP2 Llama on gloo, an AdamW step then a verified update, K times."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from planner.presets.models import get_model_shape
+    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from planner.reference import materialize
+    from transfer.config import ControllerConfig, SenderConfig
+    from transfer.controller import Controller
+    from transfer.manifest import torch_dtype
+    from transfer.sender import WeightSender
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(dist_port)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=cfg.train_ranks,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (cfg.train_ranks,))
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(_model_config(cfg.model)).to(torch_dtype(cfg.trainer_dtype))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        control = _control(cfg, port, token)
+        controller = None
+        if rank == 0:
+            controller = Controller(
+                ControllerConfig(num_trainer_ranks=cfg.train_ranks, num_engines=cfg.engine_ranks),
+                control,
+            )
+        sender = WeightSender(
+            model, rank=rank, world_size=cfg.train_ranks, transport=_transport(cfg),
+            control=control, controller=controller,
+            config=SenderConfig(memory_budget_bytes=cfg.memory_budget_bytes,
+                                update_timeout_s=cfg.timeout_s),
+        )
+        shape = get_model_shape(cfg.model)
+        g = torch.Generator().manual_seed(cfg.seed + 1)
+        vocab = shape.vocab_size
+        for step in range(1, cfg.steps + 1):
+            tokens = torch.randint(0, vocab, (2, 32), generator=g)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            stats = sender.update(step)
+            t_update = stats.seconds
+            nbytes = torch.tensor([stats.nbytes], dtype=torch.int64)
+            dist.all_reduce(nbytes)
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            if rank == 0:
+                assert controller is not None
+                expected: dict[str, dict[str, torch.Tensor]] = {}
+                for e in range(cfg.engine_ranks):
+                    recipes = vllm_recipes(shape, e, cfg.engine_ranks, fp8=cfg.fp8)
+                    specs = vllm_tensor_specs(shape, e, cfg.engine_ranks, fp8=cfg.fp8)
+                    expected[f"engine{e}"] = materialize(recipes, specs, full)
+                bad = controller.verify(step, expected, cfg.timeout_s)
+                out.put(("update", step, t_update, int(nbytes.item()), tuple(bad)))
+                if cfg.return_tensors:
+                    out.put(("expected", step, {
+                        int(k.removeprefix("engine")): v for k, v in expected.items()
+                    }))
+        if rank == 0:
+            sender._control.put(f"finished/{cfg.steps}", _Finished(step=cfg.steps))
+            trace = sender.trace_events()
+            out.put(("trace", len(trace)))
+        dist.barrier()
+        sender.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_demo(
+    cfg: DemoConfig, *, on_update: Callable[[UpdateReport], None] | None = None
+) -> DemoResult:
+    """Start the processes, wait for them (with `cfg.timeout_s`), and report what happened."""
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    port, dist_port = free_port(), free_port()
+    token = secrets.token_hex(16)
+    procs: dict[str, Any] = {}
+    for e in range(cfg.engine_ranks):
+        procs[f"engine{e}"] = ctx.Process(
+            target=engine_main, args=(e, cfg, port, token, out), name=f"wt-engine{e}"
+        )
+    for r in range(cfg.train_ranks):
+        procs[f"trainer{r}"] = ctx.Process(
+            target=trainer_main, args=(r, cfg, port, dist_port, token, out), name=f"wt-trainer{r}"
+        )
+    # The controller (trainer 0) hosts the control plane: start it first.
+    order = [f"trainer{r}" for r in range(cfg.train_ranks)] + [f"engine{e}" for e in range(cfg.engine_ranks)]
+    for name in order:
+        procs[name].start()
+    result = DemoResult(updates=[], exit_codes={}, errors=[], engine_tensors={}, expected={})
+    deadline = time.monotonic() + cfg.timeout_s + 30
+    try:
+        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
+            try:
+                msg = out.get(timeout=0.2)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs.values()):
+                    break
+                continue
+            _handle(msg, result, on_update)
+        while True:
+            try:
+                _handle(out.get(timeout=0.2), result, on_update)
+            except queue.Empty:
+                break
+    finally:
+        failed = any(p.exitcode not in (None, 0) for p in procs.values())
+        for name, p in procs.items():
+            # After a failure the others get a short grace period (they raise on their own
+            # timeouts); otherwise they get what is left of the deadline.
+            grace = 15.0 if failed else max(1.0, deadline - time.monotonic())
+            p.join(timeout=grace)
+            if p.is_alive():
+                result.errors.append(f"{name} did not finish in time; killed")
+                p.kill()
+                p.join(timeout=10)
+            result.exit_codes[name] = p.exitcode
+            if p.exitcode not in (0, None):
+                result.errors.append(f"{name} exited with code {p.exitcode}")
+    if len(result.updates) != cfg.steps:
+        result.errors.append(f"{len(result.updates)} of {cfg.steps} updates reported")
+    return result
+
+
+def _handle(msg: Any, result: DemoResult, on_update: Callable[[UpdateReport], None] | None) -> None:
+    kind = msg[0]
+    if kind == "update":
+        _, step, seconds, nbytes, bad = msg
+        rep = UpdateReport(step=step, seconds=seconds, nbytes=nbytes, mismatches=tuple(bad))
+        result.updates.append(rep)
+        if on_update is not None:
+            on_update(rep)
+    elif kind == "engine":
+        _, rank, step, tensors = msg
+        result.engine_tensors.setdefault(step, {})[rank] = tensors
+    elif kind == "expected":
+        _, step, per_engine = msg
+        result.expected[step] = per_engine

@@ -1,0 +1,136 @@
+"""Build manifests from live torch objects (FSDP2/DTensor trainers, engine tensors)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.types import Box, SourceManifest, SourceTensor
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch.bfloat16 for "bfloat16"."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters of a module (by name), or a copy of a name->tensor mapping.
+
+    Raises:
+        TypeError: anything else, or a non-tensor value (named).
+    """
+    if isinstance(obj, nn.Module):
+        return dict(obj.named_parameters(remove_duplicate=False))
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+                raise TypeError(f"tensor mapping entry {k!r} is not str -> torch.Tensor")
+            out[k] = v
+        return out
+    raise TypeError(f"expected an nn.Module or a mapping of tensors, got {type(obj).__name__}")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard, or the tensor itself)."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t.data if isinstance(t, nn.Parameter) else t
+
+
+def _dtensor_box(t: Any) -> tuple[Box | None, tuple[int, ...]]:
+    """Local box (or None when the shard is not a box) and the mesh's global ranks."""
+    mesh = t.device_mesh
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    placements = t.placements
+    for p in placements:
+        if isinstance(p, Partial):
+            raise ValueError("a Partial placement cannot be sent: reduce it first")
+    # Only plain Shard/Replicate describe a box; _StridedShard (FSDP2 + TP) does not.
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return None, ranks
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape, strict=True)), ranks
+
+
+def source_manifest(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    rank: int,
+    world_size: int,
+    compute_device: str,
+    host: str | None = None,
+) -> SourceManifest:
+    """Describe what one trainer rank holds.
+
+    Args:
+        tensors: name -> parameter (DTensor or plain tensor).
+        rank, world_size: this rank in the trainer world whose ranks the meshes name.
+        compute_device: "cuda" or "cpu": where the trainer computes; a shard living on the CPU
+            while the trainer computes on CUDA is marked offloaded.
+
+    Raises:
+        ValueError: a tensor cannot be described (Partial placement), naming it.
+    """
+    out = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        local = local_part(t)
+        if DTensor is not None and isinstance(t, DTensor):
+            try:
+                box, mesh = _dtensor_box(t)
+            except ValueError as exc:
+                raise ValueError(f"trainer tensor {name!r}: {exc}") from exc
+            if box is not None and tuple(local.shape) != tuple(b - a for a, b in box):
+                box = None
+        else:
+            box, mesh = tuple((0, n) for n in t.shape), (rank,)
+        out.append(
+            SourceTensor(
+                name=name,
+                shape=tuple(int(n) for n in t.shape),
+                dtype=dtype_name(t.dtype),
+                local_box=box,
+                mesh=mesh,
+                device=compute_device,
+                offloaded=(compute_device == "cuda" and local.device.type == "cpu"),
+            )
+        )
+    return SourceManifest(
+        rank=rank, world_size=world_size, host=host or socket.gethostname(), tensors=tuple(out)
+    )
+
+
+def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The distinct storages behind some tensors, in first-seen order."""
+    seen: dict[tuple[str, int], torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        seen.setdefault(key, s)
+    return list(seen.values())
+
+
+def storage_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over a whole storage (registration covers storages, not views)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)

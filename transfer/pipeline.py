@@ -1,0 +1,535 @@
+"""The per-rank executor: replays a `RankSchedule` as a pipeline of prepare and write stages.
+
+Stages are FIFO queues of tasks. The prepare stage (its own thread) admits a task only while the
+temporary memory of tasks in flight fits the budget, rebuilds gathered tensors with
+`full_tensor()` (every rank of a mesh runs the same gathers in the same order), copies, casts,
+fuses and quantizes into a fixed, registered staging arena, and hands the task on. Host-to-device
+copies of CPU-offloaded shards happen inside that packing copy (on CUDA it is an asynchronous
+copy from pinned memory, ordered by a CUDA event rather than a synchronize). The write stage
+(the calling thread, which alone drives the transport) waits for a task's event, posts its
+writes as one batch per engine, polls completions, and only then returns the task's staging
+memory: a source buffer is never reused before its writes completed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from backends.base import (
+    Region,
+    RegionDescriptor,
+    RegionRole,
+    Transport,
+    TransportTimeoutError,
+    WeightTransferError,
+    WriteHandle,
+    WriteOp,
+)
+from planner.types import (
+    Box,
+    QuantWrite,
+    RankSchedule,
+    SliceWrite,
+    Task,
+    WriteRun,
+    box_shape,
+    numel,
+)
+from transfer.manifest import torch_dtype
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256
+
+
+class StagingArena:
+    """A fixed block of registered memory handed out first-fit; thread-safe."""
+
+    def __init__(self, transport: Transport, nbytes: int, device: torch.device) -> None:
+        self.nbytes = max(_ALIGN, nbytes)
+        if device.type == "cuda":
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        else:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        # Touch every page now so the first update does not pay page faults.
+        self.buffer.fill_(0)
+        self.region: Region = transport.register(self.buffer, role=RegionRole.SOURCE)
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]
+        self._cond = threading.Condition()
+        self.in_use = 0
+        self.peak = 0
+
+    def try_alloc(self, nbytes: int) -> int | None:
+        """Offset of a free block of `nbytes` (aligned), or None if none fits now."""
+        need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        with self._cond:
+            for i, (off, size) in enumerate(self._free):
+                if size >= need:
+                    if size == need:
+                        self._free.pop(i)
+                    else:
+                        self._free[i] = (off + need, size - need)
+                    self.in_use += need
+                    self.peak = max(self.peak, self.in_use)
+                    return off
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a block."""
+        need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        with self._cond:
+            self._free.append((offset, need))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, size in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((off, size))
+            self._free = merged
+            self.in_use -= need
+            self._cond.notify_all()
+
+    def wait_change(self, timeout_s: float) -> None:
+        """Sleep until a block is freed or the timeout passes."""
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The uint8 slice of the arena at `offset`."""
+        return self.buffer[offset:offset + nbytes]
+
+
+@dataclasses.dataclass(slots=True)
+class SourceBinding:
+    """Where a trainer tensor's local shard lives, for packing and zero-copy writes."""
+
+    param: torch.Tensor
+    """The parameter as the trainer holds it (DTensor or plain)."""
+    local_box: Box | None
+    region: Region | None
+    """Registered region covering the local shard's storage (zero-copy), if any."""
+    storage_ptr: int
+    """data_ptr of the storage when registered, to detect reallocation."""
+
+
+@dataclasses.dataclass(slots=True)
+class TaskRecord:
+    """Stage times of one task in one update (seconds since the update started)."""
+
+    task_id: int
+    kind: str
+    nbytes: int
+    admit: float = 0.0
+    prepare_start: float = 0.0
+    prepare_end: float = 0.0
+    write_start: float = 0.0
+    write_end: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Prepared:
+    task: Task
+    record: TaskRecord
+    ops: dict[str, list[WriteOp]]
+    blocks: list[tuple[int, int]]
+    scratch: int
+    event: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateStats:
+    """What one update did on one rank."""
+
+    step: int
+    seconds: float
+    nbytes: int
+    num_tasks: int
+    peak_staging_bytes: int
+    peak_scratch_bytes: int
+    records: tuple[TaskRecord, ...]
+
+
+GatherFn = Callable[[torch.Tensor], torch.Tensor]
+BarrierFn = Callable[[int], None]
+QuantFn = Callable[[torch.Tensor, tuple[int, int], torch.Tensor, torch.Tensor], None]
+
+
+def _slices(box: Box, origin: Sequence[int] | None = None) -> tuple[slice, ...]:
+    if origin is None:
+        return tuple(slice(a, b) for a, b in box)
+    return tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin, strict=True))
+
+
+def default_quantize(x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_s: torch.Tensor) -> None:
+    """Quantize into `out_q`/`out_s` with the GPU kernel on CUDA, else the reference."""
+    if x.is_cuda:
+        from transfer.kernels.fp8_triton import quantize_fp8
+
+        quantize_fp8(x, block, out_q=out_q, out_scale=out_s)
+        return
+    from planner.fp8 import quantize_fp8_blockwise
+
+    q, s = quantize_fp8_blockwise(x, block)
+    out_q.copy_(q)
+    out_s.copy_(s)
+
+
+class Executor:
+    """Runs one rank's schedule, update after update. Built once; `run` per update."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        schedule: RankSchedule,
+        transport: Transport,
+        sources: Mapping[str, SourceBinding],
+        descriptors: Mapping[str, Sequence[RegionDescriptor]],
+        version_regions: Mapping[str, int],
+        device: torch.device,
+        memory_budget_bytes: int,
+        gather: GatherFn,
+        barrier: BarrierFn,
+        quantize: QuantFn = default_quantize,
+    ) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.transport = transport
+        self.sources = sources
+        self.descriptors = descriptors
+        self.version_regions = version_regions
+        self.device = device
+        self.gather = gather
+        self.barrier = barrier
+        self.quantize = quantize
+        arena_bytes = memory_budget_bytes // 2
+        self.scratch_budget = memory_budget_bytes - arena_bytes
+        too_big = [t for t in schedule.tasks if t.staging_bytes > arena_bytes]
+        if too_big:
+            t = too_big[0]
+            raise WeightTransferError(
+                f"trainer rank {rank}: task {t.task_id} needs {t.staging_bytes} staging bytes, "
+                f"more than half the memory budget ({arena_bytes}); raise memory_budget_bytes "
+                "or plan with a smaller max_write_bytes"
+            )
+        self.arena = StagingArena(transport, arena_bytes, device)
+        self._version_buf = torch.zeros(max(1, len(schedule.version_engines)), dtype=torch.int64)
+        self._version_region = transport.register(self._version_buf, role=RegionRole.SOURCE)
+        self._scratch_in_use = 0
+        self._scratch_peak = 0
+        self._lock = threading.Lock()
+
+    # -- one update ------------------------------------------------------------------------
+
+    def run(self, step: int, timeout_s: float) -> UpdateStats:
+        """Replay the schedule once. Blocks until every write completed.
+
+        Raises:
+            TransportTimeoutError: the update ran past `timeout_s`.
+            WeightTransferError: a stage failed (the message names the task and peer).
+        """
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        self.arena.peak = self.arena.in_use
+        self._scratch_peak = self._scratch_in_use
+        ready: queue.Queue[_Prepared | BaseException | None] = queue.Queue()
+        abort = threading.Event()
+        records: list[TaskRecord] = []
+
+        def prepare_loop() -> None:
+            try:
+                group = 0
+                for task in self.schedule.tasks:
+                    if abort.is_set():
+                        return
+                    if task.mesh_group != group:
+                        self.barrier(task.mesh_group)
+                        group = task.mesh_group
+                    rec = TaskRecord(task.task_id, task.kind, task.nbytes)
+                    prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
+                    if prepared is None:
+                        return
+                    ready.put(prepared)
+                ready.put(None)
+            except BaseException as exc:  # handed to the write stage, which raises it
+                ready.put(exc)
+
+        worker = threading.Thread(target=prepare_loop, name=f"wt-prepare-r{self.rank}", daemon=True)
+        worker.start()
+        in_flight: list[tuple[_Prepared, list[WriteHandle]]] = []
+        waiting: list[_Prepared] = []
+        finished_preparing = False
+        total = 0
+        try:
+            while not finished_preparing or waiting or in_flight:
+                if time.monotonic() > deadline:
+                    raise TransportTimeoutError(
+                        f"trainer rank {self.rank}: update {step} not complete after "
+                        f"{timeout_s:.1f} s ({len(in_flight)} task(s) in flight)"
+                    )
+                progressed = False
+                if not finished_preparing:
+                    try:
+                        item = ready.get(timeout=0 if (in_flight or waiting) else 0.05)
+                    except queue.Empty:
+                        pass
+                    else:
+                        if item is None:
+                            finished_preparing = True
+                        elif isinstance(item, BaseException):
+                            raise item
+                        else:
+                            waiting.append(item)
+                            progressed = True
+                # Post tasks whose device work is done, in order.
+                while waiting and (waiting[0].event is None or waiting[0].event.query()):
+                    p = waiting.pop(0)
+                    p.record.write_start = time.perf_counter() - t0
+                    handles = [
+                        self.transport.post_writes(peer, ops) for peer, ops in p.ops.items()
+                    ]
+                    in_flight.append((p, handles))
+                    progressed = True
+                still: list[tuple[_Prepared, list[WriteHandle]]] = []
+                for p, handles in in_flight:
+                    try:
+                        done = all([self.transport.poll(h) for h in handles])
+                    except WeightTransferError as exc:
+                        raise WeightTransferError(
+                            f"trainer rank {self.rank}: writes of task {p.task.task_id} failed: {exc}"
+                        ) from exc
+                    if done:
+                        p.record.write_end = time.perf_counter() - t0
+                        self._release(p)
+                        records.append(p.record)
+                        total += p.task.nbytes
+                        progressed = True
+                    else:
+                        still.append((p, handles))
+                in_flight = still
+                if not progressed and (in_flight or waiting):
+                    time.sleep(2e-5)
+        except BaseException:
+            abort.set()
+            worker.join(timeout=5.0)
+            for p, _ in in_flight:
+                self._release(p)
+            for p in waiting:
+                self._release(p)
+            raise
+        worker.join(timeout=max(0.1, deadline - time.monotonic()))
+        return UpdateStats(
+            step=step,
+            seconds=time.perf_counter() - t0,
+            nbytes=total,
+            num_tasks=len(records),
+            peak_staging_bytes=self.arena.peak,
+            peak_scratch_bytes=self._scratch_peak,
+            records=tuple(sorted(records, key=lambda r: r.task_id)),
+        )
+
+    def write_versions(self, step: int, timeout_s: float) -> None:
+        """Write `step` into the version word of every engine this rank commits."""
+        engines = self.schedule.version_engines
+        if not engines:
+            return
+        self._version_buf.fill_(step)
+        handles = []
+        for i, e in enumerate(engines):
+            vdesc = self.descriptors[e][self.version_regions[e]]
+            handles.append(
+                self.transport.post_writes(
+                    e, [WriteOp(self._version_region, i * 8, vdesc, 0, 8)]
+                )
+            )
+        for h in handles:
+            self.transport.wait(h, timeout_s)
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _admit_and_prepare(
+        self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event
+    ) -> _Prepared | None:
+        # Admission: scratch within budget (a task alone may use it all), staging from the arena.
+        while True:
+            with self._lock:
+                if self._scratch_in_use == 0 or self._scratch_in_use + task.scratch_bytes <= self.scratch_budget:
+                    self._scratch_in_use += task.scratch_bytes
+                    self._scratch_peak = max(self._scratch_peak, self._scratch_in_use)
+                    break
+            if abort.is_set():
+                return None
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(f"trainer rank {self.rank}: task {task.task_id} never admitted")
+            self.arena.wait_change(0.01)
+        blocks: list[tuple[int, int]] = []
+        try:
+            rec.admit = time.perf_counter() - t0
+            fulls: dict[str, torch.Tensor] = {}
+            rec.prepare_start = time.perf_counter() - t0
+            if task.kind == "gather":
+                for name in task.gather:
+                    fulls[name] = self.gather(self.sources[name].param)
+            elif task.gather:
+                # A quantized unit whose sources this rank holds whole: no collective needed.
+                for name in task.gather:
+                    fulls[name] = self._local(name)
+            ops: dict[str, list[WriteOp]] = defaultdict(list)
+            for w in task.writes:
+                if isinstance(w, SliceWrite):
+                    self._prepare_slice(task, w, fulls, ops, blocks, deadline, abort)
+                else:
+                    self._prepare_quant(w, fulls, ops, blocks, deadline, abort)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            rec.prepare_end = time.perf_counter() - t0
+            del fulls
+            return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
+        except BaseException:
+            for off, n in blocks:
+                self.arena.free(off, n)
+            with self._lock:
+                self._scratch_in_use -= task.scratch_bytes
+            raise
+
+    def _release(self, p: _Prepared) -> None:
+        for off, n in p.blocks:
+            self.arena.free(off, n)
+        p.blocks = []
+        with self._lock:
+            self._scratch_in_use -= p.scratch
+        p.scratch = 0
+
+    def _alloc(self, nbytes: int, blocks: list[tuple[int, int]], deadline: float, abort: threading.Event) -> int:
+        while True:
+            off = self.arena.try_alloc(nbytes)
+            if off is not None:
+                blocks.append((off, nbytes))
+                return off
+            if abort.is_set():
+                raise WeightTransferError("update aborted")
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(
+                    f"trainer rank {self.rank}: no staging memory for {nbytes} bytes before the deadline"
+                )
+            self.arena.wait_change(0.01)
+
+    def _local(self, name: str) -> torch.Tensor:
+        b = self.sources[name]
+        from transfer.manifest import local_part
+
+        local = local_part(b.param)
+        if b.region is not None and local.untyped_storage().data_ptr() != b.storage_ptr:
+            raise WeightTransferError(
+                f"trainer rank {self.rank}: parameter {name!r} was reallocated since the sender "
+                "registered it; call WeightSender.refresh() after changing parameters' storage"
+            )
+        return local
+
+    def _ops_for_runs(
+        self, engine: str, runs: Sequence[WriteRun], source: Region, base: int, ops: dict[str, list[WriteOp]]
+    ) -> None:
+        descs = self.descriptors[engine]
+        off = base
+        for r in runs:
+            ops[engine].append(WriteOp(source, off, descs[r.region], r.offset_bytes, r.nbytes))
+            off += r.nbytes
+
+    def _prepare_slice(
+        self,
+        task: Task,
+        w: SliceWrite,
+        fulls: Mapping[str, torch.Tensor],
+        ops: dict[str, list[WriteOp]],
+        blocks: list[tuple[int, int]],
+        deadline: float,
+        abort: threading.Event,
+    ) -> None:
+        if w.source in fulls:
+            src = fulls[w.source][_slices(w.source_box)]
+        else:
+            b = self.sources[w.source]
+            local = self._local(w.source)
+            assert b.local_box is not None
+            origin = [a for a, _ in b.local_box]
+            src = local[_slices(w.source_box, origin)]
+            if w.zero_copy and b.region is not None:
+                assert src.is_contiguous() or src.numel() == 1
+                base = (src.data_ptr() - b.region.address)
+                self._ops_for_runs(w.engine, w.runs, b.region, base, ops)
+                return
+        nbytes = w.nbytes
+        off = self._alloc(nbytes, blocks, deadline, abort)
+        dst = self.arena.view(off, nbytes).view(torch_dtype(w.dtype)).view(box_shape(w.source_box))
+        dst.copy_(src, non_blocking=True)
+        self._ops_for_runs(w.engine, w.runs, self.arena.region, off, ops)
+
+    def _prepare_quant(
+        self,
+        w: QuantWrite,
+        fulls: Mapping[str, torch.Tensor],
+        ops: dict[str, list[WriteOp]],
+        blocks: list[tuple[int, int]],
+        deadline: float,
+        abort: threading.Event,
+    ) -> None:
+        shape = box_shape(w.dest_box)
+        origin = [a for a, _ in w.dest_box]
+        dev = next(iter(fulls.values())).device if fulls else self.device
+        hp = torch.empty(shape, dtype=torch.float32, device=dev)
+        for p in w.parts:
+            part = fulls[p.source][_slices(p.source_box)]
+            hp[_slices(p.dest_box, origin)].copy_(part.reshape(box_shape(p.dest_box)))
+        wbytes = numel(shape)
+        sshape = box_shape(w.scale_box)
+        sbytes = numel(sshape) * 4
+        woff = self._alloc(wbytes, blocks, deadline, abort)
+        soff = self._alloc(sbytes, blocks, deadline, abort)
+        q = self.arena.view(woff, wbytes).view(torch.float8_e4m3fn).view(shape)
+        s = self.arena.view(soff, sbytes).view(torch.float32).view(sshape)
+        if hp.device != self.arena.buffer.device:
+            hp = hp.to(self.arena.buffer.device)
+        self.quantize(hp, w.block, q, s)
+        self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, woff, ops)
+        self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, soff, ops)
+
+    def close(self) -> None:
+        """Release registrations made by the executor."""
+        for r in (self.arena.region, self._version_region):
+            try:
+                self.transport.deregister(r)
+            except (ValueError, WeightTransferError):
+                pass
+
+
+def trace_events(records: Sequence[TaskRecord], *, rank: int, step: int) -> list[dict[str, Any]]:
+    """Chrome/Perfetto trace events ("X" complete events, microseconds) for one update."""
+    events: list[dict[str, Any]] = []
+    for r in records:
+        for stage, a, b in (("prepare", r.prepare_start, r.prepare_end), ("write", r.write_start, r.write_end)):
+            if b > a:
+                events.append(
+                    {
+                        "name": f"task {r.task_id} ({r.kind})",
+                        "cat": stage,
+                        "ph": "X",
+                        "ts": a * 1e6,
+                        "dur": (b - a) * 1e6,
+                        "pid": rank,
+                        "tid": stage,
+                        "args": {"bytes": r.nbytes, "step": step},
+                    }
+                )
+    return events

@@ -1,0 +1,111 @@
+"""Control-plane messages: the only things that travel between members, besides raw bytes.
+
+Keys (under the session prefix):
+    hello                          Hello        written by the controller
+    trainer/<rank>                 TrainerJoin  a trainer rank's source manifest
+    engine/<name>                  EngineJoin   an engine's destination manifest and endpoint
+    engines                        EngineList   names of the engines, in join order
+    schedule/<rank>                RankPlan     a trainer rank's part of the schedule
+    plan_error                     Failure      set instead of schedules if planning failed
+    go/<step>                      Go           start update `step`
+    done/<step>/<rank>             Done         rank finished its writes (ok or error)
+    commit/<step>                  Decision     controller: write version words, or abort
+    committed/<step>/<rank>        Done         rank wrote its engines' version words
+    result/<step>                  Decision     final outcome every rank raises on if not ok
+    digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planner.types import DestManifest, RankSchedule, SourceManifest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello:
+    """Written by the controller when it hosts the store; readers check the token on it."""
+
+    protocol: int
+    session: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainerJoin:
+    """A trainer rank's source manifest."""
+
+    manifest: SourceManifest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineJoin:
+    """An engine rank's destination manifest and transport endpoint."""
+
+    manifest: DestManifest
+    transport: str
+    endpoint: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineList:
+    """Engines known to the controller."""
+
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPlan:
+    """A trainer rank's part of the schedule plus the endpoints it connects to."""
+
+    fingerprint: str
+    schedule: RankSchedule
+    endpoints: tuple[tuple[str, bytes], ...]
+    descriptors: tuple[tuple[str, tuple[bytes, ...]], ...]
+    """Per engine, the region descriptors indexed by region index."""
+    version_regions: tuple[tuple[str, int], ...]
+    """Per engine, the index of its version-word region."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failure:
+    """A failure report that every member raises."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Go:
+    """Start update `step`."""
+
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """A rank's outcome for one phase of an update."""
+
+    rank: int
+    step: int
+    ok: bool
+    error: str
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """The controller's verdict for a phase: proceed, or abort naming who failed."""
+
+    step: int
+    ok: bool
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Digests:
+    """Per-tensor sha256 of an engine's tensors after an update (verification mode)."""
+
+    engine: str
+    step: int
+    version: int
+    digests: tuple[tuple[str, str], ...]

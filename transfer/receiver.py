@@ -1,0 +1,244 @@
+"""Engine side: register the engine's live tensors once, publish them, then stay passive."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import socket
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from backends.base import (
+    ConfigurationError,
+    Region,
+    RegionRole,
+    Transport,
+    TransportConfig,
+    TransportTimeoutError,
+    create_transport,
+)
+from planner.types import DestManifest, DestRegion, DestTensor, Recipe
+from transfer.config import ControlPlaneConfig, ReceiverConfig
+from transfer.control import ControlPlane
+from transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
+from transfer.protocol import Digests, EngineJoin
+
+log = logging.getLogger(__name__)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order (dtype-agnostic, bit-exact)."""
+    data = t.detach().contiguous().cpu().view(-1).view(torch.uint8)
+    return hashlib.sha256(ctypes.string_at(data.data_ptr(), data.numel())).hexdigest()
+
+
+class WeightReceiver:
+    """Exposes an engine's tensors to one-sided writes; runs no code per update.
+
+    Construction registers the memory of every tensor the recipes write (whole storages, in
+    place: CUDA graphs that captured these addresses stay valid), allocates the 8-byte version
+    word and publishes the destination manifest and transport endpoint on the control plane.
+    After that the engine only reads `version` / `wait_for_version` to learn that update k is
+    complete; the transport's own machinery (NIC, shared memory, receive thread of the `tcp`
+    simulator) does the rest.
+
+    Not thread-safe; `version` and `wait_for_version` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        tensors: nn.Module | Mapping[str, torch.Tensor],
+        recipes: Sequence[Recipe],
+        *,
+        engine: str,
+        transport: TransportConfig,
+        control: ControlPlaneConfig,
+        config: ReceiverConfig | None = None,
+    ) -> None:
+        """Register and publish.
+
+        Args:
+            tensors: the engine's live parameters (module) or a name -> tensor mapping.
+            recipes: how each engine tensor is built (a layout preset or the engine's own).
+            engine: unique name of this engine rank ("engine0", "replica1/tp3").
+            transport: backend selection and options.
+            control: where the control plane is, and its token.
+
+        Raises:
+            ConfigurationError: a recipe names a missing tensor, a tensor is not contiguous, a
+                tensor no recipe writes (unless allowed), or the engine name is taken.
+        """
+        self.engine = engine
+        self.config = config or ReceiverConfig()
+        self.recipes = tuple(recipes)
+        self._tensors = named_tensors(tensors)
+        self._check_tensors()
+        self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
+        if not self._control.claim(f"engine/{engine}"):
+            raise ConfigurationError(
+                f"engine {engine!r} is already registered with this control plane session"
+            )
+        self._transport: Transport = create_transport(transport)
+        try:
+            self._manifest = self._register()
+            slot = self._control.add("engine_slots", 1) - 1
+            self._control.put(
+                f"engine_slot/{slot}",
+                EngineJoin(
+                    manifest=self._manifest,
+                    transport=self._transport.name,
+                    endpoint=self._transport.endpoint(),
+                ),
+            )
+        except BaseException:
+            self._transport.close()
+            raise
+        log.info(
+            "engine %s: registered %d tensors in %d regions over %s",
+            engine, len(self._manifest.tensors), len(self._manifest.regions), self._transport.name,
+        )
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _written_names(self) -> set[str]:
+        names = set()
+        for r in self.recipes:
+            names.add(r.dest)
+            if r.quant is not None:
+                names.add(r.quant.scale_dest)
+        return names
+
+    def _check_tensors(self) -> None:
+        problems = []
+        written = self._written_names()
+        for name in sorted(written - set(self._tensors)):
+            problems.append(f"recipe writes engine tensor {name!r}, which the engine does not have")
+        if not self.config.allow_unwritten:
+            for name in sorted(set(self._tensors) - written):
+                problems.append(f"engine tensor {name!r} is written by no recipe")
+        for name in sorted(written & set(self._tensors)):
+            t = self._tensors[name]
+            if not t.is_contiguous():
+                problems.append(f"engine tensor {name!r} is not contiguous")
+            if t.device.type not in ("cpu", "cuda"):
+                problems.append(f"engine tensor {name!r} is on unsupported device {t.device}")
+        if problems:
+            raise ConfigurationError(f"engine {self.engine!r}: " + "; ".join(problems))
+
+    def _register(self) -> DestManifest:
+        names = sorted(self._written_names())
+        tensors = [self._tensors[n] for n in names]
+        storages = distinct_storages(tensors)
+        self._regions: list[Region] = []
+        index_of: dict[tuple[str, int], int] = {}
+        for i, s in enumerate(storages):
+            dev = next(t.device for t in tensors if t.untyped_storage().data_ptr() == s.data_ptr())
+            key = (str(dev), s.data_ptr())
+            region = self._transport.register(storage_view(s, dev), role=RegionRole.TARGET)
+            self._regions.append(region)
+            index_of[key] = i
+        dests = []
+        for n in names:
+            t = self._tensors[n]
+            # Registration may have moved the storage in place (loopback host memory): re-read.
+            s = t.untyped_storage()
+            idx = None
+            for i, r in enumerate(self._regions):
+                if r.tensor.untyped_storage().data_ptr() == s.data_ptr() and r.tensor.device == t.device:
+                    idx = i
+                    break
+            assert idx is not None, f"storage of {n} not registered"
+            dests.append(
+                DestTensor(
+                    name=n,
+                    shape=tuple(int(x) for x in t.shape),
+                    dtype=dtype_name(t.dtype),
+                    region=idx,
+                    offset_bytes=t.storage_offset() * t.element_size(),
+                )
+            )
+        self._version = torch.zeros(1, dtype=torch.int64)
+        vregion = self._transport.register(self._version, role=RegionRole.TARGET)
+        # The transport may have moved it into shared memory: keep the registered view.
+        self._version_view = vregion.tensor.view(torch.int64)
+        self._regions.append(vregion)
+        regions = tuple(
+            DestRegion(index=i, nbytes=r.nbytes, descriptor=r.descriptor.to_bytes())
+            for i, r in enumerate(self._regions)
+            if r.descriptor is not None
+        )
+        return DestManifest(
+            engine=self.engine,
+            host=socket.gethostname(),
+            regions=regions,
+            tensors=tuple(dests),
+            recipes=self.recipes,
+            version_region=len(self._regions) - 1,
+        )
+
+    # -- what the engine calls ---------------------------------------------------------------
+
+    @property
+    def manifest(self) -> DestManifest:
+        """The destination manifest this receiver published."""
+        return self._manifest
+
+    @property
+    def version(self) -> int:
+        """Number of the last update completely written into this engine (0 before any)."""
+        return int(self._version_view[0].item())
+
+    def wait_for_version(self, step: int, timeout_s: float) -> int:
+        """Block until update `step` (or a later one) is complete; returns the version seen.
+
+        Raises:
+            TransportTimeoutError: not reached within `timeout_s`.
+        """
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            v = self.version
+            if v >= step:
+                return v
+            if time.monotonic() > deadline:
+                raise TransportTimeoutError(
+                    f"engine {self.engine!r}: update {step} not complete after {timeout_s:.1f} s "
+                    f"(version is {v})"
+                )
+            time.sleep(0.0005)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live engine tensor `name`."""
+        return self._tensors[name]
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every written tensor's bytes (verification mode; costs one read of all)."""
+        out = {}
+        for t in self._manifest.tensors:
+            out[t.name] = tensor_digest(self._tensors[t.name])
+        return out
+
+    def publish_digests(self, step: int) -> None:
+        """Publish `digests()` for update `step` so the trainer side can verify it."""
+        d = self.digests()
+        self._control.put(
+            f"digest/{step}/{self.engine}",
+            Digests(engine=self.engine, step=step, version=self.version,
+                    digests=tuple(sorted(d.items()))),
+        )
+
+    def close(self) -> None:
+        """Deregister everything and close the transport. The tensors stay valid."""
+        self._transport.close()
+        self._control.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,239 @@
+"""Trainer side: publish what this rank holds, receive its schedule, replay it every update."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from backends.base import (
+    RegionDescriptor,
+    RegionRole,
+    Transport,
+    TransportConfig,
+    WeightTransferError,
+    create_transport,
+)
+from planner.types import SliceWrite
+from transfer.config import ControlPlaneConfig, SenderConfig
+from transfer.control import ControlPlane
+from transfer.controller import Controller
+from transfer.manifest import local_part, named_tensors, source_manifest, storage_view
+from transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
+from transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
+
+log = logging.getLogger(__name__)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.full_tensor()
+    return local_part(t)
+
+
+class WeightSender:
+    """One trainer rank's sender. Every trainer rank makes one; `update` is collective.
+
+    Construction publishes the source manifest, (on the rank that hosts the `Controller`)
+    plans, fetches this rank's schedule, registers staging memory and the local shards that are
+    sent without copies, and connects to the engines it writes to.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        rank: int,
+        world_size: int,
+        transport: TransportConfig,
+        control: ControlPlaneConfig,
+        config: SenderConfig | None = None,
+        controller: Controller | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Join, plan (rank hosting the controller), and connect.
+
+        Args:
+            params: the trainer's parameters (FSDP2 module with DTensor params, or a mapping).
+            rank, world_size: this rank in the trainer world (DTensor meshes use these ranks).
+            transport: backend selection.
+            control: control plane address and token.
+            controller: the `Controller`, on exactly one rank (it hosts the control plane).
+            device: where this rank computes ("cuda:0" or "cpu"); default: the params' device.
+
+        Raises:
+            PlanMismatchError: the plan failed (the same message on every rank).
+            TransportTimeoutError: a peer or the control plane did not answer in time.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config or SenderConfig()
+        self.controller = controller
+        self._params = named_tensors(params)
+        if device is None:
+            first = next(iter(self._params.values()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self._control = controller.control if controller else ControlPlane(
+            control, server=False, member=f"trainer rank {rank}"
+        )
+        self._last_step = 0
+        self._records: list[tuple[int, Any]] = []
+        manifest = source_manifest(
+            self._params, rank=rank, world_size=world_size, compute_device=self.device.type
+        )
+        self._boxes = {t.name: t.local_box for t in manifest.tensors}
+        self._control.put(f"trainer/{rank}", TrainerJoin(manifest=manifest))
+        if controller is not None:
+            controller.plan()
+        key = self._control.wait_any([f"schedule/{rank}", "plan_error"])
+        if key == "plan_error":
+            raise WeightTransferError(self._control.get("plan_error", Failure).message)
+        rp = self._control.get(key, RankPlan)
+        self.schedule = rp.schedule
+        self.fingerprint = rp.fingerprint
+        self._transport: Transport = create_transport(transport)
+        try:
+            self._executor = self._build(rp)
+        except BaseException:
+            self._transport.close()
+            raise
+
+    def _build(self, rp: RankPlan) -> Executor:
+        zero_copy = {
+            w.source for t in self.schedule.tasks for w in t.writes
+            if isinstance(w, SliceWrite) and w.zero_copy
+        }
+        regions: dict[tuple[str, int], Any] = {}
+        bindings: dict[str, SourceBinding] = {}
+        for name, p in self._params.items():
+            local = local_part(p)
+            region = None
+            if name in zero_copy:
+                s = local.untyped_storage()
+                key = (str(local.device), s.data_ptr())
+                if key not in regions:
+                    regions[key] = self._transport.register(
+                        storage_view(s, local.device), role=RegionRole.SOURCE
+                    )
+                region = regions[key]
+            bindings[name] = SourceBinding(
+                param=p, local_box=self._boxes.get(name), region=region,
+                storage_ptr=local.untyped_storage().data_ptr(),
+            )
+        for engine, endpoint in rp.endpoints:
+            self._transport.connect(engine, endpoint)
+        descriptors = {
+            e: [RegionDescriptor.from_bytes(b) for b in descs] for e, descs in rp.descriptors
+        }
+        return Executor(
+            rank=self.rank,
+            schedule=self.schedule,
+            transport=self._transport,
+            sources=bindings,
+            descriptors=descriptors,
+            version_regions=dict(rp.version_regions),
+            device=self.device,
+            memory_budget_bytes=self.config.memory_budget_bytes,
+            gather=_full_tensor,
+            barrier=lambda g: self._control.barrier(
+                f"group/{self._current_step}/{g}", self.world_size
+            ),
+        )
+
+    _current_step = 0
+
+    def update(self, step: int) -> UpdateStats:
+        """Send the current weights as update `step`. Collective: every trainer rank calls it.
+
+        Blocks until every engine's version word reads `step`, or raises on every rank with
+        the failing rank and peer named; on failure no version word advances.
+
+        Raises:
+            ValueError: `step` is not larger than the previous one.
+            WeightTransferError: this or another rank failed (message names them).
+            TransportTimeoutError: a wait ran past `config.update_timeout_s`.
+        """
+        if step <= self._last_step:
+            raise ValueError(f"update step {step} must be larger than the previous ({self._last_step})")
+        self._current_step = step
+        timeout = self.config.update_timeout_s
+        cp = self._control
+        if self.controller is not None:
+            self.controller.go(step)
+        else:
+            cp.get(f"go/{step}", Go, timeout)
+        stats: UpdateStats | None = None
+        error = ""
+        t0 = time.perf_counter()
+        try:
+            stats = self._executor.run(step, timeout)
+        except WeightTransferError as exc:
+            error = str(exc)
+            log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
+        cp.put(
+            f"done/{step}/{self.rank}",
+            Done(rank=self.rank, step=step, ok=not error, error=error,
+                 nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0),
+        )
+        if self.controller is not None:
+            self.controller.decide(step, "done", timeout)
+        decision = cp.get(f"commit/{step}", Decision, timeout)
+        if not decision.ok:
+            self._last_step = step
+            raise WeightTransferError(f"update {step} failed, no engine advanced: {decision.error}")
+        error = ""
+        try:
+            self._executor.write_versions(step, timeout)
+        except WeightTransferError as exc:
+            error = str(exc)
+        cp.put(
+            f"committed/{step}/{self.rank}",
+            Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0),
+        )
+        if self.controller is not None:
+            self.controller.decide(step, "committed", timeout)
+        result = cp.get(f"result/{step}", Decision, timeout)
+        self._last_step = step
+        if not result.ok:
+            raise WeightTransferError(f"update {step}: version words not all written: {result.error}")
+        assert stats is not None
+        if self.config.record_trace:
+            self._records.append((step, stats.records))
+            del self._records[:-16]
+        return stats
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """Chrome/Perfetto events of the recent updates on this rank."""
+        events: list[dict[str, Any]] = []
+        for step, records in self._records:
+            events.extend(trace_events(records, rank=self.rank, step=step))
+        return events
+
+    def write_trace(self, path: str | Path) -> None:
+        """Write `trace_events()` as a Chrome trace JSON file (open it in ui.perfetto.dev)."""
+        Path(path).write_text(json.dumps({"traceEvents": self.trace_events()}))
+
+    def close(self) -> None:
+        """Release registrations and connections."""
+        self._executor.close()
+        self._transport.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
