@@ -1,3 +1,6 @@
-"""Subcommands other than demo: doctor, plan, simulate, bench (registered on import)."""
+"""Subcommands other than demo, each in its own module, registered on import.
+
+Each module decorates its handler with `transfer.cli.command(name, help)(add_args)`.
+"""
 
 from __future__ import annotations
