@@ -47,6 +47,7 @@ __all__ = [
     "WeightTransferError",
     "WriteHandle",
     "WriteOp",
+    "create_transport",
     "load_backend",
 ]
 
@@ -157,9 +158,10 @@ class RegionDescriptor:
 
     def to_bytes(self) -> bytes:
         """Encode as msgpack (never pickle)."""
-        return msgpack.packb(
+        data: bytes = msgpack.packb(
             [self.backend, self.kind.value, self.nbytes, self.payload], use_bin_type=True
         )
+        return data
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RegionDescriptor:
@@ -356,7 +358,8 @@ class Transport(ABC):
         Blocks until connected or `config.connect_timeout_s` passes.
 
         Raises:
-            ValueError: `peer` is already connected.
+            ValueError: `peer` is already connected, or the endpoint bytes are malformed.
+            ConfigurationError: the backend cannot reach this peer (loopback across hosts).
             TransportTimeoutError: the peer did not answer in time.
             PeerLostError: the peer refused or vanished.
         """
@@ -385,8 +388,9 @@ class Transport(ABC):
         must belong to this backend. On any bad op nothing is written.
 
         Raises:
-            ValueError: an op is out of bounds or refers to an unknown region (named).
-            PeerLostError: `peer` is not connected.
+            ValueError: an op is out of bounds, refers to an unknown region, or carries a
+                descriptor the backend's own payload checks refuse (named).
+            PeerLostError: `peer` is not connected, or is already known to be dead.
         """
         self._check_open()
         self._check_peer(peer)
@@ -545,7 +549,7 @@ BACKENDS: dict[str, str] = {
 EXTRAS: dict[str, str] = {
     "ucx": "pip install 'weight-transfer[ucx]'",
     "nixl": "pip install 'weight-transfer[nixl]'",
-    "ibverbs": "apt-get install python3-pyverbs (rdma-core); see README 'ibverbs'",
+    "ibverbs": "apt-get install python3-pyverbs (rdma-core); see docs/ibverbs.md",
 }
 """How to install what each optional backend needs."""
 
