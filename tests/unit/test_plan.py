@@ -1,0 +1,305 @@
+"""Planner: shard-to-shard decomposition, FP8 gathers, balance, ordering, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backends.base import PlanMismatchError
+from planner.plan import PlannerConfig, dest_runs, is_contiguous_box, plan, schedule_from_json, schedule_to_json
+from planner.presets.models import get_model_shape, hf_parameter_shapes
+from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+from planner.recipes import split_bounds
+from planner.reference import materialize
+from planner.types import (
+    DestManifest,
+    DestRegion,
+    DestTensor,
+    Part,
+    QuantWrite,
+    Recipe,
+    SliceWrite,
+    SourceManifest,
+    SourceTensor,
+    WriteRun,
+    box_shape,
+    dtype_size,
+    numel,
+)
+
+
+def fsdp_sources(shapes: dict[str, tuple[int, ...]], world: int, dtype: str = "bfloat16") -> list[SourceManifest]:
+    """Manifests of an FSDP2-style dim-0 sharding (torch.chunk sizes: uneven, maybe empty)."""
+    out = []
+    for r in range(world):
+        tensors = []
+        for name, shape in sorted(shapes.items()):
+            chunk = -(-shape[0] // world)
+            a, b = min(shape[0], r * chunk), min(shape[0], (r + 1) * chunk)
+            box = ((a, b),) + tuple((0, n) for n in shape[1:])
+            tensors.append(SourceTensor(name, shape, dtype, box, tuple(range(world)), "cpu"))
+        out.append(SourceManifest(rank=r, world_size=world, host="h", tensors=tuple(tensors)))
+    return out
+
+
+def engine_manifest(engine: str, recipes, specs) -> DestManifest:
+    """Pack an engine's tensors back to back in one region, version word in a second."""
+    tensors, off = [], 0
+    for s in specs:
+        tensors.append(DestTensor(s.name, s.shape, s.dtype, 0, off))
+        off += numel(s.shape) * dtype_size(s.dtype)
+    return DestManifest(
+        engine=engine, host="h",
+        regions=(DestRegion(0, off, b"r0"), DestRegion(1, 8, b"v")),
+        tensors=tuple(tensors), recipes=tuple(recipes), version_region=1,
+    )
+
+
+def tiny_setup(world=3, tp=2, fp8=False, dtype="bfloat16"):
+    shape = get_model_shape("tiny")
+    sources = fsdp_sources(hf_parameter_shapes(shape), world, dtype)
+    dests = [
+        engine_manifest(f"engine{e}", vllm_recipes(shape, e, tp, fp8=fp8), vllm_tensor_specs(shape, e, tp, fp8=fp8))
+        for e in range(tp)
+    ]
+    return shape, sources, dests
+
+
+def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -> dict[str, bytearray]:
+    """Execute a schedule on byte arrays (an executor independent of the runtime)."""
+    from planner.fp8 import quantize_fp8_blockwise
+
+    mems = {d.engine: bytearray(d.regions[0].nbytes) for d in dests}
+    written = {d.engine: bytearray(d.regions[0].nbytes) for d in dests}
+
+    def put(engine, runs, data: bytes):
+        pos = 0
+        for r in runs:
+            assert r.region == 0
+            mems[engine][r.offset_bytes:r.offset_bytes + r.nbytes] = data[pos:pos + r.nbytes]
+            for i in range(r.offset_bytes, r.offset_bytes + r.nbytes):
+                assert not written[engine][i], f"byte {i} of {engine} written twice"
+                written[engine][i] = 1
+            pos += r.nbytes
+        assert pos == len(data)
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+    for rs in schedule.ranks:
+        for task in rs.tasks:
+            for w in task.writes:
+                if isinstance(w, SliceWrite):
+                    src = full[w.source][tuple(slice(a, b) for a, b in w.source_box)]
+                    put(w.engine, w.runs, raw(src.to(getattr(torch, w.dtype))))
+                else:
+                    assert isinstance(w, QuantWrite)
+                    hp = torch.empty(box_shape(w.dest_box), dtype=torch.float32)
+                    o = [a for a, _ in w.dest_box]
+                    for p in w.parts:
+                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o))
+                        hp[sl] = full[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(box_shape(p.dest_box)).float()
+                    q, s = quantize_fp8_blockwise(hp, w.block)
+                    put(w.engine, w.weight_runs, raw(q))
+                    put(w.engine, w.scale_runs, raw(s))
+    for d in dests:
+        assert all(written[d.engine]), f"{d.engine}: {written[d.engine].count(0)} bytes never written"
+    return mems
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("world,tp", [(3, 2), (1, 1), (4, 8), (5, 4)])
+def test_schedule_reproduces_reference_layout(world, tp, fp8):
+    shape, sources, dests = tiny_setup(world, tp, fp8)
+    schedule = plan(sources, dests)
+    g = torch.Generator().manual_seed(7)
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in hf_parameter_shapes(shape).items()}
+    mems = simulate_schedule(schedule, sources, dests, full)
+    for e, d in enumerate(dests):
+        specs = vllm_tensor_specs(shape, e, tp, fp8=fp8)
+        expect = materialize(vllm_recipes(shape, e, tp, fp8=fp8), specs, full)
+        for t in d.tensors:
+            n = numel(t.shape) * dtype_size(t.dtype)
+            got = torch.frombuffer(bytearray(mems[d.engine][t.offset_bytes:t.offset_bytes + n]), dtype=torch.uint8)
+            want = expect[t.name].contiguous().view(-1).view(torch.uint8)
+            assert torch.equal(got, want), f"{d.engine}:{t.name}"
+
+
+def test_bf16_plan_is_shard_to_shard_and_balanced():
+    _, sources, dests = tiny_setup(3, 2)
+    s = plan(sources, dests)
+    assert all(t.kind == "direct" and not t.gather for r in s.ranks for t in r.tasks)
+    # Every rank sends; bytes balanced within 25 % (each byte is sent by its owner).
+    assert min(s.bytes_per_rank) > 0
+    assert max(s.bytes_per_rank) <= 1.25 * min(s.bytes_per_rank)
+    assert sum(s.bytes_per_rank) == sum(s.bytes_per_engine)
+    # Same dtype, full rows: most writes go straight from the shard, no staging.
+    writes = [w for r in s.ranks for t in r.tasks for w in t.writes]
+    assert sum(w.zero_copy for w in writes) >= len(writes) // 2
+
+
+def test_cast_disables_zero_copy():
+    _, sources, dests = tiny_setup(3, 2, dtype="float32")
+    s = plan(sources, dests)
+    assert not any(w.zero_copy for r in s.ranks for t in r.tasks for w in t.writes)
+
+
+def test_fp8_gathers_ordered_identically_on_every_mesh_rank():
+    _, sources, dests = tiny_setup(3, 2, fp8=True)
+    s = plan(sources, dests)
+    seqs = [[(t.task_id, t.gather) for t in r.tasks if t.kind == "gather"] for r in s.ranks]
+    assert seqs[0] and seqs[0] == seqs[1] == seqs[2]
+    # qkv of both engine ranks share one gather of q, k, v.
+    qkv = [g for _, g in seqs[0] if any("q_proj" in n for n in g)]
+    assert qkv and all(len(g) == 3 for g in qkv)
+    for r in s.ranks:
+        for t in r.tasks:
+            if t.kind == "gather":
+                assert t.scratch_bytes > 0
+
+
+def test_deterministic_json_round_trip():
+    _, sources, dests = tiny_setup(3, 2, fp8=True)
+    a = schedule_to_json(plan(sources, dests))
+    b = schedule_to_json(plan(list(reversed(sources)), list(reversed(dests))))
+    assert a == b
+    assert schedule_to_json(schedule_from_json(a)) == a
+    json.loads(a)
+
+
+def test_mesh_groups_for_disjoint_meshes():
+    # Two expert meshes {0,1} and {2,3}: gathers in parallel (one group); a third mesh
+    # overlapping both ({1,2}) needs its own group.
+    def st(name, mesh, rank):
+        i = mesh.index(rank)
+        return SourceTensor(name, (256, 128), "bfloat16", ((i * 128, i * 128 + 128), (0, 128)), mesh, "cpu")
+
+    layout = {"a": (0, 1), "b": (2, 3), "c": (1, 2)}
+    sources = []
+    for r in range(4):
+        ts = tuple(st(n, m, r) for n, m in sorted(layout.items()) if r in m)
+        sources.append(SourceManifest(rank=r, world_size=4, host="h", tensors=ts))
+    recipes, specs = [], []
+    from planner.recipes import TensorSpec, with_fp8
+
+    for n in layout:
+        recipes.append(with_fp8(Recipe(n, (Part(n, ((0, 256), (0, 128)), ((0, 256), (0, 128))),))))
+        specs += [TensorSpec(n, (256, 128), "float8_e4m3fn"), TensorSpec(n + "_scale_inv", (2, 1), "float32")]
+    s = plan(sources, [engine_manifest("e", recipes, specs)])
+    groups = {t.gather: t.mesh_group for r in s.ranks for t in r.tasks if t.kind == "gather"}
+    assert groups[("a",)] == groups[("b",)] != groups[("c",)]
+    assert s.num_mesh_groups == 2
+    for r in s.ranks:
+        assert [t.mesh_group for t in r.tasks] == sorted(t.mesh_group for t in r.tasks)
+
+
+def test_large_direct_writes_are_split():
+    _, sources, dests = tiny_setup(1, 1)
+    cfg = PlannerConfig(max_write_bytes=16 << 10, memory_budget_bytes=1 << 20, task_target_bytes=64 << 10)
+    s = plan(sources, dests, cfg)
+    for r in s.ranks:
+        for t in r.tasks:
+            assert t.staging_bytes <= cfg.memory_budget_bytes // 2
+            for w in t.writes:
+                assert w.nbytes <= 16 << 10 or box_shape(w.source_box)[0] == 1
+
+
+def test_dest_runs_and_contiguity():
+    assert dest_runs((4, 6), ((1, 3), (0, 6)), 2, 100, 0) == (WriteRun(0, 100 + 12, 24),)
+    assert dest_runs((4, 6), ((1, 3), (2, 4)), 2, 0, 0) == (WriteRun(0, 16, 4), WriteRun(0, 28, 4))
+    assert dest_runs((2, 3, 4), ((1, 2), (0, 3), (0, 4)), 1, 0, 5) == (WriteRun(5, 12, 12),)
+    assert is_contiguous_box((4, 6), ((1, 3), (0, 6)))
+    assert is_contiguous_box((4, 6), ((1, 2), (2, 4)))
+    assert not is_contiguous_box((4, 6), ((1, 3), (2, 4)))
+
+
+def test_split_bounds_uneven():
+    assert split_bounds(10, 3) == ((0, 4), (4, 7), (7, 10))
+
+
+# -- bad input: every problem listed, named -----------------------------------------------------
+
+
+def problems_of(sources, dests) -> list[str]:
+    with pytest.raises(PlanMismatchError) as info:
+        plan(sources, dests)
+    return info.value.problems
+
+
+def test_missing_and_extra_tensors_are_named():
+    _, sources, dests = tiny_setup(3, 2)
+    drop = "model.layers.1.mlp.up_proj.weight"
+    sources = [
+        SourceManifest(m.rank, m.world_size, m.host, tuple(t for t in m.tensors if t.name != drop))
+        for m in sources
+    ]
+    extra = SourceTensor("model.extra.weight", (4, 4), "bfloat16", ((0, 4), (0, 4)), (0,), "cpu")
+    sources[0] = SourceManifest(0, 3, "h", sources[0].tensors + (extra,))
+    probs = problems_of(sources, dests)
+    assert any(drop in p and "no trainer rank" in p for p in probs)
+    assert any("model.extra.weight" in p and "extra" in p for p in probs)
+
+
+def test_shape_and_dtype_mismatch_named():
+    _, sources, dests = tiny_setup(3, 2)
+    bad = []
+    for m in sources:
+        ts = []
+        for t in m.tensors:
+            if t.name == "model.layers.0.self_attn.o_proj.weight":
+                t = SourceTensor(t.name, t.shape, "int32", t.local_box, t.mesh, t.device)
+            if t.name == "model.layers.0.mlp.down_proj.weight":
+                t = SourceTensor(t.name, (t.shape[0], 100), t.dtype, (t.local_box[0], (0, 100)), t.mesh, t.device)
+            ts.append(t)
+        bad.append(SourceManifest(m.rank, m.world_size, m.host, tuple(ts)))
+    probs = problems_of(bad, dests)
+    assert any("o_proj" in p and "int32" in p for p in probs)
+    assert any("down_proj" in p and "outside its shape" in p for p in probs)
+
+
+def test_duplicate_names_and_engines():
+    _, sources, dests = tiny_setup(2, 2)
+    t0 = sources[0].tensors[0]
+    sources[0] = SourceManifest(0, 2, "h", sources[0].tensors + (t0,))
+    probs = problems_of(sources, dests + [dests[0]])
+    assert any("duplicate tensor name" in p and t0.name in p for p in probs)
+    assert any("engine0" in p and "more than once" in p for p in probs)
+
+
+def test_recipe_gap_and_overlap():
+    _, sources, dests = tiny_setup(1, 1)
+    d = dests[0]
+    rc = next(r for r in d.recipes if r.dest.endswith("o_proj.weight"))
+    p = rc.parts[0]
+    half = Part(p.source, ((0, 128), p.source_box[1]), ((0, 128), p.dest_box[1]))
+    gap = Recipe(rc.dest, (half,))
+    over = Recipe(rc.dest, (p, half))
+    for bad_rc, word in ((gap, "cover"), (over, "cover")):
+        recipes = tuple(bad_rc if r.dest == rc.dest else r for r in d.recipes)
+        nd = DestManifest(d.engine, d.host, d.regions, d.tensors, recipes, d.version_region)
+        probs = problems_of(sources, [nd])
+        assert any(rc.dest in q and word in q for q in probs), probs
+
+
+def test_engine_tensor_without_recipe_and_fp8_without_transform():
+    _, sources, dests = tiny_setup(1, 1, fp8=True)
+    d = dests[0]
+    no_quant = tuple(Recipe(r.dest, r.parts) for r in d.recipes)
+    nd = DestManifest(d.engine, d.host, d.regions, d.tensors, no_quant, d.version_region)
+    probs = problems_of(sources, [nd])
+    assert any("no FP8 transform" in p for p in probs)
+    assert any("_scale_inv" in p and "no recipe" in p for p in probs)
+
+
+def test_missing_trainer_rank():
+    _, sources, dests = tiny_setup(3, 2)
+    probs = problems_of(sources[:2] + [SourceManifest(3, 3, "h", sources[2].tensors)], dests)
+    assert any("one source manifest per trainer rank" in p for p in probs)
+
+
+def test_budget_too_small_for_gather():
+    _, sources, dests = tiny_setup(3, 2, fp8=True)
+    with pytest.raises(PlanMismatchError, match="memory_budget_bytes"):
+        plan(sources, dests, PlannerConfig(memory_budget_bytes=64 << 10, max_write_bytes=16 << 10))
