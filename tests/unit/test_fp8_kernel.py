@@ -353,6 +353,62 @@ def test_interpreter(interpreter_results: dict[str, str], case_name: str) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernel compiled ahead of time for an H100/H200 (sm_90): no GPU needed, only triton and
+# its bundled ptxas. Checks the instructions bit-exactness depends on.
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile_for_sm90(in_dtype: str) -> str:
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = fp8_triton._jit_module().fp8_block_quant_kernel
+    names = [p.name for p in kernel.params]
+    signature = {n: "i32" for n in names}
+    signature.update(x_ptr=f"*{in_dtype}", q_ptr="*u8", s_ptr="*fp32", amax_floor="fp32")
+    constexprs = {
+        "BLOCK_R": 128,
+        "BLOCK_C": 128,
+        "TILE_R": 128,
+        "TILE_C": 128,
+        "FP8_MAX": 448.0,
+        "SOFTWARE_CVT": False,
+        "x_stride_c": 1,  # what triton specializes a unit stride to
+        "q_stride_c": 1,
+    }
+    signature.update({n: "constexpr" for n in constexprs})
+    # What triton's launcher infers for 16-aligned pointers and sizes (7168 x 2048; a 2-D
+    # input gets leading stride 0, also a multiple of 16).
+    aligned = ["x_ptr", "q_ptr", "s_ptr", "rows", "cols"]
+    aligned += ["x_stride_l", "x_stride_r", "q_stride_l", "q_stride_r"]
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"], "ptxas produced no cubin"
+    return str(compiled.asm["ptx"])
+
+
+@requires_module("triton")
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp32"])
+def test_sm90_code_uses_ieee_division_and_rne_cast(in_dtype: str) -> None:
+    if fp8_triton._is_interpreted(fp8_triton._jit_module().fp8_block_quant_kernel):
+        pytest.skip("TRITON_INTERPRET is set for this process; nothing is compiled")
+    ptx = _compile_for_sm90(in_dtype)
+    # IEEE round-to-nearest division (not div.full / div.approx / rcp: those differ in the
+    # last bit), hardware round-to-nearest-even fp8 cast, vectorized loads and stores.
+    assert "div.rn.f32" in ptx
+    for approx in ("div.full", "div.approx", "rcp.approx"):
+        assert approx not in ptx, approx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+
+
+# ---------------------------------------------------------------------------------------------
 # The compiled kernel on a GPU.
 # ---------------------------------------------------------------------------------------------
 

@@ -170,12 +170,17 @@ def _launch(
     scale: torch.Tensor,
     block: tuple[int, int],
     num_warps: int,
+    software_cvt: bool,
 ) -> None:
-    """Launch over every block of `x` (>= 2 dims); recurse on leading dims that do not fold."""
+    """Launch over every block of `x` (>= 2 dims); recurse on leading dims that do not fold.
+
+    `software_cvt` selects the integer fp8 cast instead of the hardware one (the interpreter
+    needs it; on a GPU both give the same bits: benchmarks/gpu_fp8_kernel_check.py checks that).
+    """
     folded = [_collapse_leading(t) for t in (x, q_bytes, scale)]
     if any(f is None for f in folded) or len({f[0] for f in folded if f is not None}) != 1:
         for i in range(x.shape[0]):
-            _launch(kernel, x[i], q_bytes[i], scale[i], block, num_warps)
+            _launch(kernel, x[i], q_bytes[i], scale[i], block, num_warps, software_cvt)
         return
     (num_mats, xs_l), (_, qs_l), (_, ss_l) = folded  # type: ignore[misc]
     rows, cols = x.shape[-2], x.shape[-1]
@@ -207,7 +212,7 @@ def _launch(
         TILE_R=_next_pow2(b0),
         TILE_C=_next_pow2(b1),
         FP8_MAX=FP8_MAX,
-        SOFTWARE_CVT=not x.is_cuda,
+        SOFTWARE_CVT=software_cvt,
         num_warps=num_warps,
     )
 
@@ -220,6 +225,7 @@ def quantize_fp8_blockwise_gpu(
     *,
     name: str = "x",
     num_warps: int = 8,
+    software_cast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a CUDA tensor per block of its last two dims, in one pass.
 
@@ -236,6 +242,9 @@ def quantize_fp8_blockwise_gpu(
             the dequantization scales, same placement rules.
         name: what to call `x` in error messages (e.g. the parameter's name).
         num_warps: warps per program (a tuning knob; results do not depend on it).
+        software_cast: do the float32 -> e4m3 cast with integer ops instead of the hardware
+            instruction (same bits; a diagnostic). None: hardware on a GPU, software in
+            triton's CPU interpreter, whose own cast does not round to nearest even.
 
     Returns:
         (weight, weight_scale_inv): `out_q`/`out_scale` when given, else new tensors.
@@ -283,11 +292,12 @@ def quantize_fp8_blockwise_gpu(
         if out_scale is not None
         else torch.empty(s_shape, dtype=torch.float32, device=x.device)
     )
+    software = (not x.is_cuda) if software_cast is None else software_cast
     if x.is_cuda:
         with torch.cuda.device(x.device):
-            _launch(kernel, x, q.view(torch.uint8), scale, block, num_warps)
+            _launch(kernel, x, q.view(torch.uint8), scale, block, num_warps, software)
     else:
-        _launch(kernel, x, q.view(torch.uint8), scale, block, num_warps)
+        _launch(kernel, x, q.view(torch.uint8), scale, block, num_warps, software)
     return q, scale
 
 
