@@ -97,6 +97,17 @@ class _Source:
     shape: tuple[int, ...]
     dtype: str
     holders: list[_Holder]
+    # Holders grouped by local box (replicas share a box): lookups scan distinct boxes only.
+    _by_box: dict[Box, tuple[_Holder, ...]] | None = None
+
+    def by_box(self) -> dict[Box, tuple[_Holder, ...]]:
+        if self._by_box is None:
+            groups: dict[Box, list[_Holder]] = defaultdict(list)
+            for h in self.holders:
+                if h.local_box is not None:
+                    groups[h.local_box].append(h)
+            self._by_box = {b: tuple(hs) for b, hs in groups.items()}
+        return self._by_box
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,16 +467,12 @@ class _Gather:
 
 def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] | None:
     """Cut a part's source box along trainer shards; None if it needs a gather."""
-    containing = [h for h in src.holders if h.local_box is not None and box_in(part.source_box, h.local_box)]
+    groups = src.by_box()
+    containing = [h for b, hs in groups.items() if box_in(part.source_box, b) for h in hs]
     if containing:
+        containing.sort(key=lambda h: h.rank)
         return [(part.source_box, tuple(containing))]
-    by_box: dict[Box, list[_Holder]] = defaultdict(list)
-    for h in src.holders:
-        if h.local_box is None:
-            continue
-        inter = box_intersection(part.source_box, h.local_box)
-        if inter is not None:
-            by_box[h.local_box].append(h)
+    by_box = {b: hs for b, hs in groups.items() if box_intersection(part.source_box, b) is not None}
     boxes = sorted(by_box)
     if not _pairwise_disjoint(boxes):
         return None
@@ -510,6 +517,8 @@ def plan(
     gathers: dict[tuple[tuple[int, ...], tuple[str, ...]], _Gather] = {}
     gather_units: dict[tuple[tuple[int, ...], tuple[str, ...]], list[SliceWrite | QuantWrite]] = defaultdict(list)
     gather_local_rank: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
+    pending: dict[tuple[str, ...], list[SliceWrite | QuantWrite]] = defaultdict(list)
+    pending_meshes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
 
     for d in sorted(dests, key=lambda d: d.engine):
         tensors = {t.name: t for t in d.tensors}
@@ -590,18 +599,30 @@ def plan(
                         gather_local_rank[key] = local
                         gather_units[key].append(w)
                         continue
-                    meshes = {_gather_mesh(table[n], problems) for n in names}
-                    if len(meshes) != 1 or None in meshes:
-                        problems.append(
-                            f"engine {d.engine!r}: {rc.dest!r} needs sources on different meshes "
-                            f"({sorted(str(m) for m in meshes)}); cannot gather them together"
-                        )
-                        continue
-                    (mesh,) = meshes
-                    assert mesh is not None
-                    gather_units[(mesh, names)].append(w)
+                    if names not in pending:
+                        cands = _common_gather_meshes([table[n] for n in names])
+                        if not cands:
+                            meshes = {_gather_mesh(table[n], problems) for n in names}
+                            problems.append(
+                                f"engine {d.engine!r}: {rc.dest!r} needs sources on different "
+                                f"meshes ({sorted(str(m) for m in meshes)}); cannot gather them "
+                                "together"
+                            )
+                            continue
+                        pending_meshes[names] = cands
+                    pending[names].append(w)
     if problems:
         raise PlanMismatchError(problems)
+    # Sources replicated on several disjoint meshes (HSDP) can be gathered on any of them: pick
+    # the least-loaded one per source set, largest sets first, so replicas share the work.
+    mesh_load: dict[tuple[int, ...], int] = defaultdict(int)
+    order = sorted(pending, key=lambda n: (-sum(u.nbytes for u in pending[n]), n))
+    for names in order:
+        cands = pending_meshes[names]
+        mesh = min(cands, key=lambda m: (mesh_load[m] / len(m), m)) if len(cands) > 1 else cands[0]
+        units = pending[names]
+        mesh_load[mesh] += sum(u.nbytes for u in units)
+        gather_units[(mesh, names)].extend(units)
 
     load = [0] * world
     # Gathers first (their units can go to any mesh rank), largest units first.
@@ -794,13 +815,30 @@ def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:
     return meshes[0]
 
 
+def _common_gather_meshes(srcs: Sequence[_Source]) -> list[tuple[int, ...]]:
+    """Meshes on which every source of `srcs` can be rebuilt with one `full_tensor()`.
+
+    A source's gather meshes are its largest meshes; several when it is replicated over
+    disjoint shard groups (HSDP). Sorted; empty when the sources share none.
+    """
+    common: set[tuple[int, ...]] | None = None
+    for src in srcs:
+        meshes = {h.mesh for h in src.holders}
+        if not meshes:
+            return []
+        size = max(len(m) for m in meshes)
+        best = {m for m in meshes if len(m) == size}
+        common = best if common is None else common & best
+    return sorted(common or ())
+
+
 def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> int | None:
     """A rank whose own shards contain every part's source box, if any (no gather needed)."""
     common: set[int] | None = None
     for p in parts:
         ranks = {
-            h.rank for h in table[p.source].holders
-            if h.local_box is not None and box_in(p.source_box, h.local_box)
+            h.rank for b, hs in table[p.source].by_box().items()
+            if box_in(p.source_box, b) for h in hs
         }
         common = ranks if common is None else common & ranks
         if not common:
@@ -811,13 +849,48 @@ def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> int | Non
 def fingerprint(
     sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
 ) -> str:
-    """sha256 of the canonical encoding of the planner's inputs."""
-    plain = [
-        [codec.to_plain(m) for m in sorted(sources, key=lambda m: m.rank)],
-        [codec.to_plain(d) for d in sorted(dests, key=lambda d: d.engine)],
-        codec.to_plain(config),
-    ]
-    return hashlib.sha256(msgpack.packb(plain, use_bin_type=True)).hexdigest()
+    """sha256 of the canonical encoding of the planner's inputs.
+
+    The bytes are msgpack of ``[[source manifests], [dest manifests], config]`` as
+    `codec.to_plain` gives them, packed piecewise (msgpack concatenates) so that 10^6-entry
+    manifests are neither copied into plain data nor held as one buffer.
+    """
+    h = hashlib.sha256()
+    packer = msgpack.Packer(use_bin_type=True)
+    h.update(packer.pack_array_header(3))
+    memo: dict[int, object] = {}
+    for group in (sorted(sources, key=lambda m: m.rank), sorted(dests, key=lambda d: d.engine)):
+        h.update(packer.pack_array_header(len(group)))
+        for m in group:
+            h.update(packer.pack(_fast_plain(m, memo)))
+    h.update(packer.pack(codec.to_plain(config)))
+    return h.hexdigest()
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _fast_plain(value: object, memo: dict[int, object]) -> object:
+    """`codec.to_plain` for manifests, msgpack-equal (tuples stay tuples), memoising shared
+    tuples by identity (the caller keeps them alive for the memo's lifetime)."""
+    t = type(value)
+    if value is None or t in (int, str, bytes, bool, float):
+        return value
+    if t is tuple or t is list:
+        seq: tuple[object, ...] | list[object] = value  # type: ignore[assignment]
+        if all(type(x) is int or type(x) is str for x in seq):
+            return seq
+        key = id(seq)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = [_fast_plain(x, memo) for x in seq]
+        return got
+    names = _FIELD_NAMES.get(t)
+    if names is None:
+        if not dataclasses.is_dataclass(value):
+            return codec.to_plain(value)
+        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
+    return {n: _fast_plain(getattr(value, n), memo) for n in names}
 
 
 def schedule_to_json(schedule: Schedule) -> str:
