@@ -1,0 +1,1 @@
+"""Benchmark harnesses (`transport_harness`) and pytest-benchmark suites (`bench_*.py`)."""

@@ -1,0 +1,1146 @@
+"""One harness for transport throughput: every backend beside raw baselines, in the same run.
+
+What is measured: one-sided write throughput from a sender process into a receiver process.
+For each message size `n` a *sample* is one batch of `k` writes of `n` bytes to consecutive
+offsets (`k = ceil(min_sample_bytes / n)`, so small messages are measured as a stream, like
+`ucx_perftest` and `nixlbench` do), timed on the sender from `post_writes` until `poll`
+reports the batch complete. Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
+
+Baselines, measured in the same run with the same sizes, ops and sample counts:
+- `socket`: a plain TCP stream over 127.0.0.1 between two processes; a sample is `k` `sendall`
+  calls of `n` bytes, completed by a one-byte acknowledgement once the receiver holds them all.
+- `memcpy`: `torch.Tensor.copy_` of the same ops in one process, on `memcpy_threads` threads
+  (default 1: one copy engine, as in each backend's data path; recorded in the JSON).
+- `peer_copy` (`device="cuda"`): an in-process copy GPU0 -> GPU1, timed with CUDA events.
+
+Protocol per backend: the parent spawns a receiver (registers a TARGET on GPU1 or host, filled
+with seeded random bytes) and a sender (registers a SOURCE on GPU0 or host, connects). For each
+size the sender first writes seeded random bytes (a seed per size, different from the target's
+initial seed) and the receiver checks them with `torch.equal`; only then warm-up and timed
+rounds run. A mismatch fails that backend and no number is reported for it. The receiver runs
+no code while samples run: it blocks on its command queue. Parent and children exchange only
+bytes, ints, floats and strings over multiprocessing queues; every wait has a timeout.
+
+Used by `weight-transfer bench transports` (spawns both sides) and by `bench_transports.py`
+(pytest-benchmark, sender inside the test process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import socket
+import struct
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import (
+    BACKENDS,
+    Region,
+    RegionDescriptor,
+    RegionRole,
+    Transport,
+    TransportConfig,
+    TransportTimeoutError,
+    WriteHandle,
+    WriteOp,
+    create_transport,
+)
+
+__all__ = [
+    "BASELINES",
+    "DEFAULT_CPU_SIZES",
+    "DEFAULT_CUDA_SIZES",
+    "BenchConfig",
+    "BenchResult",
+    "Measurement",
+    "ReceiverProcess",
+    "SocketReceiverProcess",
+    "SocketSender",
+    "WriteSampler",
+    "check_targets",
+    "format_size",
+    "format_table",
+    "memcpy_sampler",
+    "parse_size",
+    "peer_copy_sampler",
+    "plot_result",
+    "run_benchmarks",
+    "sample_plan",
+    "write_json",
+    "seeded_bytes",
+    "verify_bytes",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_CPU_SIZES: tuple[int, ...] = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
+"""Message sizes measured by default on the host."""
+DEFAULT_CUDA_SIZES: tuple[int, ...] = DEFAULT_CPU_SIZES + (256 * MiB,)
+"""Message sizes measured by default GPU0 -> GPU1."""
+DEFAULT_BACKENDS: tuple[str, ...] = ("loopback", "tcp", "ucx", "nixl")
+"""Backends measured by default (ibverbs needs an RDMA device)."""
+BASELINES: dict[str, tuple[str, ...]] = {"cpu": ("socket", "memcpy"), "cuda": ("peer_copy",)}
+"""Baselines measured beside the backends, per device."""
+
+SCHEMA = "weight-transfer/bench-transports/1"
+_SPIN_POLLS = 50
+_POLL_SLEEP_S = 1e-5
+_SOCKET_HEADER = struct.Struct("!QQQB")  # message bytes, number of messages, seed, check flag
+_ACK_OK, _ACK_BAD = b"\x01", b"\x00"
+
+_CTX = mp.get_context("spawn")
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and results.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """What `run_benchmarks` measures and how."""
+
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
+    """Backend names (keys of `BACKENDS`), measured in this order."""
+    sizes_bytes: tuple[int, ...] = DEFAULT_CPU_SIZES
+    """Message sizes, one measurement per backend and size."""
+    device: str = "cpu"
+    """`cpu`: host memory in both processes; `cuda`: sender on GPU0, receiver on GPU1."""
+    warmup_rounds: int = 3
+    """Untimed samples before the timed ones, per backend and size."""
+    rounds: int = 20
+    """Timed samples per backend and size; the median and p10/p90 are over these."""
+    min_sample_bytes: int = 8 * MiB
+    """A sample writes at least this many bytes (several messages when they are smaller)."""
+    timeout_s: float = 120.0
+    """Longest any single wait (a child's message, one sample) may take."""
+    baselines: bool = True
+    """Measure the raw baselines of `BASELINES[device]` in the same run."""
+    options: tuple[tuple[str, str, str], ...] = ()
+    """Backend options as (backend, key, value), passed to that backend's TransportConfig."""
+    memcpy_threads: int = 1
+    """torch threads of the memcpy baseline (1: what one copy engine or `memcpy` does)."""
+    seed: int = 20261130
+    """Seed of the random bytes; each size and the targets' initial bytes derive from it."""
+
+    def __post_init__(self) -> None:
+        if self.device not in BASELINES:
+            raise ValueError(f"device must be one of {sorted(BASELINES)}, got {self.device!r}")
+        if not self.backends and not self.baselines:
+            raise ValueError("nothing to measure: no backends and no baselines")
+        for name in self.backends:
+            if name not in BACKENDS:
+                raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends repeat a name: {list(self.backends)}")
+        if not self.sizes_bytes:
+            raise ValueError("sizes_bytes must name at least one size")
+        for size in self.sizes_bytes:
+            if size <= 0:
+                raise ValueError(f"message size must be positive, got {size}")
+        if self.warmup_rounds < 0:
+            raise ValueError("warmup_rounds must be >= 0")
+        if self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
+        if self.min_sample_bytes < 1:
+            raise ValueError("min_sample_bytes must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if self.memcpy_threads < 1:
+            raise ValueError("memcpy_threads must be >= 1")
+        for backend, key, _ in self.options:
+            if backend not in BACKENDS:
+                raise ValueError(f"option {key!r} names unknown backend {backend!r}")
+
+    def backend_options(self, backend: str) -> tuple[tuple[str, str], ...]:
+        """The (key, value) options for `backend`."""
+        return tuple((k, v) for b, k, v in self.options if b == backend)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the source and target buffers: the largest sample."""
+        return max(n * k for n, k in (sample_plan(s, self.min_sample_bytes) for s in self.sizes_bytes))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measurement:
+    """Timed samples of one backend (or baseline) at one message size."""
+
+    name: str
+    """Backend or baseline name."""
+    kind: str
+    """`backend` or `baseline`."""
+    size_bytes: int
+    """Bytes per message (write op)."""
+    ops_per_sample: int
+    """Messages per sample."""
+    samples_s: tuple[float, ...]
+    """Seconds per timed sample."""
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes moved per sample."""
+        return self.size_bytes * self.ops_per_sample
+
+    @property
+    def gbps(self) -> list[float]:
+        """Throughput of every sample, GB/s (1e9 bytes/s)."""
+        return [self.sample_bytes / s / 1e9 for s in self.samples_s]
+
+    @property
+    def median_gbps(self) -> float:
+        """Median throughput, GB/s."""
+        return percentile(self.gbps, 50)
+
+    @property
+    def p10_gbps(self) -> float:
+        """10th percentile of throughput, GB/s."""
+        return percentile(self.gbps, 10)
+
+    @property
+    def p90_gbps(self) -> float:
+        """90th percentile of throughput, GB/s."""
+        return percentile(self.gbps, 90)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict with the raw samples and the summary."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "size_bytes": self.size_bytes,
+            "ops_per_sample": self.ops_per_sample,
+            "sample_bytes": self.sample_bytes,
+            "samples_s": list(self.samples_s),
+            "median_gbps": self.median_gbps,
+            "p10_gbps": self.p10_gbps,
+            "p90_gbps": self.p90_gbps,
+            "verified": True,
+        }
+
+
+@dataclasses.dataclass(slots=True)
+class BenchResult:
+    """Everything one run measured, plus why anything could not be measured."""
+
+    config: BenchConfig
+    host: dict[str, Any]
+    measurements: list[Measurement] = dataclasses.field(default_factory=list)
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Backend or baseline name -> why it has no (or incomplete) numbers."""
+
+    def get(self, name: str, size_bytes: int) -> Measurement | None:
+        """The measurement of `name` at `size_bytes`, if any."""
+        for m in self.measurements:
+            if m.name == name and m.size_bytes == size_bytes:
+                return m
+        return None
+
+    def ratios(self) -> list[dict[str, Any]]:
+        """Each backend measurement's median divided by each baseline's median at its size."""
+        rows: list[dict[str, Any]] = []
+        for m in self.measurements:
+            if m.kind != "backend":
+                continue
+            row: dict[str, Any] = {"name": m.name, "size_bytes": m.size_bytes}
+            for base in BASELINES[self.config.device]:
+                b = self.get(base, m.size_bytes)
+                row[f"vs_{base}"] = m.median_gbps / b.median_gbps if b is not None else None
+            rows.append(row)
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole run as a JSON-ready dict."""
+        cfg = dataclasses.asdict(self.config)
+        cfg["options"] = [list(o) for o in self.config.options]
+        return {
+            "schema": SCHEMA,
+            "config": cfg,
+            "host": self.host,
+            "measurements": [m.to_json() for m in self.measurements],
+            "ratios": self.ratios(),
+            "targets": check_targets(self),
+            "errors": dict(self.errors),
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def sample_plan(size_bytes: int, min_sample_bytes: int) -> tuple[int, int]:
+    """(message bytes, messages per sample) for one size."""
+    return size_bytes, max(1, -(-min_sample_bytes // size_bytes))
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB}
+
+
+def parse_size(text: str) -> int:
+    """Parse `4KiB`, `64K`, `1MiB`, `256MiB`, `1GiB` or a plain byte count (binary units).
+
+    Raises:
+        ValueError: the text is not a positive size.
+    """
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 4KiB, 16MiB, 1GiB or 4096")
+    unit = (match.group(2) or "")[:1].lower()
+    value = int(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    """`4KiB`, `64MiB`, ... (exact binary units when they fit, else bytes)."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def seeded_bytes(nbytes: int, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """`nbytes` seeded random bytes (uint8), identical in every process; never all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.empty(-(-nbytes // 8), dtype=torch.int64).random_(generator=gen)
+    return words.view(torch.uint8)[:nbytes].to(device)
+
+
+def size_seed(seed: int, size_bytes: int) -> int:
+    """The seed of the bytes written at message size `size_bytes`."""
+    return (seed * 1_000_003 + size_bytes) % (1 << 62)
+
+
+def verify_bytes(actual: torch.Tensor, seed: int) -> str:
+    """`ok` if `actual` (uint8) equals `seeded_bytes(len, seed)` bit for bit, else where not."""
+    expected = seeded_bytes(actual.numel(), seed)
+    got = actual.cpu()
+    if torch.equal(got, expected):
+        return "ok"
+    diff = (got != expected).nonzero()
+    first = int(diff[0])
+    return (
+        f"mismatch: {diff.numel()} of {actual.numel()} bytes differ, first at offset {first} "
+        f"(got {int(got[first])}, expected {int(expected[first])})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend sides.
+# ---------------------------------------------------------------------------------------------
+
+
+def _device_of(device: str, index: int) -> torch.device:
+    return torch.device("cuda", index) if device == "cuda" else torch.device("cpu")
+
+
+def _transport_config(
+    backend: str, device: str, index: int, options: Sequence[tuple[str, str]]
+) -> TransportConfig:
+    return TransportConfig(
+        name=backend,
+        device_index=index if device == "cuda" else None,
+        options=tuple((str(k), str(v)) for k, v in options),
+    )
+
+
+def wait_polling(transport: Transport, handle: WriteHandle, timeout_s: float) -> None:
+    """Poll `handle` until complete: spin first, then sleep 10 us between polls.
+
+    `Transport.wait` backs off up to 1 ms, which would be most of a small sample's time; the
+    short sleeps still release the GIL to the background threads some backends copy on.
+
+    Raises:
+        TransportTimeoutError: not complete after `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not transport.poll(handle):
+        spins += 1
+        if spins < _SPIN_POLLS:
+            continue
+        if time.monotonic() > deadline:
+            raise TransportTimeoutError(
+                f"benchmark: {handle.num_ops} write(s), {handle.nbytes} bytes to peer "
+                f"{handle.peer!r} not complete after {timeout_s:.1f} s"
+            )
+        time.sleep(_POLL_SLEEP_S)
+
+
+class WriteSampler:
+    """The sender side of one backend: a connected transport, a SOURCE region and the target.
+
+    `prepare(size)` writes that size's seeded bytes (to be verified by the receiver);
+    `sample()` posts one sample's batch and waits for it, returning the seconds it took.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        device: str,
+        options: Sequence[tuple[str, str]],
+        buffer_bytes: int,
+        endpoint: bytes,
+        descriptor: bytes,
+        *,
+        seed: int,
+        min_sample_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        self.seed = seed
+        self.min_sample_bytes = min_sample_bytes
+        self.timeout_s = timeout_s
+        self.transport = create_transport(_transport_config(backend, device, 0, options))
+        try:
+            self.source = torch.empty(buffer_bytes, dtype=torch.uint8, device=_device_of(device, 0))
+            self.source.copy_(seeded_bytes(buffer_bytes, seed - 1, self.source.device))
+            self.region: Region = self.transport.register(self.source, role=RegionRole.SOURCE)
+            self.target = RegionDescriptor.from_bytes(descriptor)
+            self.transport.connect("receiver", endpoint)
+        except BaseException:
+            self.transport.close()
+            raise
+        self.ops: list[WriteOp] = []
+        self.size_bytes = 0
+
+    def prepare(self, size_bytes: int) -> tuple[int, int]:
+        """Fill the source with this size's seeded bytes, write them once, wait.
+
+        Returns:
+            (number of bytes written from offset 0, their seed), for `verify_bytes`.
+        """
+        size, k = sample_plan(size_bytes, self.min_sample_bytes)
+        span = size * k
+        seed = size_seed(self.seed, size)
+        self.source[:span].copy_(seeded_bytes(span, seed, self.source.device))
+        if self.source.is_cuda:
+            torch.cuda.synchronize(self.source.device)
+        self.size_bytes = size
+        self.ops = [WriteOp(self.region, i * size, self.target, i * size, size) for i in range(k)]
+        self.sample()
+        return span, seed
+
+    def sample(self) -> float:
+        """Post one sample's batch and wait for it; seconds from post to completion."""
+        start = time.perf_counter()
+        handle = self.transport.post_writes("receiver", self.ops)
+        wait_polling(self.transport, handle, self.timeout_s)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Close the transport."""
+        self.transport.close()
+
+
+def receiver_worker(
+    backend: str,
+    device: str,
+    options: Sequence[tuple[str, str]],
+    buffer_bytes: int,
+    init_seed: int,
+    timeout_s: float,
+    to_parent: Any,
+    from_parent: Any,
+) -> None:
+    """Register a seeded TARGET, publish it, then answer `check` commands until `stop`.
+
+    Runs no code while writes land: it blocks on the command queue.
+    """
+    try:
+        transport = create_transport(_transport_config(backend, device, 1, options))
+        try:
+            target = seeded_bytes(buffer_bytes, init_seed, _device_of(device, 1))
+            region = transport.register(target, role=RegionRole.TARGET)
+            assert region.descriptor is not None
+            to_parent.put(("ready", transport.endpoint(), region.descriptor.to_bytes()))
+            while True:
+                cmd = from_parent.get(timeout=timeout_s * 4)
+                if cmd[0] == "stop":
+                    break
+                _, span, seed = cmd
+                if target.is_cuda:
+                    torch.cuda.synchronize(target.device)
+                to_parent.put(("checked", verify_bytes(target[:span], seed)))
+        finally:
+            transport.close()
+    except BaseException:
+        to_parent.put(("error", traceback.format_exc()))
+        raise
+
+
+def sender_worker(
+    backend: str,
+    device: str,
+    options: Sequence[tuple[str, str]],
+    buffer_bytes: int,
+    endpoint: bytes,
+    descriptor: bytes,
+    sizes_bytes: Sequence[int],
+    warmup_rounds: int,
+    rounds: int,
+    seed: int,
+    min_sample_bytes: int,
+    timeout_s: float,
+    to_parent: Any,
+    from_parent: Any,
+) -> None:
+    """Per size: write seeded bytes, let the parent verify them, then time the samples."""
+    try:
+        sampler = WriteSampler(
+            backend, device, options, buffer_bytes, endpoint, descriptor,
+            seed=seed, min_sample_bytes=min_sample_bytes, timeout_s=timeout_s,
+        )  # fmt: skip
+        try:
+            for size in sizes_bytes:
+                span, size_seed_ = sampler.prepare(size)
+                to_parent.put(("written", size, span, size_seed_))
+                if from_parent.get(timeout=timeout_s)[0] != "go":
+                    break
+                for _ in range(warmup_rounds):
+                    sampler.sample()
+                samples = [sampler.sample() for _ in range(rounds)]
+                to_parent.put(("samples", size, len(sampler.ops), samples))
+        finally:
+            sampler.close()
+        to_parent.put(("done",))
+    except BaseException:
+        to_parent.put(("error", traceback.format_exc()))
+        raise
+
+
+def _get(q: Any, timeout_s: float, who: str) -> tuple[Any, ...]:
+    try:
+        msg: tuple[Any, ...] = q.get(timeout=timeout_s)
+    except queue.Empty:
+        raise TransportTimeoutError(f"benchmark: no message from the {who} in {timeout_s:.0f} s") from None
+    if msg[0] == "error":
+        raise RuntimeError(f"benchmark {who} failed:\n{msg[1]}")
+    return msg
+
+
+def _join(procs: Sequence[Any], timeout_s: float) -> list[str]:
+    """Join every process (killing, by handle, any still alive); return bad exit reports."""
+    bad = []
+    for proc in procs:
+        proc.join(timeout=timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        if proc.exitcode != 0:
+            bad.append(f"{proc.name} exited with {proc.exitcode}")
+    return bad
+
+
+class ReceiverProcess:
+    """A spawned `receiver_worker` and its queues; a context manager that stops and joins it."""
+
+    def __init__(
+        self,
+        backend: str,
+        device: str,
+        options: Sequence[tuple[str, str]],
+        buffer_bytes: int,
+        init_seed: int,
+        timeout_s: float,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.to_parent = _CTX.Queue()
+        self.from_parent = _CTX.Queue()
+        self.process = _CTX.Process(
+            target=receiver_worker,
+            args=(backend, device, list(options), buffer_bytes, init_seed, timeout_s,
+                  self.to_parent, self.from_parent),
+            name=f"bench-receiver-{backend}",
+        )  # fmt: skip
+        self.process.start()
+        try:
+            msg = _get(self.to_parent, timeout_s, f"{backend} receiver")
+        except BaseException:
+            self.stop()
+            raise
+        self.endpoint: bytes = msg[1]
+        self.descriptor: bytes = msg[2]
+
+    def check(self, span: int, seed: int) -> str:
+        """The receiver's verdict on its first `span` bytes against `seeded_bytes(span, seed)`."""
+        self.from_parent.put(("check", span, seed))
+        verdict: str = _get(self.to_parent, self.timeout_s, "receiver")[1]
+        return verdict
+
+    def stop(self) -> list[str]:
+        """Stop and join the process; return exit problems (empty when it exited with 0)."""
+        if self.process.is_alive():
+            self.from_parent.put(("stop",))
+        return _join([self.process], self.timeout_s)
+
+    def __enter__(self) -> ReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _measure_backend(
+    config: BenchConfig, backend: str, progress: Callable[[str], None]
+) -> list[Measurement]:
+    options = config.backend_options(backend)
+    buffer_bytes = config.buffer_bytes
+    out: list[Measurement] = []
+    with ReceiverProcess(
+        backend, config.device, options, buffer_bytes, config.seed + 1, config.timeout_s
+    ) as receiver:
+        to_parent = _CTX.Queue()
+        from_parent = _CTX.Queue()
+        sender = _CTX.Process(
+            target=sender_worker,
+            args=(backend, config.device, list(options), buffer_bytes, receiver.endpoint,
+                  receiver.descriptor, list(config.sizes_bytes), config.warmup_rounds,
+                  config.rounds, config.seed, config.min_sample_bytes, config.timeout_s,
+                  to_parent, from_parent),
+            name=f"bench-sender-{backend}",
+        )  # fmt: skip
+        sender.start()
+        try:
+            for _ in config.sizes_bytes:
+                _, size, span, seed = _get(to_parent, config.timeout_s, f"{backend} sender")
+                verdict = receiver.check(span, seed)
+                if verdict != "ok":
+                    from_parent.put(("abort",))
+                    raise RuntimeError(
+                        f"{backend}: data check failed at {format_size(size)} messages: {verdict}"
+                    )
+                from_parent.put(("go",))
+                timeout = config.timeout_s * (config.rounds + config.warmup_rounds + 1)
+                _, size, k, samples = _get(to_parent, timeout, f"{backend} sender")
+                m = Measurement(backend, "backend", size, k, tuple(samples))
+                progress(_progress_line(config, m))
+                out.append(m)
+            _get(to_parent, config.timeout_s, f"{backend} sender")  # "done"
+        finally:
+            bad = _join([sender], config.timeout_s)
+            bad += receiver.stop()
+        if bad:
+            raise RuntimeError(f"{backend}: " + "; ".join(bad))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines.
+# ---------------------------------------------------------------------------------------------
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    while view:
+        got = conn.recv_into(view)
+        if got == 0:
+            raise ConnectionError("socket baseline: sender closed the stream")
+        view = view[got:]
+
+
+def socket_receiver_worker(buffer_bytes: int, timeout_s: float, to_parent: Any) -> None:
+    """Listen on 127.0.0.1; per sample receive the header, then the bytes, then acknowledge.
+
+    A sample with its check flag set is verified against its seed and acknowledged with
+    `_ACK_BAD` on a mismatch. A header with zero messages ends the stream.
+    """
+    try:
+        buf = torch.empty(buffer_bytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(timeout_s)
+            to_parent.put(("ready", server.getsockname()[1]))
+            conn, _ = server.accept()
+        with conn:
+            conn.settimeout(timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header = bytearray(_SOCKET_HEADER.size)
+            while True:
+                _recv_exact(conn, memoryview(header))
+                size, k, seed, check = _SOCKET_HEADER.unpack(header)
+                if k == 0:
+                    break
+                span = size * k
+                if span > buffer_bytes:
+                    raise ValueError(f"socket baseline: sample of {span} bytes exceeds the buffer")
+                _recv_exact(conn, view[:span])
+                ok = not check or verify_bytes(buf[:span], seed) == "ok"
+                conn.sendall(_ACK_OK if ok else _ACK_BAD)
+        to_parent.put(("done",))
+    except BaseException:
+        to_parent.put(("error", traceback.format_exc()))
+        raise
+
+
+class SocketReceiverProcess:
+    """A spawned `socket_receiver_worker`; a context manager that joins it."""
+
+    def __init__(self, buffer_bytes: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.to_parent = _CTX.Queue()
+        self.process = _CTX.Process(
+            target=socket_receiver_worker,
+            args=(buffer_bytes, timeout_s, self.to_parent),
+            name="bench-socket-receiver",
+        )
+        self.process.start()
+        try:
+            self.port: int = _get(self.to_parent, timeout_s, "socket receiver")[1]
+        except BaseException:
+            _join([self.process], 1.0)
+            raise
+
+    def join(self) -> list[str]:
+        """Join the process; return exit problems."""
+        return _join([self.process], self.timeout_s)
+
+    def __enter__(self) -> SocketReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.join()
+
+
+class SocketSender:
+    """The sending end of the socket baseline: `k` `sendall`s of `n` bytes per sample."""
+
+    def __init__(self, port: int, buffer_bytes: int, *, seed: int, min_sample_bytes: int,
+                 timeout_s: float) -> None:  # fmt: skip
+        self.seed = seed
+        self.min_sample_bytes = min_sample_bytes
+        self.buf = torch.empty(buffer_bytes, dtype=torch.uint8)
+        self.view = memoryview(self.buf.numpy())
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.size_bytes = 0
+        self.k = 0
+        self.ack = bytearray(1)
+
+    def prepare(self, size_bytes: int) -> None:
+        """Send this size's seeded bytes once with the check flag.
+
+        Raises:
+            RuntimeError: the receiver found different bytes.
+        """
+        self.size_bytes, self.k = sample_plan(size_bytes, self.min_sample_bytes)
+        span = self.size_bytes * self.k
+        seed = size_seed(self.seed, self.size_bytes)
+        self.buf[:span].copy_(seeded_bytes(span, seed))
+        if self._send(seed, check=True) != _ACK_OK:
+            raise RuntimeError(f"socket baseline: data check failed at {format_size(size_bytes)}")
+
+    def _send(self, seed: int, *, check: bool) -> bytes:
+        n = self.size_bytes
+        self.conn.sendall(_SOCKET_HEADER.pack(n, self.k, seed, int(check)))
+        for i in range(self.k):
+            self.conn.sendall(self.view[i * n : (i + 1) * n])
+        _recv_exact(self.conn, memoryview(self.ack))
+        return bytes(self.ack)
+
+    def sample(self) -> float:
+        """One sample: seconds from the first byte sent until the acknowledgement arrived."""
+        start = time.perf_counter()
+        self._send(0, check=False)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """End the stream (a header with zero messages) and close the socket."""
+        with contextlib.suppress(OSError):
+            self.conn.sendall(_SOCKET_HEADER.pack(0, 0, 0, 0))
+        self.conn.close()
+
+
+def socket_sender_worker(
+    port: int,
+    buffer_bytes: int,
+    sizes_bytes: Sequence[int],
+    warmup_rounds: int,
+    rounds: int,
+    seed: int,
+    min_sample_bytes: int,
+    timeout_s: float,
+    to_parent: Any,
+) -> None:
+    """The socket baseline's sender as a process: per size check, warm up, time."""
+    try:
+        sender = SocketSender(port, buffer_bytes, seed=seed, min_sample_bytes=min_sample_bytes,
+                              timeout_s=timeout_s)  # fmt: skip
+        try:
+            for size in sizes_bytes:
+                sender.prepare(size)
+                for _ in range(warmup_rounds):
+                    sender.sample()
+                samples = [sender.sample() for _ in range(rounds)]
+                to_parent.put(("samples", size, sender.k, samples))
+        finally:
+            sender.close()
+        to_parent.put(("done",))
+    except BaseException:
+        to_parent.put(("error", traceback.format_exc()))
+        raise
+
+
+def _measure_socket(config: BenchConfig, progress: Callable[[str], None]) -> list[Measurement]:
+    out: list[Measurement] = []
+    with SocketReceiverProcess(config.buffer_bytes, config.timeout_s) as receiver:
+        to_parent = _CTX.Queue()
+        sender = _CTX.Process(
+            target=socket_sender_worker,
+            args=(receiver.port, config.buffer_bytes, list(config.sizes_bytes),
+                  config.warmup_rounds, config.rounds, config.seed, config.min_sample_bytes,
+                  config.timeout_s, to_parent),
+            name="bench-socket-sender",
+        )  # fmt: skip
+        sender.start()
+        try:
+            timeout = config.timeout_s * (config.rounds + config.warmup_rounds + 1)
+            for _ in config.sizes_bytes:
+                _, size, k, samples = _get(to_parent, timeout, "socket sender")
+                m = Measurement("socket", "baseline", size, k, tuple(samples))
+                progress(_progress_line(config, m))
+                out.append(m)
+            _get(to_parent, config.timeout_s, "socket sender")
+            _get(receiver.to_parent, config.timeout_s, "socket receiver")
+        finally:
+            bad = _join([sender], config.timeout_s) + receiver.join()
+        if bad:
+            raise RuntimeError("socket baseline: " + "; ".join(bad))
+    return out
+
+
+def memcpy_sampler(
+    size_bytes: int, min_sample_bytes: int, seed: int, buffers: tuple[torch.Tensor, torch.Tensor]
+) -> Callable[[], float]:
+    """Check one sample's copies bit for bit, then return a function timing one sample.
+
+    `buffers` are (source, destination) host uint8 tensors of at least one sample's bytes.
+    """
+    src, dst = buffers
+    n, k = sample_plan(size_bytes, min_sample_bytes)
+    span = n * k
+    seed_ = size_seed(seed, n)
+    src[:span].copy_(seeded_bytes(span, seed_))
+    pairs = [(dst[i * n : (i + 1) * n], src[i * n : (i + 1) * n]) for i in range(k)]
+
+    def sample() -> float:
+        start = time.perf_counter()
+        for d, s in pairs:
+            d.copy_(s)
+        return time.perf_counter() - start
+
+    sample()
+    verdict = verify_bytes(dst[:span], seed_)
+    if verdict != "ok":
+        raise RuntimeError(f"memcpy baseline: data check failed: {verdict}")
+    return sample
+
+
+def peer_copy_sampler(
+    size_bytes: int, min_sample_bytes: int, seed: int, buffers: tuple[torch.Tensor, torch.Tensor]
+) -> Callable[[], float]:
+    """Like `memcpy_sampler` for (GPU0 source, GPU1 destination), timed with CUDA events."""
+    src, dst = buffers
+    n, k = sample_plan(size_bytes, min_sample_bytes)
+    span = n * k
+    seed_ = size_seed(seed, n)
+    src[:span].copy_(seeded_bytes(span, seed_, src.device))
+    pairs = [(dst[i * n : (i + 1) * n], src[i * n : (i + 1) * n]) for i in range(k)]
+    stream = torch.cuda.current_stream(src.device)
+
+    def sample() -> float:
+        with torch.cuda.device(src.device):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+    sample()
+    torch.cuda.synchronize(dst.device)
+    verdict = verify_bytes(dst[:span], seed_)
+    if verdict != "ok":
+        raise RuntimeError(f"peer-copy baseline: data check failed: {verdict}")
+    return sample
+
+
+def _measure_in_process(
+    config: BenchConfig,
+    name: str,
+    make: Callable[[int, int, int, tuple[torch.Tensor, torch.Tensor]], Callable[[], float]],
+    buffers: tuple[torch.Tensor, torch.Tensor],
+    progress: Callable[[str], None],
+) -> list[Measurement]:
+    out = []
+    for size in config.sizes_bytes:
+        sample = make(size, config.min_sample_bytes, config.seed, buffers)
+        for _ in range(config.warmup_rounds):
+            sample()
+        samples = tuple(sample() for _ in range(config.rounds))
+        _, k = sample_plan(size, config.min_sample_bytes)
+        m = Measurement(name, "baseline", size, k, samples)
+        progress(_progress_line(config, m))
+        out.append(m)
+    return out
+
+
+def _measure_baseline(
+    config: BenchConfig, name: str, progress: Callable[[str], None]
+) -> list[Measurement]:
+    nbytes = config.buffer_bytes
+    if name == "socket":
+        return _measure_socket(config, progress)
+    if name == "memcpy":
+        host = (torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(config.memcpy_threads)
+        try:
+            return _measure_in_process(config, name, memcpy_sampler, host, progress)
+        finally:
+            torch.set_num_threads(threads)
+    if name == "peer_copy":
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if num_gpus < 2:
+            raise RuntimeError(f"peer copy needs 2 CUDA GPUs, this host has {num_gpus}")
+        gpu = (
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"),
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda:1"),
+        )
+        return _measure_in_process(config, name, peer_copy_sampler, gpu, progress)
+    raise ValueError(f"unknown baseline {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration and reports.
+# ---------------------------------------------------------------------------------------------
+
+
+def _package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def host_info() -> dict[str, Any]:
+    """Hardware and versions, for the JSON and the results files."""
+    cuda = torch.cuda.is_available()
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "num_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda
+        else [],
+        "packages": {d: _package_version(d) for d in ("libucx-cu13", "nixl-cu13", "msgpack")},
+        "loadavg": list(os.getloadavg()),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _progress_line(config: BenchConfig, m: Measurement) -> str:
+    return (
+        f"[{config.device}] {m.name:<10} {format_size(m.size_bytes):>7} x{m.ops_per_sample:<5} "
+        f"median {m.median_gbps:8.3f} GB/s  p10-p90 {m.p10_gbps:.3f}-{m.p90_gbps:.3f}"
+    )
+
+
+def run_benchmarks(
+    config: BenchConfig, progress: Callable[[str], None] = lambda _line: None
+) -> BenchResult:
+    """Measure the baselines, then every backend; a backend that fails is recorded, not fatal.
+
+    Args:
+        progress: called with one line per finished measurement (and per failure).
+    """
+    result = BenchResult(config=config, host=host_info())
+    names = [(b, True) for b in BASELINES[config.device] if config.baselines]
+    names += [(b, False) for b in config.backends]
+    for name, is_baseline in names:
+        try:
+            if is_baseline:
+                result.measurements += _measure_baseline(config, name, progress)
+            else:
+                result.measurements += _measure_backend(config, name, progress)
+        except (RuntimeError, OSError, ValueError, TimeoutError) as exc:
+            # One backend failing (not installed, no GPU, bad data) must not hide the others.
+            result.errors[name] = str(exc).strip()
+            progress(f"[{config.device}] {name}: FAILED: {str(exc).strip().splitlines()[-1]}")
+    result.host["loadavg_end"] = list(os.getloadavg())
+    return result
+
+
+# Targets from the project's issue: (device, size, backend, baseline, minimum ratio).
+TARGETS: tuple[tuple[str, int, str, str, float], ...] = (
+    ("cpu", 64 * MiB, "ucx", "socket", 2.0),
+    ("cpu", 64 * MiB, "ucx", "memcpy", 0.5),
+    ("cpu", 64 * MiB, "nixl", "socket", 2.0),
+    ("cpu", 64 * MiB, "nixl", "memcpy", 0.5),
+    ("cpu", 64 * MiB, "tcp", "socket", 0.8),
+    ("cuda", 256 * MiB, "loopback", "peer_copy", 0.9),
+    ("cuda", 256 * MiB, "ucx", "peer_copy", 0.9),
+    ("cuda", 256 * MiB, "nixl", "peer_copy", 0.9),
+)
+"""Throughput ratios the transports should reach."""
+
+
+def check_targets(result: BenchResult) -> list[dict[str, Any]]:
+    """Each target of `TARGETS` that this run's device covers, with its measured ratio."""
+    rows = []
+    for device, size, backend, baseline, minimum in TARGETS:
+        if device != result.config.device:
+            continue
+        m = result.get(backend, size)
+        b = result.get(baseline, size)
+        ratio = m.median_gbps / b.median_gbps if m is not None and b is not None else None
+        rows.append(
+            {
+                "backend": backend,
+                "baseline": baseline,
+                "size_bytes": size,
+                "minimum_ratio": minimum,
+                "ratio": ratio,
+                "met": None if ratio is None else ratio >= minimum,
+            }
+        )
+    return rows
+
+
+def format_table(result: BenchResult) -> str:
+    """A fixed-width table: every measurement, its spread and its ratios to the baselines."""
+    bases = BASELINES[result.config.device]
+    head = ["name", "size", "ops/sample", "median GB/s", "p10-p90 GB/s"]
+    head += [f"vs {b}" for b in bases]
+    rows = [head]
+    for m in sorted(result.measurements, key=lambda m: (m.kind != "baseline", m.name, m.size_bytes)):
+        row = [
+            m.name,
+            format_size(m.size_bytes),
+            str(m.ops_per_sample),
+            f"{m.median_gbps:.3f}",
+            f"{m.p10_gbps:.3f}-{m.p90_gbps:.3f}",
+        ]
+        for base in bases:
+            b = result.get(base, m.size_bytes)
+            row.append(f"{m.median_gbps / b.median_gbps:.2f}x" if b is not None else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    targets = check_targets(result)
+    if targets:
+        lines.append("")
+        lines.append("targets:")
+        for t in targets:
+            got = "not measured" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+            verdict = {None: "n/a", True: "met", False: "NOT met"}[t["met"]]
+            lines.append(
+                f"  {t['backend']:<9} at {format_size(t['size_bytes'])}: >= {t['minimum_ratio']}x "
+                f"{t['baseline']}: {got} ({verdict})"
+            )
+    for name, why in result.errors.items():
+        lines.append(f"{name}: not measured: {why.splitlines()[-1] if why else ''}")
+    return "\n".join(lines)
+
+
+def write_json(result: BenchResult, path: str | Path) -> None:
+    """Write `result.to_json()` to `path`."""
+    Path(path).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def plot_result(result: BenchResult, path: str | Path) -> None:
+    """Throughput against message size (log2 x axis): a line per backend, dashed baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = dict.fromkeys(m.name for m in result.measurements)
+    for name in names:
+        ms = sorted((m for m in result.measurements if m.name == name), key=lambda m: m.size_bytes)
+        xs = [m.size_bytes for m in ms]
+        baseline = ms[0].kind == "baseline"
+        ax.plot(
+            xs,
+            [m.median_gbps for m in ms],
+            linestyle="--" if baseline else "-",
+            marker="" if baseline else "o",
+            label=f"{name} (baseline)" if baseline else name,
+        )
+        if not baseline:
+            ax.fill_between(xs, [m.p10_gbps for m in ms], [m.p90_gbps for m in ms], alpha=0.15)
+    sizes = sorted({m.size_bytes for m in result.measurements})
+    ax.set_xscale("log", base=2)
+    if sizes:
+        ax.set_xticks(sizes, [format_size(s) for s in sizes])
+    ax.set_xlabel("message size")
+    ax.set_ylabel("throughput, GB/s (median; band p10-p90)")
+    where = "GPU0 -> GPU1" if result.config.device == "cuda" else "host, loopback"
+    ax.set_title(f"one-sided write throughput ({where}, {result.host.get('hostname', '')})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def backend_pair(config: BenchConfig, backend: str) -> Iterator[tuple[ReceiverProcess, WriteSampler]]:
+    """A receiver process and an in-process sender of `backend` (for pytest-benchmark)."""
+    options = config.backend_options(backend)
+    with ReceiverProcess(
+        backend, config.device, options, config.buffer_bytes, config.seed + 1, config.timeout_s
+    ) as receiver:
+        sampler = WriteSampler(
+            backend, config.device, options, config.buffer_bytes, receiver.endpoint,
+            receiver.descriptor, seed=config.seed, min_sample_bytes=config.min_sample_bytes,
+            timeout_s=config.timeout_s,
+        )  # fmt: skip
+        try:
+            yield receiver, sampler
+        finally:
+            sampler.close()
+        problems = receiver.stop()
+        if problems:
+            raise RuntimeError(f"{backend} receiver: " + "; ".join(problems))
