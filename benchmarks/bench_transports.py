@@ -28,9 +28,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     names = [(b, "baseline") for b in harness.BASELINES[cfg.device]]
     names += [(b, "backend") for b in cfg.backends]
     cases = [(name, kind, size) for name, kind in names for size in cfg.sizes_bytes]
-    metafunc.parametrize(
-        "case", cases, ids=[f"{n}-{harness.format_size(s)}" for n, _, s in cases]
-    )
+    metafunc.parametrize("case", cases, ids=[f"{n}-{harness.format_size(s)}" for n, _, s in cases])
 
 
 class _Sessions:
@@ -68,7 +66,10 @@ class _Sessions:
                     torch.empty(n, dtype=torch.uint8, device="cuda:1"),
                 )
             else:
-                self._buffers = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+                self._buffers = (
+                    torch.empty(n, dtype=torch.uint8),
+                    torch.empty(n, dtype=torch.uint8),
+                )
         return self._buffers
 
     def close(self) -> list[str]:
@@ -113,9 +114,7 @@ def _record(benchmark: Any, name: str, kind: str, size: int, k: int) -> None:
     )
 
 
-def test_write_throughput(
-    benchmark: Any, case: tuple[str, str, int], sessions: _Sessions
-) -> None:
+def test_write_throughput(benchmark: Any, case: tuple[str, str, int], sessions: _Sessions) -> None:
     """One backend or baseline at one message size: verify the bytes, then time samples."""
     name, kind, size = case
     cfg = sessions.cfg
@@ -141,8 +140,6 @@ def test_write_throughput(
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < 2:
             pytest.skip(f"peer copy needs 2 CUDA GPUs, this host has {have}")
-        sample = harness.peer_copy_sampler(
-            size, cfg.min_sample_bytes, cfg.seed, sessions.buffers()
-        )
+        sample = harness.peer_copy_sampler(size, cfg.min_sample_bytes, cfg.seed, sessions.buffers())
     benchmark.pedantic(sample, rounds=cfg.rounds, warmup_rounds=cfg.warmup_rounds, iterations=1)
     _record(benchmark, name, kind, size, k)

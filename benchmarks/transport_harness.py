@@ -176,7 +176,9 @@ class BenchConfig:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the source and target buffers: the largest sample."""
-        return max(n * k for n, k in (sample_plan(s, self.min_sample_bytes) for s in self.sizes_bytes))
+        return max(
+            n * k for n, k in (sample_plan(s, self.min_sample_bytes) for s in self.sizes_bytes)
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -537,7 +539,9 @@ def _get(q: Any, timeout_s: float, who: str) -> tuple[Any, ...]:
     try:
         msg: tuple[Any, ...] = q.get(timeout=timeout_s)
     except queue.Empty:
-        raise TransportTimeoutError(f"benchmark: no message from the {who} in {timeout_s:.0f} s") from None
+        raise TransportTimeoutError(
+            f"benchmark: no message from the {who} in {timeout_s:.0f} s"
+        ) from None
     if msg[0] == "error":
         raise RuntimeError(f"benchmark {who} failed:\n{msg[1]}")
     return msg
@@ -1052,7 +1056,9 @@ def format_table(result: BenchResult) -> str:
     head = ["name", "size", "ops/sample", "median GB/s", "p10-p90 GB/s"]
     head += [f"vs {b}" for b in bases]
     rows = [head]
-    for m in sorted(result.measurements, key=lambda m: (m.kind != "baseline", m.name, m.size_bytes)):
+    for m in sorted(
+        result.measurements, key=lambda m: (m.kind != "baseline", m.name, m.size_bytes)
+    ):
         row = [
             m.name,
             format_size(m.size_bytes),
@@ -1126,7 +1132,9 @@ def plot_result(result: BenchResult, path: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def backend_pair(config: BenchConfig, backend: str) -> Iterator[tuple[ReceiverProcess, WriteSampler]]:
+def backend_pair(
+    config: BenchConfig, backend: str
+) -> Iterator[tuple[ReceiverProcess, WriteSampler]]:
     """A receiver process and an in-process sender of `backend` (for pytest-benchmark)."""
     options = config.backend_options(backend)
     with ReceiverProcess(
