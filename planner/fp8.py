@@ -47,7 +47,9 @@ def quantize_fp8_blockwise(
     padded = torch.nn.functional.pad(x32, (0, pad_c, 0, pad_r)) if (pad_r or pad_c) else x32
     blocks = padded.reshape(*lead, nr, b0, nc, b1)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # Tensor / tensor: PyTorch turns tensor / python-scalar into a multiply by the reciprocal on
+    # CUDA, which differs from true division in the last bit about half the time.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     expanded = scale.repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
     expanded = expanded[..., :rows, :cols]
     q = (x32 / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

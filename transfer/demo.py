@@ -45,6 +45,12 @@ class DemoConfig:
     """Model shape preset (`planner.presets.models`)."""
     trainer_dtype: str = "bfloat16"
     """Trainer parameter dtype (float32 exercises the cast to the engine's bfloat16)."""
+    engine_dtype: str = "bfloat16"
+    """Engine parameter dtype (of the non-FP8 tensors)."""
+    engine_model: str = "vllm-layout"
+    """"vllm-layout": plain tensors in vLLM's per-rank layout; "phi3": a transformers
+    Phi3ForCausalLM (fused qkv_proj / gate_up_proj, tp=1) whose logits are compared with the
+    trainer's after every update."""
     memory_budget_bytes: int = 256 << 20
     """Per-rank temporary memory budget."""
     timeout_s: float = 240.0
@@ -61,6 +67,10 @@ class DemoConfig:
             raise ValueError("train_ranks, engine_ranks and steps must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        if self.engine_model not in ("vllm-layout", "phi3"):
+            raise ValueError(f"unknown engine_model {self.engine_model!r}")
+        if self.engine_model == "phi3" and (self.engine_ranks != 1 or self.fp8):
+            raise ValueError("the phi3 engine is one unquantized rank (engine_ranks=1, no fp8)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +97,8 @@ class DemoResult:
     errors: list[str]
     engine_tensors: dict[int, dict[int, dict[str, torch.Tensor]]]
     expected: dict[int, dict[int, dict[str, torch.Tensor]]]
+    logits: dict[str, dict[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """"engine" / "trainer" -> step -> logits on the probe tokens (phi3 engine only)."""
 
     @property
     def ok(self) -> bool:
@@ -97,6 +109,24 @@ class DemoResult:
             and bool(self.updates)
             and all(not u.mismatches for u in self.updates)
         )
+
+
+def _pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Tensors as (dtype, shape, raw bytes): plain data for the result queue, so nothing depends
+    on the sending process staying alive (torch's shared-memory handles would)."""
+    out = {}
+    for n, t in tensors.items():
+        flat = t.detach().contiguous().cpu().view(-1).view(torch.uint8)
+        out[n] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), bytes(flat.numpy()))
+    return out
+
+
+def _unpack(packed: dict[str, tuple[str, tuple[int, ...], bytes]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, (dtype, shape, data) in packed.items():
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out[n] = flat.view(getattr(torch, dtype)).view(shape)
+    return out
 
 
 def free_port() -> int:
@@ -139,6 +169,31 @@ def _transport(cfg: DemoConfig) -> Any:
     return TransportConfig(name=cfg.backend, options=cfg.transport_options)
 
 
+def probe_tokens(cfg: DemoConfig) -> torch.Tensor:
+    """Fixed random tokens on which engine and trainer logits are compared."""
+    from planner.presets.models import get_model_shape
+
+    g = torch.Generator().manual_seed(cfg.seed + 99)
+    return torch.randint(0, get_model_shape(cfg.model).vocab_size, (2, 24), generator=g)
+
+
+def _phi3(cfg: DemoConfig) -> Any:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    lc = _model_config(cfg.model)
+    pc = Phi3Config(
+        vocab_size=lc.vocab_size, hidden_size=lc.hidden_size,
+        intermediate_size=lc.intermediate_size, num_hidden_layers=lc.num_hidden_layers,
+        num_attention_heads=lc.num_attention_heads, num_key_value_heads=lc.num_key_value_heads,
+        rms_norm_eps=lc.rms_norm_eps, max_position_embeddings=lc.max_position_embeddings,
+        original_max_position_embeddings=lc.max_position_embeddings, rope_scaling=None,
+        tie_word_embeddings=lc.tie_word_embeddings, pad_token_id=0,
+    )
+    if pc.hidden_size // pc.num_attention_heads != lc.head_dim:
+        raise ValueError("Phi3 derives head_dim from hidden_size / num_heads; this model differs")
+    return Phi3ForCausalLM(pc).eval()
+
+
 def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
     """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
     from planner.presets.models import get_model_shape
@@ -149,21 +204,32 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
     torch.set_num_threads(1)
     shape = get_model_shape(cfg.model)
     recipes = vllm_recipes(shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8)
-    specs = vllm_tensor_specs(shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8)
+    specs = vllm_tensor_specs(
+        shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8, param_dtype=cfg.engine_dtype
+    )
     g = torch.Generator().manual_seed(10_000 + cfg.seed * 100 + tp_rank)
+    module = None
     tensors: dict[str, torch.Tensor] = {}
-    for s in specs:
-        # Random fill, never zeros: an unwritten byte or a wrong offset cannot pass.
-        tensors[s.name] = torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype))
+    if cfg.engine_model == "phi3":
+        module = _phi3(cfg).to(torch_dtype(cfg.engine_dtype))
+        tensors = dict(module.named_parameters())
+    else:
+        for s in specs:
+            # Random fill, never zeros: an unwritten byte or a wrong offset cannot pass.
+            tensors[s.name] = torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype))
     receiver = WeightReceiver(
-        tensors, recipes, engine=f"engine{tp_rank}", transport=_transport(cfg),
-        control=_control(cfg, port, token),
+        module if module is not None else tensors, recipes, engine=f"engine{tp_rank}",
+        transport=_transport(cfg), control=_control(cfg, port, token),
     )
     try:
         for step in range(1, cfg.steps + 1):
             receiver.wait_for_version(step, cfg.timeout_s)
             if cfg.return_tensors:
-                out.put(("engine", tp_rank, step, {n: t.clone() for n, t in tensors.items()}))
+                out.put(("engine", tp_rank, step, _pack(tensors)))
+            if module is not None:
+                with torch.no_grad():
+                    logits = module(input_ids=probe_tokens(cfg)).logits
+                out.put(("logits", "engine", step, _pack({"x": logits})))
             receiver.publish_digests(step)
         # Stay registered until the trainers have verified the last update.
         receiver._control.get(f"finished/{cfg.steps}", _Finished, cfg.timeout_s)
@@ -234,19 +300,28 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
             t_update = stats.seconds
             nbytes = torch.tensor([stats.nbytes], dtype=torch.int64)
             dist.all_reduce(nbytes)
-            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            with torch.no_grad():
+                full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
             if rank == 0:
                 assert controller is not None
                 expected: dict[str, dict[str, torch.Tensor]] = {}
                 for e in range(cfg.engine_ranks):
                     recipes = vllm_recipes(shape, e, cfg.engine_ranks, fp8=cfg.fp8)
-                    specs = vllm_tensor_specs(shape, e, cfg.engine_ranks, fp8=cfg.fp8)
+                    specs = vllm_tensor_specs(
+                        shape, e, cfg.engine_ranks, fp8=cfg.fp8, param_dtype=cfg.engine_dtype
+                    )
                     expected[f"engine{e}"] = materialize(recipes, specs, full)
+                if cfg.engine_model == "phi3":
+                    ref = LlamaForCausalLM(_model_config(cfg.model)).to(torch_dtype(cfg.trainer_dtype))
+                    ref.load_state_dict(full)
+                    with torch.no_grad():
+                        logits = ref.eval()(input_ids=probe_tokens(cfg)).logits
+                    out.put(("logits", "trainer", step, _pack({"x": logits})))
                 bad = controller.verify(step, expected, cfg.timeout_s)
                 out.put(("update", step, t_update, int(nbytes.item()), tuple(bad)))
                 if cfg.return_tensors:
                     out.put(("expected", step, {
-                        int(k.removeprefix("engine")): v for k, v in expected.items()
+                        int(k.removeprefix("engine")): _pack(v) for k, v in expected.items()
                     }))
         if rank == 0:
             sender._control.put(f"finished/{cfg.steps}", _Finished(step=cfg.steps))
@@ -324,7 +399,10 @@ def _handle(msg: Any, result: DemoResult, on_update: Callable[[UpdateReport], No
             on_update(rep)
     elif kind == "engine":
         _, rank, step, tensors = msg
-        result.engine_tensors.setdefault(step, {})[rank] = tensors
+        result.engine_tensors.setdefault(step, {})[rank] = _unpack(tensors)
+    elif kind == "logits":
+        _, who, step, logits = msg
+        result.logits.setdefault(who, {})[step] = _unpack(logits)["x"]
     elif kind == "expected":
         _, step, per_engine = msg
-        result.expected[step] = per_engine
+        result.expected[step] = {e: _unpack(v) for e, v in per_engine.items()}
