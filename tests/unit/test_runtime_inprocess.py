@@ -1,0 +1,192 @@
+"""Runtime in one process: controller, receiver and sender wired together; bad input refused."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from backends.base import (
+    ConfigurationError,
+    ControlPlaneAuthError,
+    PlanMismatchError,
+    TransportConfig,
+    TransportTimeoutError,
+    WeightTransferError,
+)
+from planner.recipes import column_shard, identity
+from transfer.config import ControlPlaneConfig, ControllerConfig, SenderConfig
+from transfer.controller import Controller
+from transfer.demo import free_port
+from transfer.receiver import WeightReceiver
+from transfer.sender import WeightSender
+
+
+def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
+    return ControlPlaneConfig(
+        port=port or free_port(), token=token or secrets.token_hex(8), timeout_s=timeout_s
+    )
+
+
+def trainer_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(37, 19, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+
+
+def engine_setup(tp_rank: int = 0, tp: int = 2):
+    recipes = (column_shard("a.weight", "a.weight", (37, 19), tp_rank=tp_rank, tp_size=tp), identity("b.weight", "b.weight", (5,)))
+    rows = recipes[0].parts[0].source_box[0]
+    g = torch.Generator().manual_seed(100 + tp_rank)
+    tensors = {
+        "a.weight": torch.randn(rows[1] - rows[0], 19, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    return recipes, tensors, rows
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["loopback", "tcp"])
+def test_single_process_updates(backend: str) -> None:
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+    receivers, engine_tensors, rows = [], [], []
+    for e in range(2):
+        recipes, tensors, r = engine_setup(e)
+        receivers.append(WeightReceiver(tensors, recipes, engine=f"e{e}", transport=TransportConfig(name=backend), control=cp))
+        engine_tensors.append(tensors)
+        rows.append(r)
+    src = trainer_tensors(1)
+    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name=backend), control=cp, controller=ctrl,
+                          config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20))
+    try:
+        for step in (1, 2):
+            with torch.no_grad():
+                for t in src.values():
+                    t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(step)).to(t.dtype))
+            stats = sender.update(step)
+            assert stats.nbytes == 37 * 19 * 2 + 2 * 5 * 2
+            for e in range(2):
+                assert receivers[e].version == step
+                a, b = rows[e]
+                assert torch.equal(engine_tensors[e]["a.weight"], src["a.weight"][a:b])
+                assert torch.equal(engine_tensors[e]["b.weight"], src["b.weight"])
+        with pytest.raises(ValueError, match="larger than the previous"):
+            sender.update(2)
+        assert sender.trace_events()
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+@pytest.mark.timeout(60)
+def test_engine_name_registered_twice() -> None:
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)  # noqa: F841 (hosts the store)
+    recipes, tensors, _ = engine_setup()
+    r1 = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    try:
+        recipes2, tensors2, _ = engine_setup()
+        with pytest.raises(ConfigurationError, match="'e0' is already registered"):
+            WeightReceiver(tensors2, recipes2, engine="e0", transport=TransportConfig(), control=cp)
+    finally:
+        r1.close()
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_refused() -> None:
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)  # noqa: F841 (hosts the store)
+    recipes, tensors, _ = engine_setup()
+    bad = ControlPlaneConfig(port=cp.port, token="not-the-token", timeout_s=5)
+    with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
+        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=bad)
+
+
+@pytest.mark.timeout(60)
+def test_plan_mismatch_raises_before_any_byte_moves() -> None:
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    recipes, tensors, _ = engine_setup(0, 1)
+    before = {n: t.clone() for n, t in tensors.items()}
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    src = trainer_tensors(1)
+    src["c.weight"] = torch.randn(3, 3).to(torch.bfloat16)  # extra
+    del src["b.weight"]  # missing
+    try:
+        with pytest.raises(PlanMismatchError) as info:
+            WeightSender(src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+        text = str(info.value)
+        assert "'b.weight'" in text and "which no trainer rank has" in text
+        assert "'c.weight'" in text and "extra" in text
+        for n in tensors:
+            assert torch.equal(tensors[n], before[n])
+        assert rx.version == 0
+    finally:
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_engine_that_never_shows_up_times_out() -> None:
+    cp = control(timeout_s=2)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+    recipes, tensors, _ = engine_setup(0, 2)
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    try:
+        with pytest.raises(TransportTimeoutError, match="1 of 2 engines joined"):
+            WeightSender(trainer_tensors(1), rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+    finally:
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_trainer_rank_that_never_shows_up_times_out() -> None:
+    cp = control(timeout_s=2)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    with pytest.raises(TransportTimeoutError, match=r"trainer rank\(s\) \[1\] did not join"):
+        WeightSender(trainer_tensors(1), rank=0, world_size=2, transport=TransportConfig(), control=cp, controller=ctrl)
+
+
+@pytest.mark.timeout(60)
+def test_no_control_plane_times_out() -> None:
+    with pytest.raises(TransportTimeoutError, match="could not reach the control plane"):
+        recipes, tensors, _ = engine_setup()
+        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=control(timeout_s=1))
+
+
+def test_receiver_refuses_unwritten_and_missing_tensors() -> None:
+    cp = control(timeout_s=1)
+    recipes, tensors, _ = engine_setup()
+    tensors["stray.weight"] = torch.randn(2)
+    with pytest.raises(ConfigurationError, match="'stray.weight' is written by no recipe"):
+        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    del tensors["stray.weight"]
+    del tensors["b.weight"]
+    with pytest.raises(ConfigurationError, match="'b.weight', which the engine does not have"):
+        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    recipes, tensors, _ = engine_setup()
+    tensors["a.weight"] = torch.randn(19, 19).to(torch.bfloat16).t()
+    with pytest.raises(ConfigurationError, match="'a.weight' is not contiguous"):
+        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+
+
+def test_engine_shape_mismatch_named_by_planner() -> None:
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    recipes, tensors, _ = engine_setup(0, 2)
+    tensors["a.weight"] = torch.randn(20, 19).to(torch.bfloat16)  # tp shard has 19 rows
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    try:
+        with pytest.raises(PlanMismatchError, match="'a.weight'"):
+            WeightSender(trainer_tensors(1), rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+    finally:
+        rx.close()
+
+
+def test_weight_transfer_error_hierarchy() -> None:
+    assert issubclass(PlanMismatchError, WeightTransferError)
+    assert issubclass(TransportTimeoutError, TimeoutError)
