@@ -56,6 +56,7 @@ from backends.base import (
     Transport,
     TransportConfig,
     TransportTimeoutError,
+    TransportUnavailableError,
     WriteHandle,
     WriteOp,
     create_transport,
@@ -68,6 +69,7 @@ __all__ = [
     "BenchConfig",
     "BenchResult",
     "Measurement",
+    "NotRunnableHere",
     "ReceiverProcess",
     "SocketReceiverProcess",
     "SocketSender",
@@ -111,6 +113,10 @@ _CTX = mp.get_context("spawn")
 # ---------------------------------------------------------------------------------------------
 # Configuration and results.
 # ---------------------------------------------------------------------------------------------
+
+
+class NotRunnableHere(RuntimeError):
+    """A backend or baseline cannot run on this host (package missing, no GPU); not a failure."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,7 +251,9 @@ class BenchResult:
     host: dict[str, Any]
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Backend or baseline name -> why it has no (or incomplete) numbers."""
+    """Backend or baseline name -> why it failed (bad data, a crash, a timeout)."""
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Backend or baseline name -> why it cannot run on this host."""
 
     def get(self, name: str, size_bytes: int) -> Measurement | None:
         """The measurement of `name` at `size_bytes`, if any."""
@@ -279,6 +287,7 @@ class BenchResult:
             "ratios": self.ratios(),
             "targets": check_targets(self),
             "errors": dict(self.errors),
+            "skipped": dict(self.skipped),
         }
 
 
@@ -474,7 +483,11 @@ def receiver_worker(
     Runs no code while writes land: it blocks on the command queue.
     """
     try:
-        transport = create_transport(_transport_config(backend, device, 1, options))
+        try:
+            transport = create_transport(_transport_config(backend, device, 1, options))
+        except TransportUnavailableError as exc:
+            to_parent.put(("unavailable", str(exc)))
+            return
         try:
             target = seeded_bytes(buffer_bytes, init_seed, _device_of(device, 1))
             region = transport.register(target, role=RegionRole.TARGET)
@@ -587,6 +600,9 @@ class ReceiverProcess:
         except BaseException:
             self.stop()
             raise
+        if msg[0] == "unavailable":
+            self.stop()
+            raise NotRunnableHere(msg[1])
         self.endpoint: bytes = msg[1]
         self.descriptor: bytes = msg[2]
 
@@ -673,8 +689,9 @@ def socket_receiver_worker(buffer_bytes: int, timeout_s: float, to_parent: Any) 
     `_ACK_BAD` on a mismatch. A header with zero messages ends the stream.
     """
     try:
-        buf = torch.empty(buffer_bytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        raw = bytearray(buffer_bytes)
+        buf = torch.frombuffer(raw, dtype=torch.uint8)
+        view = memoryview(raw)
         with socket.create_server(("127.0.0.1", 0)) as server:
             server.settimeout(timeout_s)
             to_parent.put(("ready", server.getsockname()[1]))
@@ -736,8 +753,9 @@ class SocketSender:
                  timeout_s: float) -> None:  # fmt: skip
         self.seed = seed
         self.min_sample_bytes = min_sample_bytes
-        self.buf = torch.empty(buffer_bytes, dtype=torch.uint8)
-        self.view = memoryview(self.buf.numpy())
+        raw = bytearray(buffer_bytes)
+        self.buf = torch.frombuffer(raw, dtype=torch.uint8)
+        self.view = memoryview(raw)
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.size_bytes = 0
@@ -877,8 +895,8 @@ def peer_copy_sampler(
 
     def sample() -> float:
         with torch.cuda.device(src.device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
             for d, s in pairs:
                 d.copy_(s, non_blocking=True)
@@ -931,7 +949,7 @@ def _measure_baseline(
     if name == "peer_copy":
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if num_gpus < 2:
-            raise RuntimeError(f"peer copy needs 2 CUDA GPUs, this host has {num_gpus}")
+            raise NotRunnableHere(f"peer copy needs 2 CUDA GPUs, this host has {num_gpus}")
         gpu = (
             torch.empty(nbytes, dtype=torch.uint8, device="cuda:0"),
             torch.empty(nbytes, dtype=torch.uint8, device="cuda:1"),
@@ -1006,6 +1024,9 @@ def run_benchmarks(
                 result.measurements += _measure_baseline(config, name, progress)
             else:
                 result.measurements += _measure_backend(config, name, progress)
+        except NotRunnableHere as exc:
+            result.skipped[name] = str(exc)
+            progress(f"[{config.device}] {name}: cannot run here: {exc}")
         except (RuntimeError, OSError, ValueError, TimeoutError) as exc:
             # One backend failing (not installed, no GPU, bad data) must not hide the others.
             result.errors[name] = str(exc).strip()
@@ -1032,7 +1053,7 @@ def check_targets(result: BenchResult) -> list[dict[str, Any]]:
     """Each target of `TARGETS` that this run's device covers, with its measured ratio."""
     rows = []
     for device, size, backend, baseline, minimum in TARGETS:
-        if device != result.config.device:
+        if device != result.config.device or size not in result.config.sizes_bytes:
             continue
         m = result.get(backend, size)
         b = result.get(baseline, size)
@@ -1084,8 +1105,10 @@ def format_table(result: BenchResult) -> str:
                 f"  {t['backend']:<9} at {format_size(t['size_bytes'])}: >= {t['minimum_ratio']}x "
                 f"{t['baseline']}: {got} ({verdict})"
             )
+    for name, why in result.skipped.items():
+        lines.append(f"{name}: cannot run here: {why}")
     for name, why in result.errors.items():
-        lines.append(f"{name}: not measured: {why.splitlines()[-1] if why else ''}")
+        lines.append(f"{name}: FAILED: {why.splitlines()[-1] if why else ''}")
     return "\n".join(lines)
 
 
@@ -1107,7 +1130,7 @@ def plot_result(result: BenchResult, path: str | Path) -> None:
         ms = sorted((m for m in result.measurements if m.name == name), key=lambda m: m.size_bytes)
         xs = [m.size_bytes for m in ms]
         baseline = ms[0].kind == "baseline"
-        ax.plot(
+        (line,) = ax.plot(
             xs,
             [m.median_gbps for m in ms],
             linestyle="--" if baseline else "-",
@@ -1115,7 +1138,8 @@ def plot_result(result: BenchResult, path: str | Path) -> None:
             label=f"{name} (baseline)" if baseline else name,
         )
         if not baseline:
-            ax.fill_between(xs, [m.p10_gbps for m in ms], [m.p90_gbps for m in ms], alpha=0.15)
+            lo, hi = [m.p10_gbps for m in ms], [m.p90_gbps for m in ms]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
     sizes = sorted({m.size_bytes for m in result.measurements})
     ax.set_xscale("log", base=2)
     if sizes:

@@ -1,0 +1,129 @@
+"""`weight-transfer bench transports|update`: benchmarks side by side with baselines.
+
+`bench transports` runs `benchmarks.transport_harness` (a receiver and a sender process per
+backend, baselines in the same run), prints a table with ratios, and optionally writes the JSON
+and a PNG plot. `bench update` runs `transfer.bench_update` where that module exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from backends.base import BACKENDS
+from transfer.cli import command
+
+_WHAT = ("transports", "update")
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=_WHAT, help="transports: write throughput per backend and size")
+    p.add_argument(
+        "--backends",
+        default="loopback,tcp,ucx,nixl",
+        help=f"comma-separated, from {','.join(sorted(BACKENDS))} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated message sizes (default: 4KiB,64KiB,1MiB,16MiB,64MiB; "
+        "and 256MiB with --device cuda)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: host memory; cuda: sender on GPU0 writes into a receiver on GPU1",
+    )
+    p.add_argument("--rounds", type=int, default=20, help="timed samples per case (default 20)")
+    p.add_argument("--warmup-rounds", type=int, default=3, help="untimed samples first (default 3)")
+    p.add_argument(
+        "--min-sample-bytes",
+        default="8MiB",
+        help="each sample writes at least this much, in messages of the size (default 8MiB)",
+    )
+    p.add_argument(
+        "--memcpy-threads", type=int, default=1, help="torch threads of the memcpy baseline"
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="BACKEND:KEY=VALUE",
+        help="a backend option (repeatable), e.g. ucx:TLS=cma or nixl:segment_bytes=33554432",
+    )
+    p.add_argument("--no-baselines", action="store_true", help="skip the raw baselines")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="limit of any single wait")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write every sample as JSON")
+    p.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG plot")
+
+
+def _parse_option(text: str) -> tuple[str, str, str]:
+    backend, sep, rest = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not sep or not eq or not backend or not key:
+        raise ValueError(f"--option {text!r}: expected BACKEND:KEY=VALUE")
+    return backend, key, value
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _transports(ns: argparse.Namespace) -> int:
+    from benchmarks import transport_harness as harness
+
+    try:
+        if ns.sizes:
+            sizes = tuple(harness.parse_size(s) for s in ns.sizes.split(",") if s.strip())
+        elif ns.device == "cuda":
+            sizes = harness.DEFAULT_CUDA_SIZES
+        else:
+            sizes = harness.DEFAULT_CPU_SIZES
+        config = harness.BenchConfig(
+            backends=tuple(b.strip() for b in ns.backends.split(",") if b.strip()),
+            sizes_bytes=sizes,
+            device=ns.device,
+            warmup_rounds=ns.warmup_rounds,
+            rounds=ns.rounds,
+            min_sample_bytes=harness.parse_size(ns.min_sample_bytes),
+            timeout_s=ns.timeout_s,
+            baselines=not ns.no_baselines,
+            memcpy_threads=ns.memcpy_threads,
+            options=tuple(_parse_option(o) for o in ns.option),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _progress(
+        f"bench transports: {', '.join(config.backends)} on {config.device}, sizes "
+        f"{', '.join(harness.format_size(s) for s in config.sizes_bytes)}, "
+        f"{config.rounds} rounds after {config.warmup_rounds} warm-up"
+    )
+    result = harness.run_benchmarks(config, progress=_progress)
+    print(harness.format_table(result))
+    if ns.json_path:
+        harness.write_json(result, ns.json_path)
+        _progress(f"wrote {ns.json_path}")
+    if ns.plot_path:
+        harness.plot_result(result, ns.plot_path)
+        _progress(f"wrote {ns.plot_path}")
+    return 1 if result.errors else 0
+
+
+@command("bench", "benchmark transports (or whole updates) side by side with baselines")(
+    _bench_args
+)
+def _bench(ns: argparse.Namespace) -> int:
+    if ns.what == "transports":
+        return _transports(ns)
+    try:
+        module = importlib.import_module("transfer.bench_update")
+    except ModuleNotFoundError as exc:
+        if exc.name != "transfer.bench_update":
+            raise
+        print("error: `bench update` is not available in this version", file=sys.stderr)
+        return 2
+    code: int = module.main(ns)
+    return code

@@ -1,0 +1,213 @@
+"""`weight-transfer doctor`: which backends can run on this host, and why the others cannot.
+
+For every backend of `BACKENDS` the doctor loads its class and constructs (then closes) one
+transport with a default `TransportConfig`, once for host memory and, where CUDA is available,
+once with `device_index=0` for GPU memory. It prints the verdict with the reason of each
+failure (package missing, no RDMA device, no CUDA GPU), torch and CUDA facts, the versions of
+the optional packages, and the ibverbs backend's own device report. It always exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+import torch
+
+from backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
+from transfer.cli import command
+
+_PACKAGES: dict[str, tuple[str, ...]] = {
+    "ucx": ("libucx-cu13",),
+    "nixl": ("nixl-cu13",),
+}
+"""Distributions each optional backend needs (shown with their installed versions)."""
+
+_INFINIBAND_SYSFS = "/sys/class/infiniband"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackendStatus:
+    """The doctor's verdict on one backend."""
+
+    name: str
+    host_ok: bool
+    """A default transport constructs and registers host memory."""
+    host_reason: str | None
+    """Why not, when `host_ok` is False."""
+    gpu_ok: bool
+    """A transport with device_index=0 constructs and registers CUDA memory."""
+    gpu_reason: str | None
+    """Why not, when `gpu_ok` is False."""
+    packages: dict[str, str | None]
+    """Optional distributions it needs -> installed version (None: missing)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DoctorReport:
+    """Everything `weight-transfer doctor` prints."""
+
+    python: str
+    torch: str
+    cuda_available: bool
+    cuda_devices: list[str]
+    rdma_devices: list[str]
+    backends: list[BackendStatus]
+    ibverbs: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return sorted(os.listdir(_INFINIBAND_SYSFS))
+    except OSError:
+        return []
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _try_construct(name: str, device_index: int | None) -> str | None:
+    """None if a transport of `name` constructs (and supports the memory kind), else why not."""
+    try:
+        cls = load_backend(name)
+        transport = cls(TransportConfig(name=name, device_index=device_index))
+    except Exception as exc:  # noqa: BLE001 - the doctor reports every failure, of any type
+        return _first_line(exc)
+    try:
+        kinds = transport.capabilities.memory_kinds
+    finally:
+        transport.close()
+    want = MemoryKind.HOST if device_index is None else MemoryKind.CUDA
+    if want not in kinds:
+        return f"cannot register {want.value} memory on this host"
+    return None
+
+
+def _ibverbs_info() -> dict[str, Any]:
+    try:
+        from backends import ibverbs
+    except ImportError as exc:
+        return {"error": f"backends.ibverbs does not import: {exc}"}
+    info: dict[str, Any] = ibverbs.doctor_info()
+    return info
+
+
+def _status(name: str, num_gpus: int, ib_info: dict[str, Any]) -> BackendStatus:
+    packages = {d: _version(d) for d in _PACKAGES.get(name, ())}
+    missing = [d for d, v in packages.items() if v is None]
+    host_reason: str | None
+    if missing:
+        host_reason = (
+            f"package missing: {', '.join(missing)} (pip install 'weight-transfer[{name}]')"
+        )
+    elif name == "ibverbs" and not ib_info.get("pyverbs"):
+        host_reason = "package missing: pyverbs (rdma-core's Python binding; see docs/ibverbs.md)"
+        if not _rdma_devices():
+            host_reason += f"; no RDMA device (0 devices in {_INFINIBAND_SYSFS})"
+    elif name == "ibverbs" and ib_info.get("num_devices", 0) == 0:
+        host_reason = f"no RDMA device ({ib_info.get('num_devices', 0)} devices)"
+    else:
+        host_reason = _try_construct(name, None)
+    gpu_reason: str | None
+    if num_gpus == 0:
+        gpu_reason = "no CUDA GPU"
+    elif host_reason is not None:
+        gpu_reason = host_reason
+    else:
+        gpu_reason = _try_construct(name, 0)
+    return BackendStatus(
+        name=name,
+        host_ok=host_reason is None,
+        host_reason=host_reason,
+        gpu_ok=gpu_reason is None,
+        gpu_reason=gpu_reason,
+        packages=packages,
+    )
+
+
+def collect_report() -> DoctorReport:
+    """Probe every backend on this host. Never raises for a backend that cannot run."""
+    cuda = torch.cuda.is_available()
+    num_gpus = torch.cuda.device_count() if cuda else 0
+    ib_info = _ibverbs_info()
+    return DoctorReport(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda_available=cuda,
+        cuda_devices=[torch.cuda.get_device_name(i) for i in range(num_gpus)],
+        rdma_devices=_rdma_devices(),
+        backends=[_status(name, num_gpus, ib_info) for name in BACKENDS],
+        ibverbs=ib_info,
+    )
+
+
+def format_report(report: DoctorReport) -> str:
+    """The human-readable report."""
+    gpus = ", ".join(report.cuda_devices) if report.cuda_devices else "none"
+    lines = [
+        f"python {report.python}, torch {report.torch}",
+        f"CUDA available: {'yes' if report.cuda_available else 'no'} "
+        f"({len(report.cuda_devices)} GPU(s): {gpus})",
+        f"RDMA devices ({_INFINIBAND_SYSFS}): {', '.join(report.rdma_devices) or 'none'}",
+        "",
+    ]
+    width = max(len(b.name) for b in report.backends)
+    for b in report.backends:
+        pk = ", ".join(f"{d} {v or 'missing'}" for d, v in b.packages.items())
+        host = "ok" if b.host_ok else f"no: {b.host_reason}"
+        gpu = "ok" if b.gpu_ok else f"no: {b.gpu_reason}"
+        lines.append(f"{b.name:<{width}}  host memory: {host}")
+        lines.append(f"{'':<{width}}  GPU memory:  {gpu}")
+        if pk:
+            lines.append(f"{'':<{width}}  packages:    {pk}")
+    usable = [b.name for b in report.backends if b.host_ok or b.gpu_ok]
+    lines.append("")
+    lines.append(f"can run here: {', '.join(usable) or 'nothing'}")
+    ib = report.ibverbs
+    lines.append(
+        f"ibverbs: pyverbs {'present' if ib.get('pyverbs') else 'missing'}"
+        f"{' ' + str(ib['version']) if ib.get('version') else ''}, "
+        f"{ib.get('num_devices', 0)} device(s)"
+        f"{': ' + _first_line(RuntimeError(ib['error'])) if ib.get('error') else ''}"
+    )
+    for dev in ib.get("devices", []):
+        ports = "; ".join(
+            f"port {p.get('port')} {p.get('state')} {p.get('link_layer')}"
+            for p in dev.get("ports", [])
+        )
+        lines.append(f"  {dev.get('name')}: {ports or 'no ports'}")
+    return "\n".join(lines)
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@command("doctor", "say which backends can run on this host, and why the others cannot")(
+    _doctor_args
+)
+def _doctor(ns: argparse.Namespace) -> int:
+    report = collect_report()
+    if ns.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
