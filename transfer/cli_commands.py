@@ -6,3 +6,4 @@ Each module decorates its handler with `transfer.cli.command(name, help)(add_arg
 from __future__ import annotations
 
 from transfer import cli_bench, cli_doctor  # noqa: F401
+from transfer import cli_plan  # noqa: F401

@@ -1,0 +1,115 @@
+"""Benchmark the planner and the simulator on a cluster preset (default: Kimi-K2, 256 -> 128).
+
+Prints the seconds and peak resident memory of building manifests, planning and simulating,
+then the predicted update time beside its lower bound and the rank-0 broadcast baseline, and
+writes the numbers as JSON.
+
+    python benchmarks/bench_planner.py --preset kimi-k2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from planner.plan import PlannerConfig, plan  # noqa: E402
+from planner.presets.clusters import cluster_manifests, get_preset, model_bytes  # noqa: E402
+from planner.simulate import broadcast_baseline, simulate  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """What to run."""
+
+    preset: str = "kimi-k2"
+    """Cluster preset name."""
+    repeats: int = 1
+    """Planner runs (the median is reported)."""
+    json_path: str | None = None
+    """Where to write the results."""
+
+
+def _rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def run(cfg: BenchConfig) -> dict[str, object]:
+    """Build manifests, plan and simulate; returns the measured numbers."""
+    preset = get_preset(cfg.preset)
+    t0 = time.perf_counter()
+    sources, dests = cluster_manifests(preset)
+    t_manifests = time.perf_counter() - t0
+    rss_manifests = _rss_gib()
+    config = PlannerConfig()
+    times = []
+    schedule = None
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        schedule = plan(sources, dests, config)
+        times.append(time.perf_counter() - t0)
+    assert schedule is not None
+    rss_plan = _rss_gib()
+    # Correctness before timing matters: every engine receives what its tensors hold.
+    engine_sizes = {d.engine: sum(t.nbytes for t in d.regions if t.index == 0) for d in dests}
+    t0 = time.perf_counter()
+    result = simulate(
+        schedule, sources, {d.engine: d.host for d in dests}, preset.rates,
+        memory_budget_bytes=config.memory_budget_bytes,
+        progress=lambda s: print(s, file=sys.stderr, flush=True),
+    )
+    t_sim = time.perf_counter() - t0
+    train_bytes, replica_bytes = model_bytes(preset)
+    base = broadcast_baseline(
+        train_bytes, list(schedule.bytes_per_engine), preset.rates, fp8=preset.engine.fp8
+    )
+    out: dict[str, object] = {
+        "preset": cfg.preset,
+        "describe": preset.describe(),
+        "num_manifest_entries": sum(len(m.tensors) for m in sources),
+        "manifests_s": t_manifests,
+        "plan_s_median": sorted(times)[len(times) // 2],
+        "plan_s_all": times,
+        "simulate_s": t_sim,
+        "peak_rss_gib_after_manifests": rss_manifests,
+        "peak_rss_gib": rss_plan,
+        "num_tasks": result.num_tasks,
+        "total_write_bytes": result.total_write_bytes,
+        "max_engine_region_bytes": max(engine_sizes.values()),
+        "predicted_s": result.predicted_s,
+        "lower_bound_s": result.lower_bound_s,
+        "bottleneck": result.bottleneck,
+        "stage_bound_s": result.stage_bound_s,
+        "trainer_nic_imbalance": result.trainer_nic_bytes.imbalance,
+        "engine_nic_imbalance": result.engine_nic_bytes.imbalance,
+        "baseline_s": base.predicted_s,
+        "trainer_model_bytes": train_bytes,
+        "engine_replica_bytes": replica_bytes,
+    }
+    return out
+
+
+def main() -> int:
+    """Entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="kimi-k2")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json", dest="json_path")
+    ns = ap.parse_args()
+    cfg = BenchConfig(preset=ns.preset, repeats=ns.repeats, json_path=ns.json_path)
+    out = run(cfg)
+    for k, v in out.items():
+        print(f"{k}: {v}")
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

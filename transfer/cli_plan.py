@@ -1,0 +1,190 @@
+"""`weight-transfer plan` and `weight-transfer simulate`: schedules and predictions for a cluster
+preset, from manifests alone (no GPU, no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from transfer.cli import command
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    from planner.presets.clusters import PRESETS
+
+    p.add_argument("--preset", default="kimi-k2", choices=sorted(PRESETS), help="cluster preset")
+    g = p.add_argument_group("overrides of the preset")
+    g.add_argument("--trainer-gpus", type=int, help="trainer ranks")
+    g.add_argument("--dense-shard", type=int, help="FSDP shard group of non-expert parameters")
+    g.add_argument("--expert-shard", type=int, help="ranks per expert mesh")
+    g.add_argument("--offload", action="store_true", default=None, help="FSDP2 CPU offload")
+    g.add_argument("--engine-replicas", type=int, help="engine replicas")
+    g.add_argument("--engine-tp", type=int, help="engine tensor-parallel size")
+    g.add_argument("--engine-ep", type=int, help="engine expert-parallel size")
+    g.add_argument("--engine-bf16", action="store_true", help="engines hold BF16, not FP8")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per host")
+    g.add_argument("--nic-gb-per-s", type=float, help="one NIC's GB/s (400 Gb/s = 50)")
+    g.add_argument("--nics-per-gpu", type=int, help="NICs per GPU")
+    g.add_argument("--nvlink-gb-per-s", type=float, help="per-GPU NVLink GB/s")
+    g.add_argument("--memory-budget-gib", type=float, default=1.0,
+                   help="temporary memory per trainer rank (default 1)")
+
+
+def _preset(ns: argparse.Namespace) -> Any:
+    from planner.presets.clusters import get_preset, with_overrides
+
+    mapping = {
+        "trainer_gpus": "trainer.num_gpus", "dense_shard": "trainer.dense_shard_size",
+        "expert_shard": "trainer.expert_shard_size", "offload": "trainer.offload",
+        "engine_replicas": "engine.num_replicas", "engine_tp": "engine.tp",
+        "engine_ep": "engine.ep", "gpus_per_node": "gpus_per_node",
+        "nic_gb_per_s": "rates.nic_gb_per_s", "nics_per_gpu": "rates.nics_per_gpu",
+        "nvlink_gb_per_s": "rates.nvlink_gb_per_s",
+    }
+    changes: dict[str, object] = {
+        key: getattr(ns, attr) for attr, key in mapping.items() if getattr(ns, attr) is not None
+    }
+    if ns.engine_bf16:
+        changes["engine.fp8"] = False
+    preset = get_preset(ns.preset)
+    if ns.trainer_gpus is not None:
+        # Keep shard groups valid when only the size changes.
+        for key in ("trainer.dense_shard_size", "trainer.expert_shard_size"):
+            if key not in changes:
+                old = getattr(preset.trainer, key.split(".")[1])
+                changes[key] = old if ns.trainer_gpus % old == 0 else ns.trainer_gpus
+    return with_overrides(preset, **changes)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
+    from planner.plan import PlannerConfig, plan
+    from planner.presets.clusters import cluster_manifests
+
+    preset = _preset(ns)
+    config = PlannerConfig(memory_budget_bytes=int(ns.memory_budget_gib * 2**30))
+    _progress(f"{preset.name}: {preset.describe()}")
+    t0 = time.perf_counter()
+    _progress("building manifests ...")
+    sources, dests = cluster_manifests(preset)
+    n = sum(len(m.tensors) for m in sources)
+    _progress(f"planning ({len(sources)} trainer ranks, {n} shard entries, {len(dests)} engines) ...")
+    t1 = time.perf_counter()
+    schedule = plan(sources, dests, config)
+    _progress(f"planned in {time.perf_counter() - t1:.1f} s (manifests {t1 - t0:.1f} s)")
+    return preset, config, sources, dests, schedule
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _cluster_args(p)
+    p.add_argument("--json", dest="json_path", help="write the schedule's canonical JSON here")
+
+
+@command("plan", "plan a described cluster from manifests alone and summarise the schedule")(_plan_args)
+def _plan(ns: argparse.Namespace) -> int:
+    from backends.base import WeightTransferError
+    from planner.plan import schedule_to_json
+
+    try:
+        preset, config, sources, dests, schedule = _build(ns)
+    except (ValueError, WeightTransferError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tasks = [t for r in schedule.ranks for t in r.tasks]
+    gathers = sum(1 for t in tasks if t.kind == "gather")
+    per_rank = schedule.bytes_per_rank
+    per_engine = schedule.bytes_per_engine
+    temp = [t.staging_bytes + t.scratch_bytes for t in tasks]
+    rows = [
+        ("preset", preset.describe()),
+        ("trainer ranks / engines", f"{schedule.num_ranks} / {len(schedule.engines)}"),
+        ("mesh groups", str(schedule.num_mesh_groups)),
+        ("tasks", f"{len(tasks)} ({gathers} gather, {len(tasks) - gathers} direct)"),
+        ("writes", str(sum(len(t.writes) for t in tasks))),
+        ("bytes written", _gb(sum(per_engine))),
+        ("bytes per trainer rank", "min {} / median {} / max {}".format(
+            _gb(min(per_rank)), _gb(statistics.median(per_rank)), _gb(max(per_rank)))),
+        ("bytes per engine", "min {} / median {} / max {}".format(
+            _gb(min(per_engine)), _gb(statistics.median(per_engine)), _gb(max(per_engine)))),
+        ("temporary memory per task", f"max {_gb(max(temp, default=0))} "
+         f"(budget {_gb(config.memory_budget_bytes)})"),
+        ("fingerprint", schedule.fingerprint[:16]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if ns.json_path:
+        _progress(f"writing {ns.json_path} ...")
+        Path(ns.json_path).write_text(schedule_to_json(schedule))
+        print(f"{'schedule JSON':<{width}}  {ns.json_path}")
+    return 0
+
+
+def _simulate_args(p: argparse.ArgumentParser) -> None:
+    _cluster_args(p)
+    p.add_argument("--rates", help="JSON object of measured Rates fields (planner.simulate.Rates)")
+
+
+@command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast")(_simulate_args)
+def _simulate(ns: argparse.Namespace) -> int:
+    from backends.base import WeightTransferError
+    from planner.presets.clusters import model_bytes
+    from planner.simulate import broadcast_baseline, load_rates, simulate
+
+    try:
+        preset, config, sources, dests, schedule = _build(ns)
+        rates = load_rates(ns.rates, preset.rates) if ns.rates else preset.rates
+    except (ValueError, OSError, WeightTransferError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _progress("simulating ...")
+    r = simulate(
+        schedule, sources, {d.engine: d.host for d in dests}, rates,
+        memory_budget_bytes=config.memory_budget_bytes, progress=_progress,
+    )
+    train_bytes, _ = model_bytes(preset)
+    base = broadcast_baseline(
+        train_bytes, list(schedule.bytes_per_engine), rates, fp8=preset.engine.fp8,
+        trainer_single_host=preset.trainer.num_gpus <= preset.gpus_per_node,
+    )
+    labels = {
+        "trainer_nic": "trainer NIC (busiest)", "engine_nic": "engine NIC (busiest)",
+        "nvlink": "NVLink (busiest)", "h2d": "host-to-device (busiest)",
+        "prepare": "prepare/quantize (busiest)",
+    }
+    print(preset.describe())
+    print(f"rates: NIC {rates.nics_per_gpu} x {rates.nic_gb_per_s:g} GB/s, NVLink "
+          f"{rates.nvlink_gb_per_s:g} GB/s, h2d {rates.h2d_gb_per_s:g} GB/s, prepare "
+          f"{rates.prepare_gb_per_s:g} GB/s, quantize {rates.quantize_gb_per_s:g} GB/s")
+    print()
+    print(f"{'':<30}{'schedule':>12}{'rank-0 broadcast':>20}")
+    print(f"{'predicted update':<30}{r.predicted_s:>11.3f}s{base.predicted_s:>19.3f}s")
+    print(f"{'lower bound':<30}{r.lower_bound_s:>11.3f}s")
+    print(f"{'efficiency (bound/predicted)':<30}{r.efficiency:>12.1%}")
+    print()
+    print("stage bounds:")
+    for k, v in r.stage_bound_s.items():
+        mark = "  <- improve this" if k == r.bottleneck else ""
+        print(f"  {labels[k]:<28}{v:>10.3f}s  {r.busiest[k]}{mark}")
+    print(f"  {'baseline gather/bcast/load':<28}{base.gather_s:>10.3f}s / {base.broadcast_s:.3f}s"
+          f" / {base.load_s:.3f}s ({base.num_buckets} buckets)")
+    print()
+    print("balance (bytes per GPU's NICs):")
+    for name, s in (("trainer send", r.trainer_nic_bytes), ("engine receive", r.engine_nic_bytes)):
+        print(f"  {name:<16} min {_gb(s.min)}  median {_gb(s.median)}  max {_gb(s.max)}  "
+              f"(max/mean {s.imbalance:.3f})")
+    print(f"tasks {r.num_tasks}, bytes written {_gb(r.total_write_bytes)}, peak temporary memory "
+          f"per rank {_gb(r.peak_memory_bytes)}, longest admission stall {r.stall_s * 1e3:.1f} ms")
+    print(f"bottleneck: {labels[r.bottleneck]}")
+    return 0
