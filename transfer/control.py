@@ -1,23 +1,39 @@
-"""The control plane: authenticated, schema-checked messages over torch.distributed's TCPStore.
+"""The control plane: encrypted, authenticated, schema-checked messages over a TCPStore.
 
-Every value is `msgpack(message) || HMAC-SHA256(token, key || msgpack)`. A reader checks the MAC
-before decoding anything, then decodes with the message's schema (`planner.codec`), never
-pickle: whoever reaches the port cannot run code, and a member with the wrong token learns
-nothing it could act on and is refused on its first read. Every wait has a timeout.
+Every value is `nonce || AES-256-GCM(key, nonce, msgpack(message), aad=store key)`, the AES key
+derived from the shared token (PBKDF2-HMAC-SHA256, salted with the session). A reader
+authenticates and decrypts before decoding anything, then decodes with the message's schema
+(`planner.codec`), never pickle: whoever reaches the port cannot run code, cannot read memory
+keys (region descriptors) or manifests, and a member with the wrong token learns nothing and is
+refused on its first read. Binding the value to its store key stops replays under another key.
+Only the atomic counters (`add`, `claim`) are plain integers; nothing decides on data with them.
+
+The store binds the configured host only (torch's TCPStore server would listen on every
+interface: the listening socket is created here and handed over). Every wait has a timeout, and
+losing the store's host (the controller) raises `PeerLostError` naming it.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import hmac
 import logging
+import os
+import socket
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from backends.base import ControlPlaneAuthError, TransportTimeoutError, WeightTransferError
+from backends.base import (
+    ControlPlaneAuthError,
+    PeerLostError,
+    TransportTimeoutError,
+    WeightTransferError,
+)
 from planner import codec
 from transfer.config import ControlPlaneConfig
 from transfer.protocol import Hello
@@ -25,9 +41,33 @@ from transfer.protocol import Hello
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-_MAC_BYTES = 32
-PROTOCOL_VERSION = 1
+_NONCE_BYTES = 12
+_TAG_BYTES = 16
+_KDF_ITERATIONS = 100_000
+PROTOCOL_VERSION = 2
+
+
+def derive_key(token: str, session: str) -> bytes:
+    """The AES-256 key of a control plane session (PBKDF2-HMAC-SHA256 of the token)."""
+    salt = b"weight-transfer/v2/" + session.encode()
+    return hashlib.pbkdf2_hmac("sha256", token.encode(), salt, _KDF_ITERATIONS)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on exactly `host` (TCPStore's own server binds every interface)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class ControlPlane:
@@ -51,18 +91,28 @@ class ControlPlane:
         """
         self.config = config
         self.member = member
-        self._key = hashlib.sha256(b"weight-transfer/v1/" + config.token.encode()).digest()
+        self._aead = AESGCM(derive_key(config.token, config.session))
         self._prefix = f"wt/{config.session}/"
         timeout = datetime.timedelta(seconds=config.timeout_s)
         try:
-            self._store = dist.TCPStore(
-                config.host,
-                config.port,
-                is_master=server,
-                timeout=timeout,
-                wait_for_workers=False,
-                use_libuv=True,
-            )
+            listen_fd = None
+            if server:
+                # The store takes ownership of the descriptor (libuv closes it with the server).
+                listen_fd = _listen(config.host, config.port).detach()
+            try:
+                self._store = dist.TCPStore(
+                    config.host,
+                    config.port,
+                    is_master=server,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    use_libuv=True,
+                    master_listen_fd=listen_fd,
+                )
+            except BaseException:
+                if listen_fd is not None:
+                    os.close(listen_fd)
+                raise
         except (RuntimeError, OSError) as exc:
             what = "host" if server else "reach"
             raise TransportTimeoutError(
@@ -79,16 +129,56 @@ class ControlPlane:
                     f"this process {PROTOCOL_VERSION}"
                 )
 
-    # -- raw authenticated values -----------------------------------------------------------
+    # -- the store, with the controller's loss named -----------------------------------------
 
-    def _mac(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._key, key.encode() + b"\x00" + payload, hashlib.sha256).digest()
+    def _call(self, what: str, fn: Callable[[], R]) -> R:
+        """Run one store operation; a broken connection means the controller is gone."""
+        if self._store is None:
+            raise WeightTransferError(f"{self.member}: the control plane connection is closed")
+        try:
+            return fn()
+        except dist.DistNetworkError as exc:
+            raise PeerLostError(
+                f"{self.member}: lost the controller (control plane at {self.config.host}:"
+                f"{self.config.port}) during {what}: {exc}"
+            ) from exc
+
+    # -- encrypted, authenticated values ----------------------------------------------------
+
+    def seal(self, full_key: str, payload: bytes) -> bytes:
+        """Encrypt and authenticate `payload` for the store key `full_key`."""
+        nonce = os.urandom(_NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, payload, full_key.encode())
+
+    def unseal(self, full_key: str, raw: bytes) -> bytes:
+        """Authenticate and decrypt a stored value; the inverse of `seal`.
+
+        Raises:
+            ControlPlaneAuthError: too short, tampered with, moved from another key, or sealed
+                with another token.
+        """
+        if len(raw) < _NONCE_BYTES + _TAG_BYTES:
+            raise ControlPlaneAuthError(
+                f"{self.member}: control message {full_key!r} is too short ({len(raw)} bytes)"
+            )
+        try:
+            return self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], full_key.encode())
+        except InvalidTag:
+            raise ControlPlaneAuthError(
+                f"{self.member}: control message {full_key!r} failed authentication: the control "
+                "plane's members do not share this token"
+            ) from None
 
     def put(self, key: str, message: object) -> None:
         """Publish a message under `key` (overwrites)."""
-        payload = codec.to_msgpack(message)
         full = self._prefix + key
-        self._store.set(full, payload + self._mac(full, payload))
+        value = self.seal(full, codec.to_msgpack(message))
+        self._call(f"publishing {key!r}", lambda: self._store.set(full, value))
+
+    def delete(self, key: str) -> None:
+        """Remove `key` (missing keys are ignored)."""
+        full = self._prefix + key
+        self._call(f"deleting {key!r}", lambda: self._store.delete_key(full))
 
     def get(self, key: str, cls: type[T], timeout_s: float | None = None) -> T:
         """Wait for `key` and decode it as `cls`.
@@ -100,16 +190,8 @@ class ControlPlane:
         """
         full = self._prefix + key
         self.wait([key], timeout_s)
-        raw = self._store.get(full)
-        if len(raw) < _MAC_BYTES:
-            raise ControlPlaneAuthError(f"{self.member}: control message {key!r} is too short")
-        payload, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
-        if not hmac.compare_digest(mac, self._mac(full, payload)):
-            raise ControlPlaneAuthError(
-                f"{self.member}: control message {key!r} failed authentication: the control "
-                "plane's members do not share this token"
-            )
-        return codec.from_msgpack(cls, payload)
+        raw = self._call(f"reading {key!r}", lambda: self._store.get(full))
+        return codec.from_msgpack(cls, self.unseal(full, raw))
 
     def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
         """Block until every key exists.
@@ -120,9 +202,14 @@ class ControlPlane:
         t = self.config.timeout_s if timeout_s is None else timeout_s
         full = [self._prefix + k for k in keys]
         try:
-            self._store.wait(full, datetime.timedelta(seconds=t))
+            self._call(
+                f"waiting for {keys}",
+                lambda: self._store.wait(full, datetime.timedelta(seconds=t)),
+            )
         except (RuntimeError, dist.DistError) as exc:
-            missing = [k for k, f in zip(keys, full, strict=True) if not self._store.check([f])]
+            if isinstance(exc, WeightTransferError):
+                raise
+            missing = [k for k, f in zip(keys, full, strict=True) if not self.exists(k)]
             raise TransportTimeoutError(
                 f"{self.member}: timed out after {t:.1f} s waiting for {missing or keys} "
                 "on the control plane"
@@ -139,7 +226,7 @@ class ControlPlane:
         delay = 0.0005
         while True:
             for k in keys:
-                if self._store.check([self._prefix + k]):
+                if self.exists(k):
                     return k
             if time.monotonic() > deadline:
                 raise TransportTimeoutError(
@@ -170,15 +257,18 @@ class ControlPlane:
 
     def exists(self, key: str) -> bool:
         """True if `key` has been published."""
-        return bool(self._store.check([self._prefix + key]))
+        full = self._prefix + key
+        return bool(self._call(f"checking {key!r}", lambda: self._store.check([full])))
 
     def claim(self, key: str) -> bool:
         """Atomically claim a name; True for the first claimant only."""
-        return int(self._store.add(self._prefix + "claim/" + key, 1)) == 1
+        full = self._prefix + "claim/" + key
+        return int(self._call(f"claiming {key!r}", lambda: self._store.add(full, 1))) == 1
 
     def add(self, key: str, amount: int) -> int:
         """Atomic counter (unauthenticated: use only for counts, never for decisions on data)."""
-        return int(self._store.add(self._prefix + "count/" + key, amount))
+        full = self._prefix + "count/" + key
+        return int(self._call(f"counting {key!r}", lambda: self._store.add(full, amount)))
 
     def poll_until(self, key: str, cls: type[T], deadline: float) -> T:
         """Like `get`, with an absolute monotonic deadline."""
