@@ -87,8 +87,12 @@ def _demo(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
-    # Import the other command modules for their registrations.
+    # Import the other command modules for their registrations. They register into the module
+    # `transfer.cli`, which is not this one when run as `python -m transfer.cli`.
+    import transfer.cli as registry
     from transfer import cli_commands  # noqa: F401
+
+    commands = registry._COMMANDS
 
     parser = argparse.ArgumentParser(
         prog="weight-transfer",
@@ -96,14 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add_args, _, help_text) in sorted(_COMMANDS.items()):
+    for name, (add_args, _, help_text) in sorted(commands.items()):
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     ns = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return _COMMANDS[ns.command][1](ns)
+    return commands[ns.command][1](ns)
 
 
 if __name__ == "__main__":

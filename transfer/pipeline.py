@@ -228,6 +228,7 @@ class Executor:
         self._scratch_in_use = 0
         self._scratch_peak = 0
         self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     # -- one update ------------------------------------------------------------------------
 
@@ -273,9 +274,11 @@ class Executor:
         try:
             while not finished_preparing or waiting or in_flight:
                 if time.monotonic() > deadline:
+                    stuck = sorted({peer for p, _ in in_flight for peer in p.ops})
                     raise TransportTimeoutError(
                         f"trainer rank {self.rank}: update {step} not complete after "
-                        f"{timeout_s:.1f} s ({len(in_flight)} task(s) in flight)"
+                        f"{timeout_s:.1f} s ({len(in_flight)} task(s) in flight"
+                        + (f", waiting on peer(s) {stuck})" if stuck else ")")
                     )
                 progressed = False
                 if not finished_preparing:
@@ -374,35 +377,56 @@ class Executor:
             self.arena.wait_change(0.01)
         blocks: list[tuple[int, int]] = []
         try:
-            rec.admit = time.perf_counter() - t0
-            fulls: dict[str, torch.Tensor] = {}
-            rec.prepare_start = time.perf_counter() - t0
-            if task.kind == "gather":
-                for name in task.gather:
-                    fulls[name] = self.gather(self.sources[name].param)
-            elif task.gather:
-                # A quantized unit whose sources this rank holds whole: no collective needed.
-                for name in task.gather:
-                    fulls[name] = self._local(name)
-            ops: dict[str, list[WriteOp]] = defaultdict(list)
-            for w in task.writes:
-                if isinstance(w, SliceWrite):
-                    self._prepare_slice(task, w, fulls, ops, blocks, deadline, abort)
-                else:
-                    self._prepare_quant(w, fulls, ops, blocks, deadline, abort)
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-            rec.prepare_end = time.perf_counter() - t0
-            del fulls
-            return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
+            if self._stream is not None:
+                # Prepare on its own stream so packing, gathers and quantization overlap the
+                # copy engines' writes; the write stage waits on this task's event.
+                with torch.cuda.stream(self._stream):
+                    return self._prepare(task, rec, t0, deadline, abort, blocks)
+            return self._prepare(task, rec, t0, deadline, abort, blocks)
         except BaseException:
             for off, n in blocks:
                 self.arena.free(off, n)
             with self._lock:
                 self._scratch_in_use -= task.scratch_bytes
             raise
+
+    def _prepare(
+        self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event,
+        blocks: list[tuple[int, int]],
+    ) -> _Prepared:
+        rec.admit = time.perf_counter() - t0
+        fulls: dict[str, torch.Tensor] = {}
+        rec.prepare_start = time.perf_counter() - t0
+        if task.kind == "gather":
+            for name in task.gather:
+                try:
+                    fulls[name] = self.gather(self.sources[name].param)
+                except (RuntimeError, OSError) as exc:
+                    if isinstance(exc, WeightTransferError):
+                        raise
+                    # gloo/NCCL name the lost peer only by address; say which collective.
+                    raise WeightTransferError(
+                        f"trainer rank {self.rank}: gathering {name!r} (task {task.task_id}, "
+                        f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
+                        f"lost or timed out: {exc}"
+                    ) from exc
+        elif task.gather:
+            # A quantized unit whose sources this rank holds whole: no collective needed.
+            for name in task.gather:
+                fulls[name] = self._local(name)
+        ops: dict[str, list[WriteOp]] = defaultdict(list)
+        for w in task.writes:
+            if isinstance(w, SliceWrite):
+                self._prepare_slice(task, w, fulls, ops, blocks, deadline, abort)
+            else:
+                self._prepare_quant(w, fulls, ops, blocks, deadline, abort)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        rec.prepare_end = time.perf_counter() - t0
+        del fulls
+        return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
 
     def _release(self, p: _Prepared) -> None:
         for off, n in p.blocks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from backends.base import (
 from planner.types import SliceWrite
 from transfer.config import ControlPlaneConfig, SenderConfig
 from transfer.control import ControlPlane
-from transfer.controller import Controller
+from transfer.controller import Controller, plan_key
 from transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
@@ -36,10 +36,23 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """The whole tensor on every rank of its mesh (a collective for DTensors).
+
+    A CPU-offloaded shard of a GPU mesh is first copied to `device` (the host-to-device stage),
+    since the mesh's collectives run on the GPU.
+    """
     if DTensor is not None and isinstance(t, DTensor):
+        local = t.to_local()
+        if device is not None and local.device != device and t.device_mesh.device_type != local.device.type:
+            moved = DTensor.from_local(
+                local.to(device, non_blocking=True), t.device_mesh, t.placements,
+                run_check=False, shape=t.shape, stride=t.stride(),
+            )
+            return moved.full_tensor()
         return t.full_tensor()
-    return local_part(t)
+    local = local_part(t)
+    return local if device is None else local.to(device, non_blocking=True)
 
 
 class WeightSender:
@@ -99,18 +112,66 @@ class WeightSender:
         self._control.put(f"trainer/{rank}", TrainerJoin(manifest=manifest))
         if controller is not None:
             controller.plan()
-        key = self._control.wait_any([f"schedule/{rank}", "plan_error"])
-        if key == "plan_error":
-            raise WeightTransferError(self._control.get("plan_error", Failure).message)
-        rp = self._control.get(key, RankPlan)
+        self.epoch = 0
+        """Number of the plan this rank runs (counts up with `replan`)."""
+        rp = self._fetch_plan(0, self._control.config.timeout_s)
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
         self._transport: Transport = create_transport(transport)
+        self._source_regions: list[Any] = []
         try:
             self._executor = self._build(rp)
         except BaseException:
             self._transport.close()
             raise
+
+    def _fetch_plan(self, epoch: int, timeout_s: float) -> RankPlan:
+        keys = [plan_key(epoch, f"schedule/{self.rank}"), plan_key(epoch, "plan_error")]
+        key = self._control.wait_any(keys, timeout_s)
+        if key == keys[1]:
+            raise WeightTransferError(self._control.get(key, Failure).message)
+        return self._control.get(key, RankPlan)
+
+    def replan(
+        self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()
+    ) -> None:
+        """Switch to a new plan after engines restarted, joined or left. Collective.
+
+        Every trainer rank calls it between updates with the same arguments; the rank hosting
+        the `Controller` waits for the named engines to (re)join and plans (`Controller.replan`),
+        the others wait for their part. Then each rank drops its connections, staging memory and
+        registrations of the old plan and connects to the new plan's engines. The next `update`
+        uses the new plan; its step must still be larger than the last one.
+
+        Args:
+            engines: engine names of the new plan (default: the current ones).
+            rejoined: engines that restarted and joined again with `rejoin=True`.
+
+        Raises:
+            TransportTimeoutError: an engine did not (re)join in time (every rank raises).
+            PlanMismatchError / WeightTransferError: the new plan failed (every rank raises);
+                the sender keeps its old plan and can retry.
+        """
+        epoch = self.epoch + 1
+        if self.controller is not None:
+            self.controller.replan(engines=engines, rejoined=rejoined)
+        # Non-controller ranks wait while the controller waits for joins, plus the planning.
+        rp = self._fetch_plan(epoch, 2 * self._control.config.timeout_s)
+        self._release_plan()
+        self.schedule = rp.schedule
+        self.fingerprint = rp.fingerprint
+        self.epoch = epoch
+        self._executor = self._build(rp)
+        log.info("trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks))
+
+    def _release_plan(self) -> None:
+        """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
+        self._executor.close()
+        for region in self._source_regions:
+            self._transport.deregister(region)
+        self._source_regions = []
+        for peer in list(self._transport.peers):
+            self._transport.disconnect(peer)
 
     def _build(self, rp: RankPlan) -> Executor:
         zero_copy = {
@@ -129,6 +190,7 @@ class WeightSender:
                     regions[key] = self._transport.register(
                         storage_view(s, local.device), role=RegionRole.SOURCE
                     )
+                    self._source_regions.append(regions[key])
                 region = regions[key]
             bindings[name] = SourceBinding(
                 param=p, local_box=self._boxes.get(name), region=region,
@@ -148,7 +210,7 @@ class WeightSender:
             version_regions=dict(rp.version_regions),
             device=self.device,
             memory_budget_bytes=self.config.memory_budget_bytes,
-            gather=_full_tensor,
+            gather=lambda t: full_tensor(t, self.device),
             barrier=lambda g: self._control.barrier(
                 f"group/{self._current_step}/{g}", self.world_size
             ),
