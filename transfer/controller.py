@@ -1,16 +1,22 @@
-"""The controller: hosts the control plane, plans once, runs each update's commit protocol.
+"""The controller: hosts the control plane, plans, runs each update's commit protocol.
 
 It lives in trainer rank 0's process (or any process the deployment chooses). It never touches
 weights: it gathers manifests, runs the planner, hands every trainer rank its part of the
 schedule, and per update turns the ranks' reports into one decision that every rank raises on,
 so an engine's version word advances only after every write into it completed.
+
+Membership can change between updates: an engine that restarted (new memory, new
+registrations) joins again with `WeightReceiver(..., rejoin=True)`, engines are added or
+removed, and `WeightSender.replan` (collective over the trainer ranks; it calls
+`Controller.replan` on the rank hosting the controller) plans again. Each plan is an *epoch*; the
+schedules of epoch e > 0 live under `epoch/<e>/`. Update steps keep counting across epochs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -21,11 +27,29 @@ from backends.base import (
 )
 from planner.plan import plan
 from planner.types import DestManifest, Schedule, SourceManifest
-from transfer.config import ControlPlaneConfig, ControllerConfig
+from transfer.config import ControllerConfig, ControlPlaneConfig
 from transfer.control import ControlPlane
-from transfer.protocol import Decision, Digests, Done, EngineJoin, Failure, Go, RankPlan, TrainerJoin
+from transfer.protocol import (
+    Decision,
+    Digests,
+    Done,
+    EngineJoin,
+    Failure,
+    Go,
+    RankPlan,
+    TrainerJoin,
+)
 
 log = logging.getLogger(__name__)
+
+_KEEP_STEPS = 8
+"""Per-update keys older than this many steps are deleted from the store (bounded memory)."""
+_JOIN_POLL_S = 0.05
+
+
+def plan_key(epoch: int, name: str) -> str:
+    """Store key of a per-plan message (`schedule/<rank>`, `plan_error`) in plan `epoch`."""
+    return name if epoch == 0 else f"epoch/{epoch}/{name}"
 
 
 class Controller:
@@ -46,6 +70,11 @@ class Controller:
         self.sources: list[SourceManifest] = []
         self.dests: list[DestManifest] = []
         self.joins: dict[str, EngineJoin] = {}
+        self.epoch = 0
+        """Number of the current plan (0 for the first; `replan` counts up)."""
+        self._slot_of: dict[str, int] = {}  # engine -> join slot the current plan uses
+        self._latest: dict[str, tuple[int, EngineJoin]] = {}  # engine -> newest join seen
+        self._slots_read = 0
 
     def plan(self) -> Schedule:
         """Wait for every trainer rank and engine to join, plan, publish each rank's part.
@@ -74,32 +103,101 @@ class Controller:
                     f"controller: {joined} of {m} engines joined within {cp.config.timeout_s:.0f} s"
                 ) from exc
             self.sources = [cp.get(f"trainer/{r}", TrainerJoin).manifest for r in range(n)]
-            joins = [cp.get(f"engine_slot/{i}", EngineJoin) for i in range(m)]
-            self.joins = {j.manifest.engine: j for j in joins}
-            self.dests = [j.manifest for j in joins]
-            for j in joins:
-                if j.transport != joins[0].transport:
-                    raise WeightTransferError(
-                        f"engine {j.manifest.engine!r} uses transport {j.transport!r}, "
-                        f"engine {joins[0].manifest.engine!r} uses {joins[0].transport!r}"
-                    )
+            self._read_slots(m)
             del missing_t
-            t0 = time.perf_counter()
-            schedule = plan(self.sources, self.dests, self.config.planner)
-            log.info(
-                "planned %d tasks for %d ranks -> %d engines in %.3f s",
-                sum(len(r.tasks) for r in schedule.ranks), n, m, time.perf_counter() - t0,
-            )
+            schedule = self._plan_for([j for _, j in self._latest.values()])
         except (PlanMismatchError, WeightTransferError) as exc:
             cp.put("plan_error", Failure(message=str(exc)))
             raise
+        self._publish(schedule)
+        return schedule
+
+    def _read_slots(self, upto: int) -> None:
+        """Read join slots [`_slots_read`, upto); a later join of a name supersedes earlier ones."""
+        for i in range(self._slots_read, upto):
+            j = self.control.get(f"engine_slot/{i}", EngineJoin)
+            self._latest[j.manifest.engine] = (i, j)
+        self._slots_read = max(self._slots_read, upto)
+
+    def _plan_for(self, joins: Sequence[EngineJoin]) -> Schedule:
+        for j in joins:
+            if j.transport != joins[0].transport:
+                raise WeightTransferError(
+                    f"engine {j.manifest.engine!r} uses transport {j.transport!r}, "
+                    f"engine {joins[0].manifest.engine!r} uses {joins[0].transport!r}"
+                )
+        t0 = time.perf_counter()
+        schedule = plan(self.sources, [j.manifest for j in joins], self.config.planner)
+        log.info(
+            "plan %d: %d tasks for %d ranks -> %d engines in %.3f s", self.epoch,
+            sum(len(r.tasks) for r in schedule.ranks), len(self.sources), len(joins),
+            time.perf_counter() - t0,
+        )
+        self.joins = {j.manifest.engine: j for j in joins}
+        self.dests = [j.manifest for j in joins]
+        self._slot_of = {e: self._latest[e][0] for e in self.joins}
+        return schedule
+
+    def replan(
+        self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()
+    ) -> Schedule:
+        """Plan again for a changed set of engines, as the next epoch. Call between updates.
+
+        Normally called through `WeightSender.replan` (collective over the trainer ranks).
+
+        Args:
+            engines: the engines of the new plan (default: those of the current plan). A name
+                not in the current plan is an added engine: its join is waited for.
+            rejoined: engines that restarted; their join newer than the one the current plan
+                used is waited for (a restarted engine joins with `rejoin=True`).
+
+        Raises:
+            TransportTimeoutError: an added or restarted engine did not join in time (named).
+            PlanMismatchError: the new set of engines does not fit the trainers' tensors.
+            ValueError: `engines` is empty, or `rejoined` names an engine not in it.
+        """
+        names = list(engines) if engines is not None else [d.engine for d in self.dests]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"replan needs distinct engine names, got {names}")
+        stray = sorted(set(rejoined) - set(names))
+        if stray:
+            raise ValueError(f"rejoined engine(s) {stray} are not among the engines {names}")
+        cp = self.control
+        epoch = self.epoch + 1
+        try:
+            deadline = time.monotonic() + cp.config.timeout_s
+            while True:
+                self._read_slots(cp.add("engine_slots", 0))
+                waiting = [
+                    e for e in names
+                    if e not in self._latest
+                    or (e in rejoined and self._latest[e][0] <= self._slot_of.get(e, -1))
+                ]
+                if not waiting:
+                    break
+                if time.monotonic() > deadline:
+                    raise TransportTimeoutError(
+                        f"controller: engine(s) {waiting} did not (re)join within "
+                        f"{cp.config.timeout_s:.0f} s for plan {epoch}"
+                    )
+                time.sleep(_JOIN_POLL_S)
+            self.epoch = epoch
+            schedule = self._plan_for([self._latest[e][1] for e in names])
+        except (PlanMismatchError, WeightTransferError) as exc:
+            cp.put(plan_key(epoch, "plan_error"), Failure(message=str(exc)))
+            raise
+        self._publish(schedule)
+        return schedule
+
+    def _publish(self, schedule: Schedule) -> None:
+        cp = self.control
         descriptors = {
             d.engine: tuple(r.descriptor for r in sorted(d.regions, key=lambda r: r.index))
             for d in self.dests
         }
         for rs in schedule.ranks:
             cp.put(
-                f"schedule/{rs.rank}",
+                plan_key(self.epoch, f"schedule/{rs.rank}"),
                 RankPlan(
                     fingerprint=schedule.fingerprint,
                     schedule=rs,
@@ -111,7 +209,6 @@ class Controller:
                 ),
             )
         self.schedule = schedule
-        return schedule
 
     # -- per update ------------------------------------------------------------------------
 
@@ -139,7 +236,20 @@ class Controller:
         decision = Decision(step=step, ok=not errors, error="; ".join(errors))
         out_key = "commit" if phase == "done" else "result"
         self.control.put(f"{out_key}/{step}", decision)
+        if out_key == "result":
+            self._forget(step - _KEEP_STEPS)
         return decision
+
+    def _forget(self, step: int) -> None:
+        """Delete the per-update keys of an old step, so the store does not grow per update."""
+        if step < 1:
+            return
+        keys = [f"go/{step}", f"commit/{step}", f"result/{step}"]
+        for r in range(self.config.num_trainer_ranks):
+            keys += [f"done/{step}/{r}", f"committed/{step}/{r}"]
+        keys += [f"digest/{step}/{e}" for e in self.joins]
+        for k in keys:
+            self.control.delete(k)
 
     def verify(
         self, step: int, expected: Mapping[str, Mapping[str, torch.Tensor]], timeout_s: float

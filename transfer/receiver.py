@@ -19,15 +19,18 @@ from backends.base import (
     Transport,
     TransportConfig,
     TransportTimeoutError,
+    WeightTransferError,
     create_transport,
 )
 from planner.types import DestManifest, DestRegion, DestTensor, Recipe
 from transfer.config import ControlPlaneConfig, ReceiverConfig
 from transfer.control import ControlPlane
 from transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from transfer.protocol import Digests, EngineJoin
+from transfer.protocol import Decision, Digests, EngineJoin
 
 log = logging.getLogger(__name__)
+
+_DECISION_POLL_S = 0.05
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -58,6 +61,7 @@ class WeightReceiver:
         transport: TransportConfig,
         control: ControlPlaneConfig,
         config: ReceiverConfig | None = None,
+        rejoin: bool = False,
     ) -> None:
         """Register and publish.
 
@@ -67,10 +71,13 @@ class WeightReceiver:
             engine: unique name of this engine rank ("engine0", "replica1/tp3").
             transport: backend selection and options.
             control: where the control plane is, and its token.
+            rejoin: this engine restarted (new memory, new registrations) under a name that
+                joined before; the trainers use it after their next `WeightSender.replan`.
 
         Raises:
             ConfigurationError: a recipe names a missing tensor, a tensor is not contiguous, a
-                tensor no recipe writes (unless allowed), or the engine name is taken.
+                tensor no recipe writes (unless allowed), the engine name is taken (or, with
+                `rejoin`, was never registered).
         """
         self.engine = engine
         self.config = config or ReceiverConfig()
@@ -78,9 +85,15 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        if not self._control.claim(f"engine/{engine}"):
+        first = self._control.claim(f"engine/{engine}")
+        if rejoin and first:
             raise ConfigurationError(
-                f"engine {engine!r} is already registered with this control plane session"
+                f"engine {engine!r} cannot rejoin: it never joined this control plane session"
+            )
+        if not rejoin and not first:
+            raise ConfigurationError(
+                f"engine {engine!r} is already registered with this control plane session "
+                "(a restarted engine passes rejoin=True)"
             )
         self._transport: Transport = create_transport(transport)
         try:
@@ -195,22 +208,43 @@ class WeightReceiver:
     def wait_for_version(self, step: int, timeout_s: float) -> int:
         """Block until update `step` (or a later one) is complete; returns the version seen.
 
+        While waiting it also watches the control plane (every `_DECISION_POLL_S`), so a failed
+        update is reported here as soon as the controller decides it, with the controller's
+        message naming the failed rank or peer.
+
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
+            WeightTransferError: the controller aborted update `step` (this engine's version
+                did not advance).
+            PeerLostError: the controller is gone.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic()
         while True:
             v = self.version
             if v >= step:
                 return v
+            if time.monotonic() >= next_check:
+                self._raise_if_aborted(step)
+                next_check = time.monotonic() + _DECISION_POLL_S
             if time.monotonic() > deadline:
                 raise TransportTimeoutError(
                     f"engine {self.engine!r}: update {step} not complete after {timeout_s:.1f} s "
                     f"(version is {v})"
                 )
             time.sleep(0.0005)
+
+    def _raise_if_aborted(self, step: int) -> None:
+        for key in (f"commit/{step}", f"result/{step}"):
+            if self._control.exists(key):
+                decision = self._control.get(key, Decision)
+                if not decision.ok:
+                    raise WeightTransferError(
+                        f"engine {self.engine!r}: update {step} failed and was not applied "
+                        f"(version stays {self.version}): {decision.error}"
+                    )
 
     def tensor(self, name: str) -> torch.Tensor:
         """The live engine tensor `name`."""
