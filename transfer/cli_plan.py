@@ -113,10 +113,8 @@ def _plan(ns: argparse.Namespace) -> int:
         ("tasks", f"{len(tasks)} ({gathers} gather, {len(tasks) - gathers} direct)"),
         ("writes", str(sum(len(t.writes) for t in tasks))),
         ("bytes written", _gb(sum(per_engine))),
-        ("bytes per trainer rank", "min {} / median {} / max {}".format(
-            _gb(min(per_rank)), _gb(statistics.median(per_rank)), _gb(max(per_rank)))),
-        ("bytes per engine", "min {} / median {} / max {}".format(
-            _gb(min(per_engine)), _gb(statistics.median(per_engine)), _gb(max(per_engine)))),
+        ("bytes per trainer rank", f"min {_gb(min(per_rank))} / median {_gb(statistics.median(per_rank))} / max {_gb(max(per_rank))}"),
+        ("bytes per engine", f"min {_gb(min(per_engine))} / median {_gb(statistics.median(per_engine))} / max {_gb(max(per_engine))}"),
         ("temporary memory per task", f"max {_gb(max(temp, default=0))} "
          f"(budget {_gb(config.memory_budget_bytes)})"),
         ("fingerprint", schedule.fingerprint[:16]),

@@ -33,6 +33,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from backends.base import ConfigurationError
+from planner.fp8 import scale_shape
 from planner.presets.deepseek import (
     MLA_SHAPES,
     MlaShape,
@@ -43,7 +44,6 @@ from planner.presets.deepseek import (
 )
 from planner.presets.models import MODEL_SHAPES, ModelShape, hf_parameter_shapes
 from planner.presets.vllm import vllm_recipes
-from planner.fp8 import scale_shape
 from planner.reference import FP8_DTYPE
 from planner.simulate import Rates
 from planner.types import (
