@@ -454,7 +454,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
             _bcast(pg, flag, 1)
         else:
             _bcast(pg, flag, 1)
-        del received, pending, order
+        received = {}
     return {}
 
 
