@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 _INSTALL_HINT = "pip install 'weight-transfer[ucx]'"
 _PAGE_BYTES = 4096
 _CLOSE_TIMEOUT_S = 5.0
-_PROGRESS_PER_POLL = 4
+_POLL_BUDGET_S = 0.004
 
 try:  # the binding module itself imports only ctypes; libucp is loaded in the constructor
     from backends import ucx_native
@@ -298,9 +298,12 @@ class UcxTransport(Transport):
 
     def _poll(self, handle: WriteHandle) -> bool:
         batch: _Batch = handle.state
-        for _ in range(_PROGRESS_PER_POLL):
-            if not self._worker.progress():
-                break
+        # UCX moves a large put in fragments, one step per progress call, and cma copies each
+        # fragment inline. Progress while there is work, for at most _POLL_BUDGET_S, so a poll
+        # advances a batch by megabytes (callers sleep between polls) yet stays short.
+        deadline = time.perf_counter() + _POLL_BUDGET_S
+        while self._worker.progress() and time.perf_counter() < deadline:
+            pass
         try:
             batch.puts = [req for req in batch.puts if not self._worker.check(req)]
             if batch.flush is not None and self._worker.check(batch.flush):
