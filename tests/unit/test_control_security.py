@@ -1,0 +1,154 @@
+"""Control plane security: token required, values encrypted and authenticated, no pickle, the
+store bound to the configured interface only, memory keys readable only by members."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import secrets
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from backends.base import ControlPlaneAuthError, TransportConfig
+from planner import codec
+from planner.recipes import identity
+from transfer.config import ControllerConfig, ControlPlaneConfig
+from transfer.control import ControlPlane, derive_key
+from transfer.controller import Controller
+from transfer.demo import free_port
+from transfer.protocol import Decision
+from transfer.receiver import WeightReceiver
+from transfer.sender import WeightSender
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses of LISTEN sockets on `port` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            addr, p = fields[1].split(":")
+            if int(p, 16) == port and fields[3] == "0A":  # 0A = LISTEN
+                found.append(addr)
+    return found
+
+
+def _raw_client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False,
+                         timeout=datetime.timedelta(seconds=5), use_libuv=True)
+
+
+def test_token_is_required() -> None:
+    with pytest.raises(ValueError, match="token"):
+        ControlPlaneConfig(token="")
+    with pytest.raises(ValueError, match="token"):
+        ControlPlaneConfig(token="short")
+
+
+def test_store_binds_only_the_configured_host() -> None:
+    cp = ControlPlaneConfig(host="127.0.0.1", port=free_port(), token=secrets.token_hex(8))
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    try:
+        addrs = _listening_addresses(cp.port)
+        # 0100007F is 127.0.0.1 in /proc/net/tcp's little-endian hex; never 0.0.0.0 or ::.
+        assert addrs == ["0100007F"], addrs
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.timeout(60)
+def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
+    token = secrets.token_hex(8)
+    cp = ControlPlaneConfig(port=free_port(), token=token, timeout_s=10)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    g = torch.Generator().manual_seed(1)
+    engine_tensors = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
+    rx = WeightReceiver(engine_tensors,
+                        [identity("secret_tensor_name.weight", "secret_tensor_name.weight", (8, 4))],
+                        engine="e0", transport=TransportConfig(name="tcp"), control=cp)
+    src = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
+    tx = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"),
+                      control=cp, controller=ctrl)
+    try:
+        outsider = _raw_client(cp.port)
+        descriptors = [r.descriptor for r in rx.manifest.regions]
+        endpoint = rx._transport.endpoint()
+        for key in ("hello", "trainer/0", "engine_slot/0", "schedule/0"):
+            raw = outsider.get(f"wt/default/{key}")
+            assert b"secret_tensor_name" not in raw, key
+            assert not any(d in raw for d in descriptors), f"{key} exposes a memory key"
+            assert endpoint not in raw, key
+            with pytest.raises(ValueError):
+                codec.from_msgpack(Decision, raw)  # no structure visible to decode
+            # A guessed token does not open it either.
+            wrong = AESGCM(derive_key("guessed-token", "default"))
+            with pytest.raises(InvalidTag):
+                wrong.decrypt(raw[:12], raw[12:], f"wt/default/{key}".encode())
+        # Forge "update 1 committed" as an outsider: every member refuses it.
+        forged = codec.to_msgpack(Decision(step=1, ok=True, error=""))
+        outsider.set("wt/default/commit/1", forged + b"\0" * 28)
+        with pytest.raises(ControlPlaneAuthError, match="failed authentication"):
+            ctrl.control.get("commit/1", Decision, 1)
+        # ...nor can a valid value be moved to another key.
+        ctrl.control.put("result/5", Decision(step=5, ok=False, error="x"))
+        outsider.set("wt/default/result/6", outsider.get("wt/default/result/5"))
+        with pytest.raises(ControlPlaneAuthError):
+            ctrl.control.get("result/6", Decision, 1)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_member_is_refused_on_join() -> None:
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=5)
+    server = ControlPlane(cp, server=True, member="controller")
+    try:
+        bad = ControlPlaneConfig(port=cp.port, token="another-token-123", timeout_s=5)
+        with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
+            ControlPlane(bad, server=False, member="intruder")
+    finally:
+        server.close()
+
+
+def test_no_pickle_in_library_code() -> None:
+    """No module of the library imports pickle (or its relatives) for anything on a wire."""
+    banned = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
+    offenders = []
+    for pkg in ("planner", "transfer", "backends"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module.split(".")[0]]
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n in banned]
+    assert not offenders, offenders
+
+
+def test_sealed_values_are_not_plain_msgpack() -> None:
+    cp = ControlPlane(ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8)),
+                      server=True, member="controller")
+    try:
+        sealed = cp.seal("wt/default/k", codec.to_msgpack(Decision(step=1, ok=True, error="")))
+        try:
+            obj = msgpack.unpackb(sealed[12:], raw=False)
+        except Exception:  # noqa: BLE001 - any decode failure is the point
+            obj = None
+        assert obj != {"step": 1, "ok": True, "error": ""}
+    finally:
+        cp.close()
