@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from backends.base import (
+    ConfigurationError,
     PlanMismatchError,
     TransportTimeoutError,
     WeightTransferError,
@@ -154,17 +155,21 @@ class Controller:
         Raises:
             TransportTimeoutError: an added or restarted engine did not join in time (named).
             PlanMismatchError: the new set of engines does not fit the trainers' tensors.
-            ValueError: `engines` is empty, or `rejoined` names an engine not in it.
+            ConfigurationError: `engines` is empty or repeats a name, or `rejoined` names an
+                engine not in it (also published to every rank).
         """
         names = list(engines) if engines is not None else [d.engine for d in self.dests]
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"replan needs distinct engine names, got {names}")
-        stray = sorted(set(rejoined) - set(names))
-        if stray:
-            raise ValueError(f"rejoined engine(s) {stray} are not among the engines {names}")
         cp = self.control
-        epoch = self.epoch + 1
+        epoch = self.epoch = self.epoch + 1  # a failed plan uses up its number too
         try:
+            # Inside the try: every rank must learn that this plan number failed.
+            if not names or len(set(names)) != len(names):
+                raise ConfigurationError(f"replan needs distinct engine names, got {names}")
+            stray = sorted(set(rejoined) - set(names))
+            if stray:
+                raise ConfigurationError(
+                    f"rejoined engine(s) {stray} are not among the engines {names}"
+                )
             deadline = time.monotonic() + cp.config.timeout_s
             while True:
                 self._read_slots(cp.add("engine_slots", 0))
@@ -181,7 +186,6 @@ class Controller:
                         f"{cp.config.timeout_s:.0f} s for plan {epoch}"
                     )
                 time.sleep(_JOIN_POLL_S)
-            self.epoch = epoch
             schedule = self._plan_for([self._latest[e][1] for e in names])
         except (PlanMismatchError, WeightTransferError) as exc:
             cp.put(plan_key(epoch, "plan_error"), Failure(message=str(exc)))

@@ -153,6 +153,7 @@ class WeightSender:
                 the sender keeps its old plan and can retry.
         """
         epoch = self.epoch + 1
+        self.epoch = epoch  # a failed plan uses up its number too, on every rank alike
         if self.controller is not None:
             self.controller.replan(engines=engines, rejoined=rejoined)
         # Non-controller ranks wait while the controller waits for joins, plus the planning.
@@ -160,7 +161,6 @@ class WeightSender:
         self._release_plan()
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
-        self.epoch = epoch
         self._executor = self._build(rp)
         log.info("trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks))
 
