@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import torch
 
+from backends import _cudart
 from backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
 from backends.base import (
     ConfigurationError,
@@ -104,6 +105,37 @@ def _decode_target(desc: RegionDescriptor) -> _Target:
     return _Target(host, pid, owner, nbytes, offset, None, tuple(ipc))
 
 
+# A process may map a given IPC handle on a given device only once: share mappings between
+# transports of one process, counted.
+_IPC_OPEN: dict[tuple[bytes, int], list[int]] = {}  # (handle, device) -> [pointer, count]
+_IPC_LOCK = threading.Lock()
+
+
+def _ipc_acquire(key: tuple[bytes, int]) -> int:
+    with _IPC_LOCK:
+        entry = _IPC_OPEN.get(key)
+        if entry is None:
+            with torch.cuda.device(key[1]):
+                entry = _IPC_OPEN[key] = [_cudart.ipc_open(key[0]), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _ipc_release(key: tuple[bytes, int]) -> None:
+    with _IPC_LOCK:
+        entry = _IPC_OPEN.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _IPC_OPEN[key]
+            with torch.cuda.device(key[1]):
+                try:
+                    _cudart.ipc_close(entry[0])
+                except TransportError as exc:
+                    log.warning("loopback: closing a CUDA IPC mapping failed: %s", exc)
+
+
 class _BatchState:
     """Completion state of one posted batch (handle.state)."""
 
@@ -137,6 +169,8 @@ class LoopbackTransport(Transport):
         self._peer_ids: dict[str, tuple[int, int]] = {}  # peer -> (pid, transport id)
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
         self._cuda_targets: dict[tuple[str, bytes], torch.Tensor] = {}  # (peer, handle) -> view
+        self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
+        self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
         self._local_cuda_handles: dict[int, bytes] = {}  # region id -> IPC handle
         self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream
         kinds = {MemoryKind.HOST}
@@ -285,6 +319,7 @@ class LoopbackTransport(Transport):
         mappings = self._mappings.pop(peer, {})
         for key in [k for k in self._cuda_targets if k[0] == peer]:
             del self._cuda_targets[key]
+        self._release_ipc(self._ipc_peers.pop(peer, set()))
         if mappings:
             # Behind every copy already queued, so nothing in flight loses its mapping.
             self._jobs.put(list(mappings.values()))
@@ -295,6 +330,7 @@ class LoopbackTransport(Transport):
         state = _BatchState()
         host_copies: list[tuple[int, int, int]] = []
         cuda_ops: list[tuple[torch.Tensor, torch.Tensor]] = []
+        raw_ops: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
         decoded: dict[bytes, _Target] = {}
         for i, op in enumerate(ops):
             target = decoded.get(op.target.payload)
@@ -303,11 +339,20 @@ class LoopbackTransport(Transport):
             if op.source.kind is MemoryKind.HOST and op.target.kind is MemoryKind.HOST:
                 dst = self._map(peer, target) + target.offset + op.target_offset
                 host_copies.append((dst, op.source.address + op.source_offset, op.nbytes))
+            elif target.ipc is not None and not self._is_local_ipc(target):
+                device = self._writer_device(op)
+                dst = self._open_ipc_ptr(peer, target.ipc, device)
+                dst += int(target.ipc[3]) + target.offset + op.target_offset
+                raw_ops.setdefault(device, []).append(
+                    (dst, op.source.address + op.source_offset, op.nbytes, op.source.tensor)
+                )
             else:
                 src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
                 cuda_ops.append((self._target_view(peer, target, op), src))
         if cuda_ops:
             self._post_cuda(cuda_ops, state)
+        for device, copies in raw_ops.items():
+            self._post_raw(device, copies, state)
         if host_copies:
             self._jobs.put((peer, host_copies, state))
         else:
@@ -430,6 +475,53 @@ class LoopbackTransport(Transport):
         self._cuda_targets[key] = view
         return view
 
+    def _is_local_ipc(self, target: _Target) -> bool:
+        assert target.ipc is not None
+        with _LOCAL_CUDA_LOCK:
+            return target.ipc[1] in _LOCAL_CUDA_TARGETS
+
+    def _writer_device(self, op: WriteOp) -> int:
+        """The GPU whose copy engine writes: the source's, else the configured or current one."""
+        if op.source.kind is MemoryKind.CUDA and op.source.device_index is not None:
+            return op.source.device_index
+        if self.config.device_index is not None:
+            return self.config.device_index
+        return torch.cuda.current_device()
+
+    def _open_ipc_ptr(self, peer: str, ipc: tuple[Any, ...], device: int) -> int:
+        """Base pointer of a peer allocation, mapped into `device`'s context (cached)."""
+        key = (bytes(ipc[1]), device)
+        ptr = self._ipc_ptrs.get(key)
+        if ptr is None:
+            try:
+                ptr = _ipc_acquire(key)
+            except TransportError as exc:
+                raise TransportError(
+                    f"loopback: cannot open the CUDA IPC handle of peer {peer!r} on device "
+                    f"{device}: {exc}"
+                ) from exc
+            self._ipc_ptrs[key] = ptr
+            self._ipc_peers.setdefault(peer, set()).add(key)
+        return ptr
+
+    def _post_raw(
+        self, device: int, copies: list[tuple[int, int, int, torch.Tensor]], state: _BatchState
+    ) -> None:
+        """cudaMemcpyAsync on the writer's stream into IPC mappings opened on that device."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        producer = torch.cuda.current_stream(device)
+        with torch.cuda.device(device):
+            stream.wait_stream(producer)
+            handle = stream.cuda_stream
+            for dst, src, nbytes, _ in copies:
+                _cudart.memcpy_async(dst, src, nbytes, handle)
+            event = torch.cuda.Event()
+            event.record(stream)
+        state.events.append(event)
+        state.keepalive.extend(c[3] for c in copies)
+
     def _post_cuda(
         self, copies: list[tuple[torch.Tensor, torch.Tensor]], state: _BatchState
     ) -> None:
@@ -448,6 +540,13 @@ class LoopbackTransport(Transport):
             state.events.append(event)
             state.keepalive.extend((dst, src))
 
+    def _release_ipc(self, keys: set[tuple[bytes, int]]) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()  # nothing in flight may lose its mapping
+        for key in keys:
+            if self._ipc_ptrs.pop(key, None) is not None:
+                _ipc_release(key)
+
     # -- close ----------------------------------------------------------------------------
 
     def _close(self) -> None:
@@ -463,6 +562,9 @@ class LoopbackTransport(Transport):
             log.warning("loopback: copy thread did not stop within %.0f s", _JOIN_TIMEOUT_S)
         for stream in self._streams.values():
             stream.synchronize()
+        for keys in list(self._ipc_peers.values()):
+            self._release_ipc(keys)
+        self._ipc_peers.clear()
         self._streams.clear()
         self._cuda_targets.clear()
         with _LOCAL_CUDA_LOCK:

@@ -118,6 +118,31 @@ def sender(conn, size: int, res) -> None:
                 cupy.cuda.runtime.memcpyAsync(ptr + i * n, src.data_ptr() + i * n, n, 4, s.ptr)
         record("E memcpyAsync 4 streams", timeit(e, lambda: [s.synchronize() for s in streams]))
         check("E memcpyAsync 4 streams")
+    # H/I. open the legacy IPC handle in the SENDER's context (device 0, lazy peer access), as
+    # UCX's cuda_ipc does, then copy with the copy engine (H) or an SM kernel (I).
+    with cupy.cuda.Device(0):
+        handle = fields[1]
+        base = cupy.cuda.runtime.ipcOpenMemHandle(handle, 1)
+        ptr0 = base + int(fields[3])
+        s2 = cupy.cuda.Stream(non_blocking=True)
+        def h():
+            cupy.cuda.runtime.memcpyAsync(ptr0, src.data_ptr(), size, 4, s2.ptr)
+        record("H ipc opened on dev0 + memcpyAsync", timeit(h, s2.synchronize))
+        check("H ipc opened on dev0 + memcpyAsync")
+        mem0 = cupy.cuda.UnownedMemory(ptr0, size, None, device_id=0)
+        dst0 = cupy.ndarray((size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(mem0, 0))
+        def i():
+            with s2:
+                cupy.copyto(dst0, src_cp)
+        record("I ipc opened on dev0 + copy kernel", timeit(i, s2.synchronize))
+        check("I ipc opened on dev0 + copy kernel")
+        for mib in (1, 16, 64):
+            n = mib << 20
+            def hs(n=n):
+                cupy.cuda.runtime.memcpyAsync(ptr0, src.data_ptr(), n, 4, s2.ptr)
+            ts = timeit(hs, s2.synchronize, reps=20)
+            results[f"H size {mib} MiB"] = {"gbps": n / statistics.median(ts) / 1e9}
+            print(f"H size {mib} MiB: {n / statistics.median(ts) / 1e9:.1f} GB/s", flush=True)
     # F. torch copy_ after peer access enabled (A again)
     record("F torch copy_ again (peer enabled)", timeit(lambda: dst1.copy_(src), sync_all))
     # G. torch copy_ into a device-0 alias of the remote pointer
