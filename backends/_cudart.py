@@ -82,10 +82,27 @@ def check(code: int, what: str) -> None:
         raise TransportError(f"{what} failed: CUDA error {code} ({msg.decode() if msg else '?'})")
 
 
+def raw_ipc_handle(handle: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside torch's shareable handle.
+
+    torch (2.2+) prefixes the handle with a version byte and a type byte: b"c" for memory from
+    cudaMalloc, b"e" for expandable segments, which have no legacy IPC handle.
+    """
+    if len(handle) == _IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) == _IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return handle[2:]
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise TransportError(
+            "the target lives in PyTorch expandable segments, which legacy CUDA IPC cannot "
+            "share; allocate engine weights without expandable_segments"
+        )
+    raise ValueError(f"unrecognised CUDA IPC handle of {len(handle)} bytes")
+
+
 def ipc_open(handle: bytes) -> int:
     """Map a peer's allocation into the *current* device's context; returns the base pointer."""
-    if len(handle) != _IPC_HANDLE_BYTES:
-        raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    handle = raw_ipc_handle(handle)
     ptr = ctypes.c_void_p()
     h = _IpcHandle()
     ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)

@@ -121,7 +121,7 @@ def sender(conn, size: int, res) -> None:
     # H/I. open the legacy IPC handle in the SENDER's context (device 0, lazy peer access), as
     # UCX's cuda_ipc does, then copy with the copy engine (H) or an SM kernel (I).
     with cupy.cuda.Device(0):
-        handle = fields[1]
+        handle = fields[1][2:] if len(fields[1]) == 66 else fields[1]
         base = cupy.cuda.runtime.ipcOpenMemHandle(handle, 1)
         ptr0 = base + int(fields[3])
         s2 = cupy.cuda.Stream(non_blocking=True)
