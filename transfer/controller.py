@@ -236,7 +236,8 @@ class Controller:
                 errors.append(f"trainer rank {r} did not report {phase} for update {step} in time")
                 continue
             if not d.ok:
-                errors.append(f"trainer rank {r}: {d.error}")
+                who = f"trainer rank {r}: "
+                errors.append(d.error if d.error.startswith(who) else who + d.error)
         decision = Decision(step=step, ok=not errors, error="; ".join(errors))
         out_key = "commit" if phase == "done" else "result"
         self.control.put(f"{out_key}/{step}", decision)

@@ -260,3 +260,124 @@ def test_engine_that_stops_reading_tcp() -> None:
     kind, message, elapsed = rep["trainer"][0]
     assert kind == "WeightTransferError" and "not complete after" in message, message
     assert elapsed < UPDATE_TIMEOUT_S * 2 + SLACK_S, elapsed
+
+
+# -- a trainer rank killed inside a gather (full_tensor over gloo) -----------------------------
+
+GATHER_SHAPE = (200, 128)  # rows split 100/100 over two ranks; FP8 blocks of 128 rows span both
+PG_TIMEOUT_S = 10.0
+
+
+def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: Any,
+                        finish: Any) -> None:
+    """Two ranks shard one tensor (DTensor, Shard(0), gloo); rank 1 dies inside its gather."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from backends.base import TransportConfig, WeightTransferError
+    from transfer.config import ControllerConfig, SenderConfig
+    from transfer.controller import Controller
+    from transfer.sender import WeightSender
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.randn(GATHER_SHAPE, generator=torch.Generator().manual_seed(3))
+    params = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+    before = params["w"].to_local().clone()
+    controller = None
+    if rank == 0:
+        controller = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1),
+                                _control(port, token))
+    sender = WeightSender(params, rank=rank, world_size=2, transport=TransportConfig(name="tcp"),
+                          control=_control(port, token), controller=controller,
+                          config=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S * 3))
+    kinds = [t.kind for t in sender.schedule.tasks]
+    out.put(("tasks", rank, kinds.count("gather")))
+    gather = sender._executor.gather
+
+    def dying_gather(t: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return gather(t)
+
+    sender._executor.gather = dying_gather
+    t0 = time.monotonic()
+    try:
+        sender.update(1)
+        out.put(("trainer", rank, "ok", "", time.monotonic() - t0))
+    except WeightTransferError as exc:
+        out.put(("trainer", rank, type(exc).__name__, str(exc), time.monotonic() - t0))
+    out.put(("untouched", rank, torch.equal(params["w"].to_local(), before)))
+    finish.wait(60)
+    sender.close()
+    os._exit(0)  # the process group lost a member: skip its teardown
+
+
+def fp8_engine_proc(port: int, token: str, out: Any) -> None:
+    from backends.base import TransportConfig, WeightTransferError
+    from planner.recipes import identity, scale_name, with_fp8
+    from transfer.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(9)
+    tensors = {"w": torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn),
+               scale_name("w"): torch.rand(2, 1, generator=g) + 0.5}
+    rx = WeightReceiver(tensors, [with_fp8(identity("w", "w", GATHER_SHAPE))], engine="e0",
+                        transport=TransportConfig(name="tcp"), control=_control(port, token))
+    t0 = time.monotonic()
+    try:
+        rx.wait_for_version(1, CONTROL_TIMEOUT_S + PG_TIMEOUT_S)
+        out.put(("engine", 0, "ok", "", time.monotonic() - t0, rx.version))
+    except WeightTransferError as exc:
+        out.put(("engine", 0, type(exc).__name__, str(exc), time.monotonic() - t0, rx.version))
+    finally:
+        rx.close()
+
+
+@pytest.mark.timeout(180)
+def test_trainer_rank_killed_inside_a_gather() -> None:
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    finish = ctx.Event()
+    port, dist_port, token = free_port(), free_port(), secrets.token_hex(8)
+    procs = {f"trainer{r}": ctx.Process(target=gather_trainer_proc,
+                                        args=(r, port, dist_port, token, out, finish))
+             for r in range(2)}
+    procs["e0"] = ctx.Process(target=fp8_engine_proc, args=(port, token, out))
+    for p in procs.values():
+        p.start()
+    rep: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and not (0 in rep["trainer"] and 0 in rep["engine"]):
+            try:
+                msg = out.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            rep[msg[0]][msg[1]] = msg[2:] if msg[0] in ("trainer", "engine") else msg[2]
+    finally:
+        finish.set()
+        codes = {}
+        for name, p in procs.items():
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+                codes[name] = "hung"
+            else:
+                codes[name] = p.exitcode
+    assert codes == {"trainer0": 0, "trainer1": -signal.SIGKILL, "e0": 0}, (codes, rep)
+    assert rep["tasks"][0] > 0 and rep["tasks"][1] > 0, "the plan must gather across both ranks"
+    kind, message, elapsed = rep["trainer"][0]
+    assert kind != "ok" and "trainer rank 1" in message, message
+    assert "trainer rank 0: gathering 'w'" in message, message  # the blocked gather, named
+    assert elapsed < UPDATE_TIMEOUT_S * 3 + PG_TIMEOUT_S + SLACK_S, elapsed
+    kind, message, elapsed, version = rep["engine"][0]
+    assert kind != "ok" and "trainer rank 1" in message and version == 0, message
+    assert rep["untouched"][0]
