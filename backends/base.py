@@ -471,7 +471,7 @@ class Transport(ABC):
             # Progress-driven backends need tight polling; back off gently to spare the CPU.
             if backoff:
                 time.sleep(backoff)
-            backoff = min(backoff * 2 or 1e-5, 1e-3)
+            backoff = min(backoff * 2 or 1e-5, 1e-4)
 
     def close(self) -> None:
         """Release every registration and connection. Idempotent."""

@@ -821,7 +821,7 @@ def plan(
         ranks_out.append(
             RankSchedule(
                 rank=rank, tasks=tuple(per_rank[rank]), peers=tuple(peers),
-                version_engines=tuple(version_engines[rank]),
+                version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
             )
         )
     return Schedule(

@@ -294,6 +294,8 @@ class RankSchedule:
     """Engines this rank writes to (connect once at setup)."""
     version_engines: tuple[str, ...]
     """Engines whose version word this rank writes after every update completed."""
+    num_mesh_groups: int = 1
+    """Mesh groups of the whole schedule: every rank enters every group's barrier."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -229,6 +229,11 @@ class Executor:
         self._scratch_peak = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._static: dict[int, tuple[tuple[str, ...], dict[str, list[WriteOp]]]] = {}
+        for t in schedule.tasks:
+            ops = self._static_ops(t)
+            if ops is not None:
+                self._static[t.task_id] = (tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)})), ops)
 
     # -- one update ------------------------------------------------------------------------
 
@@ -253,14 +258,21 @@ class Executor:
                 for task in self.schedule.tasks:
                     if abort.is_set():
                         return
-                    if task.mesh_group != group:
-                        self.barrier(task.mesh_group)
-                        group = task.mesh_group
+                    # Every rank enters every group's barrier, also groups it has no task in.
+                    while group < task.mesh_group:
+                        group += 1
+                        self.barrier(group)
                     rec = TaskRecord(task.task_id, task.kind, task.nbytes)
                     prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
                     if prepared is None:
                         return
                     ready.put(prepared)
+                    # Let the write stage take the GIL now rather than at the next switch
+                    # interval (5 ms), so writes start as soon as their task is ready.
+                    time.sleep(0)
+                while group < self.schedule.num_mesh_groups - 1:
+                    group += 1
+                    self.barrier(group)
                 ready.put(None)
             except BaseException as exc:  # handed to the write stage, which raises it
                 ready.put(exc)
@@ -390,11 +402,36 @@ class Executor:
                 self._scratch_in_use -= task.scratch_bytes
             raise
 
+    def _static_ops(self, task: Task) -> dict[str, list[WriteOp]] | None:
+        """The writes of a task that only sends straight from registered shards: the same
+        every update, so built once (a prepared descriptor list)."""
+        if task.gather or not task.writes:
+            return None
+        ops: dict[str, list[WriteOp]] = defaultdict(list)
+        for w in task.writes:
+            if not isinstance(w, SliceWrite) or not w.zero_copy:
+                return None
+            b = self.sources[w.source]
+            if b.region is None or b.local_box is None:
+                return None
+            local = self._local(w.source)
+            origin = [a for a, _ in b.local_box]
+            src = local[_slices(w.source_box, origin)]
+            self._ops_for_runs(w.engine, w.runs, b.region, src.data_ptr() - b.region.address, ops)
+        return dict(ops)
+
     def _prepare(
         self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event,
         blocks: list[tuple[int, int]],
     ) -> _Prepared:
         rec.admit = time.perf_counter() - t0
+        static = self._static.get(task.task_id)
+        if static is not None:
+            names, ops_static = static
+            for name in names:
+                self._local(name)  # raises if a parameter was reallocated since registration
+            rec.prepare_start = rec.prepare_end = time.perf_counter() - t0
+            return _Prepared(task, rec, ops_static, blocks, task.scratch_bytes, None)
         fulls: dict[str, torch.Tensor] = {}
         rec.prepare_start = time.perf_counter() - t0
         if task.kind == "gather":
@@ -511,11 +548,6 @@ class Executor:
     ) -> None:
         shape = box_shape(w.dest_box)
         origin = [a for a, _ in w.dest_box]
-        dev = next(iter(fulls.values())).device if fulls else self.device
-        hp = torch.empty(shape, dtype=torch.float32, device=dev)
-        for p in w.parts:
-            part = fulls[p.source][_slices(p.source_box)]
-            hp[_slices(p.dest_box, origin)].copy_(part.reshape(box_shape(p.dest_box)))
         wbytes = numel(shape)
         sshape = box_shape(w.scale_box)
         sbytes = numel(sshape) * 4
@@ -523,9 +555,30 @@ class Executor:
         soff = self._alloc(sbytes, blocks, deadline, abort)
         q = self.arena.view(woff, wbytes).view(torch.float8_e4m3fn).view(shape)
         s = self.arena.view(soff, sbytes).view(torch.float32).view(sshape)
-        if hp.device != self.arena.buffer.device:
-            hp = hp.to(self.arena.buffer.device)
-        self.quantize(hp, w.block, q, s)
+        aligned = _block_aligned_parts(w, shape, origin)
+        if aligned is not None:
+            # Every part covers whole quantization blocks: quantize each straight from its
+            # source into its rows of the destination, with no high-precision assembly.
+            q2 = q.view(shape[-2], shape[-1])
+            s2 = s.view(sshape[-2], sshape[-1])
+            b0, b1 = w.block
+            for p, (r0, r1, c0, c1) in aligned:
+                src = fulls[p.source][_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
+                if src.device != q2.device:
+                    src = src.to(q2.device, non_blocking=True)
+                self.quantize(
+                    src, w.block, q2[r0:r1, c0:c1],
+                    s2[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)],
+                )
+        else:
+            dev = next(iter(fulls.values())).device if fulls else self.device
+            hp = torch.empty(shape, dtype=torch.float32, device=dev)
+            for p in w.parts:
+                part = fulls[p.source][_slices(p.source_box)]
+                hp[_slices(p.dest_box, origin)].copy_(part.reshape(box_shape(p.dest_box)))
+            if hp.device != self.arena.buffer.device:
+                hp = hp.to(self.arena.buffer.device)
+            self.quantize(hp, w.block, q, s)
         self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, woff, ops)
         self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, soff, ops)
 
@@ -536,6 +589,26 @@ class Executor:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):
                 pass
+
+
+def _block_aligned_parts(
+    w: QuantWrite, shape: tuple[int, ...], origin: Sequence[int]
+) -> list[tuple[Any, tuple[int, int, int, int]]] | None:
+    """Each part's (row0, row1, col0, col1) inside the unit if every part starts on a block
+    boundary and ends on one or at the unit's edge (so no block mixes parts); else None."""
+    if any(n != 1 for n in shape[:-2]):
+        return None
+    rows, cols = shape[-2], shape[-1]
+    b0, b1 = w.block
+    out = []
+    for p in w.parts:
+        (r0, r1), (c0, c1) = [(a - o, b - o) for (a, b), o in zip(p.dest_box[-2:], origin[-2:], strict=True)]
+        if r0 % b0 or c0 % b1 or (r1 % b0 and r1 != rows) or (c1 % b1 and c1 != cols):
+            return None
+        if numel(box_shape(p.source_box)) != (r1 - r0) * (c1 - c0):
+            return None
+        out.append((p, (r0, r1, c0, c1)))
+    return out
 
 
 def trace_events(records: Sequence[TaskRecord], *, rank: int, step: int) -> list[dict[str, Any]]:

@@ -190,3 +190,34 @@ def test_engine_shape_mismatch_named_by_planner() -> None:
 def test_weight_transfer_error_hierarchy() -> None:
     assert issubclass(PlanMismatchError, WeightTransferError)
     assert issubclass(TransportTimeoutError, TimeoutError)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows", [256, 200], ids=["block-aligned", "unaligned"])
+def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
+    """Both quantization paths: per part straight from the source (parts on 128-row block
+    boundaries) and through a float32 assembly (a block straddles gate and up)."""
+    from planner.recipes import engine_tensor_specs, fused_gate_up, with_fp8
+    from planner.reference import materialize
+    from transfer.manifest import torch_dtype
+
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    g = torch.Generator().manual_seed(rows)
+    src = {
+        "gate.weight": (torch.randn(rows, 384, generator=g) * 3).to(torch.bfloat16),
+        "up.weight": torch.randn(rows, 384, generator=g).to(torch.bfloat16),
+    }
+    recipes = (with_fp8(fused_gate_up("gate_up.weight", "gate.weight", "up.weight", shape=(rows, 384), tp_rank=0, tp_size=1)),)
+    specs = engine_tensor_specs(recipes)
+    tensors = {s.name: torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype)) for s in specs}
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+    try:
+        sender.update(1)
+        want = materialize(recipes, specs, src)
+        for name, t in want.items():
+            assert torch.equal(tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    finally:
+        sender.close()
+        rx.close()
