@@ -7,12 +7,18 @@ Keys (under the session prefix):
     engines                        EngineList   names of the engines, in join order
     schedule/<rank>                RankPlan     a trainer rank's part of the schedule
     plan_error                     Failure      set instead of schedules if planning failed
+    epoch/<e>/schedule/<rank>      RankPlan     the same for re-plan e > 0 (`Controller.replan`)
+    epoch/<e>/plan_error           Failure      re-plan e failed
     go/<step>                      Go           start update `step`
     done/<step>/<rank>             Done         rank finished its writes (ok or error)
     commit/<step>                  Decision     controller: write version words, or abort
     committed/<step>/<rank>        Done         rank wrote its engines' version words
     result/<step>                  Decision     final outcome every rank raises on if not ok
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
+
+Every value is encrypted and authenticated with the session token (`transfer.control`); the
+per-update keys of a step are deleted 8 steps later. Join slots (`engine_slot/<i>`) are
+numbered by an atomic counter; a restarted engine takes a new slot under its old name.
 """
 
 from __future__ import annotations
