@@ -59,7 +59,8 @@ class BenchUpdateConfig:
     bucket_bytes: int = 1 << 30
     """Bucket size of the rank-0 broadcast baseline."""
     baseline: bool = True
-    """Also measure the rank-0 NCCL broadcast baseline."""
+    """Also measure the rank-0 NCCL broadcast baseline (split layout only: NCCL refuses two
+    ranks of one communicator on one GPU, which the colocated layout would need)."""
     timeout_s: float = 500.0
     """Limit for the whole run."""
     json_path: str = "bench_update.json"
@@ -279,7 +280,7 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
             del a, b, h
         res["model_bytes"] = nbytes_model
         sender.close()
-        if cfg.baseline:
+        if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_trainer(cfg, rank, model, shapes, ports, dev))
         out.put(("trainer", rank, res))
     except BaseException as exc:
@@ -373,7 +374,7 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         fp = {n: str(fingerprint(t)) for n, t in tensors.items()}
         rx._control.put(f"digest/{verify_step}/engine{rank}", Digests(engine=f"engine{rank}", step=verify_step, version=rx.version, digests=tuple(sorted(fp.items()))))
         res: dict[str, Any] = {"rank": rank, "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-        if cfg.baseline:
+        if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_engine(cfg, rank, shape, recipes, specs, tensors, ports, dev))
         rx.close()
         out.put(("engine", rank, res))
@@ -405,10 +406,10 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
 
     for _ in range(cfg.repeats + 1):
         received: dict[str, torch.Tensor] = {}
-        pending = {n: torch.empty(s, dtype=torch.bfloat16, device=dev) for n, s in shapes.items()}
-        order = [(n, pending[n].view(-1).view(torch.uint8)) for n in names]
+        pending: dict[str, torch.Tensor] = {}
+        order = [(n, int(torch.Size(shapes[n]).numel()) * 2) for n in names]
         cursor = [0, 0]  # tensor index, byte offset within it
-        total = sum(t.numel() for _, t in order)
+        total = sum(nb for _, nb in order)
         done_bytes = 0
         loaded: set[str] = set()
 
@@ -431,14 +432,22 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
                         assert built is not None
                         tensors[r.dest].copy_(built[r.dest])
                     loaded.add(r.dest)
+            # Free sources whose every recipe is loaded (engines stream their load like this).
+            for n in list(received):
+                if all(r.dest in loaded for r in need.get(n, [])):
+                    del received[n]
+                    pending.pop(n, None)
 
         while done_bytes < total:
             n = min(cfg.bucket_bytes, total - done_bytes)
             _bcast(pg, bucket[:n], 0)
             pos = 0
             while pos < n:
-                name, dst = order[cursor[0]]
-                k = min(dst.numel() - cursor[1], n - pos)
+                name, nb = order[cursor[0]]
+                if name not in pending:
+                    pending[name] = torch.empty(shapes[name], dtype=torch.bfloat16, device=dev)
+                dst = pending[name].view(-1).view(torch.uint8)
+                k = min(nb - cursor[1], n - pos)
                 dst[cursor[1]:cursor[1] + k].copy_(bucket[pos:pos + k])
                 cursor[1] += k
                 pos += k

@@ -52,7 +52,9 @@ def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torc
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (a DTensor's local shard, or the tensor itself)."""
     if DTensor is not None and isinstance(t, DTensor):
-        return t.to_local()
+        # The attribute is what to_local() returns, without an autograd call per access.
+        local = getattr(t, "_local_tensor", None)
+        return local if isinstance(local, torch.Tensor) else t.to_local()
     return t.data if isinstance(t, nn.Parameter) else t
 
 

@@ -234,6 +234,7 @@ class Executor:
             ops = self._static_ops(t)
             if ops is not None:
                 self._static[t.task_id] = (tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)})), ops)
+        self._static_sources = sorted({n for names, _ in self._static.values() for n in names})
 
     # -- one update ------------------------------------------------------------------------
 
@@ -258,6 +259,8 @@ class Executor:
                 for task in self.schedule.tasks:
                     if abort.is_set():
                         return
+                    if task.task_id in self._static:
+                        continue  # posted by the write stage at the start
                     # Every rank enters every group's barrier, also groups it has no task in.
                     while group < task.mesh_group:
                         group += 1
@@ -277,12 +280,24 @@ class Executor:
             except BaseException as exc:  # handed to the write stage, which raises it
                 ready.put(exc)
 
-        worker = threading.Thread(target=prepare_loop, name=f"wt-prepare-r{self.rank}", daemon=True)
-        worker.start()
         in_flight: list[tuple[_Prepared, list[WriteHandle]]] = []
         waiting: list[_Prepared] = []
         finished_preparing = False
         total = 0
+        # Tasks that send straight from registered shards need no preparation: check once that
+        # no parameter moved, then post their prepared write lists before anything else.
+        for name in self._static_sources:
+            self._local(name)
+        for task in self.schedule.tasks:
+            static = self._static.get(task.task_id)
+            if static is None:
+                continue
+            now = time.perf_counter() - t0
+            rec = TaskRecord(task.task_id, task.kind, task.nbytes, now, now, now, now)
+            handles = [self.transport.post_writes(peer, ops) for peer, ops in static[1].items()]
+            in_flight.append((_Prepared(task, rec, static[1], [], 0, None), handles))
+        worker = threading.Thread(target=prepare_loop, name=f"wt-prepare-r{self.rank}", daemon=True)
+        worker.start()
         try:
             while not finished_preparing or waiting or in_flight:
                 if time.monotonic() > deadline:
@@ -315,7 +330,9 @@ class Executor:
                     ]
                     in_flight.append((p, handles))
                     progressed = True
-                still: list[tuple[_Prepared, list[WriteHandle]]] = []
+                # Batches mostly complete in posting order: poll from the oldest and stop at
+                # the first unfinished one, so a long queue costs one poll per pass, not many.
+                finished = 0
                 for p, handles in in_flight:
                     try:
                         done = all([self.transport.poll(h) for h in handles])
@@ -323,15 +340,16 @@ class Executor:
                         raise WeightTransferError(
                             f"trainer rank {self.rank}: writes of task {p.task.task_id} failed: {exc}"
                         ) from exc
-                    if done:
-                        p.record.write_end = time.perf_counter() - t0
-                        self._release(p)
-                        records.append(p.record)
-                        total += p.task.nbytes
-                        progressed = True
-                    else:
-                        still.append((p, handles))
-                in_flight = still
+                    if not done:
+                        break
+                    p.record.write_end = time.perf_counter() - t0
+                    self._release(p)
+                    records.append(p.record)
+                    total += p.task.nbytes
+                    finished += 1
+                if finished:
+                    del in_flight[:finished]
+                    progressed = True
                 if not progressed and (in_flight or waiting):
                     time.sleep(2e-5)
         except BaseException:
@@ -425,13 +443,6 @@ class Executor:
         blocks: list[tuple[int, int]],
     ) -> _Prepared:
         rec.admit = time.perf_counter() - t0
-        static = self._static.get(task.task_id)
-        if static is not None:
-            names, ops_static = static
-            for name in names:
-                self._local(name)  # raises if a parameter was reallocated since registration
-            rec.prepare_start = rec.prepare_end = time.perf_counter() - t0
-            return _Prepared(task, rec, ops_static, blocks, task.scratch_bytes, None)
         fulls: dict[str, torch.Tensor] = {}
         rec.prepare_start = time.perf_counter() - t0
         if task.kind == "gather":
