@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 _ALIGN = 256
 
 
+class _NotGraphable(Exception):
+    """Why the ring/graph fast path does not apply to a schedule (internal)."""
+
+
 class StagingArena:
     """A fixed block of registered memory handed out first-fit; thread-safe."""
 
@@ -235,6 +239,23 @@ class Executor:
             if ops is not None:
                 self._static[t.task_id] = (tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)})), ops)
         self._static_sources = sorted({n for names, _ in self._static.values() for n in names})
+        # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
+        # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
+        # and released in order) and its kernels are captured once as a CUDA graph, so an
+        # update replays one graph per task instead of re-issuing every launch from Python.
+        self._graphs: dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...]]] = {}
+        self._ring_busy: list[tuple[int, int, int]] = []  # (task_id, start, end) in flight
+        self._ring_cond = threading.Condition()
+        if self._stream is not None:
+            try:
+                self._graphs = self._capture_graphs()
+            except _NotGraphable as why:
+                log.info("trainer rank %d: per-task graphs not used: %s", rank, why)
+                self._graphs = {}
+            except RuntimeError as exc:  # capture refused (driver, allocator): run eagerly
+                log.warning("trainer rank %d: CUDA graph capture failed, running eagerly: %s", rank, exc)
+                self._graphs = {}
+                torch.cuda.synchronize(device)
 
     # -- one update ------------------------------------------------------------------------
 
@@ -247,6 +268,9 @@ class Executor:
         """
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
+        if self._stream is not None:
+            # Preparation reads parameters the caller's stream (the optimizer) last wrote.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self.arena.peak = self.arena.in_use
         self._scratch_peak = self._scratch_in_use
         ready: queue.Queue[_Prepared | BaseException | None] = queue.Queue()
@@ -266,7 +290,10 @@ class Executor:
                         group += 1
                         self.barrier(group)
                     rec = TaskRecord(task.task_id, task.kind, task.nbytes)
-                    prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
+                    if task.task_id in self._graphs:
+                        prepared = self._replay(task, rec, t0, deadline, abort)
+                    else:
+                        prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
                     if prepared is None:
                         return
                     ready.put(prepared)
@@ -476,7 +503,97 @@ class Executor:
         del fulls
         return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
 
+    def _capture_graphs(self) -> dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...]]]:
+        todo = [t for t in self.schedule.tasks if t.task_id not in self._static]
+        if not todo:
+            raise _NotGraphable("no task needs preparation")
+        plans = []
+        pos = 0
+        for t in todo:
+            if t.kind != "direct" or not t.gather or not all(isinstance(w, QuantWrite) for w in t.writes):
+                raise _NotGraphable(f"task {t.task_id} is not a local quantization")
+            for n in t.gather:
+                local = self._local(n)
+                if local.device != self.device:
+                    raise _NotGraphable(f"source {n!r} is not on {self.device}")
+            size = 0
+            layout = []
+            for w in t.writes:
+                assert isinstance(w, QuantWrite)
+                shape = box_shape(w.dest_box)
+                aligned = _block_aligned_parts(w, shape, [a for a, _ in w.dest_box])
+                if aligned is None:
+                    raise _NotGraphable(f"task {t.task_id}: {w.dest} has parts inside one block")
+                wb = -(-numel(shape) // _ALIGN) * _ALIGN
+                sb = -(-numel(box_shape(w.scale_box)) * 4 // _ALIGN) * _ALIGN
+                layout.append((w, aligned, size, size + wb))
+                size += wb + sb
+            if size > self.arena.nbytes:
+                raise _NotGraphable(f"task {t.task_id} needs {size} bytes, more than the arena")
+            if pos + size > self.arena.nbytes:
+                pos = 0
+            plans.append((t, pos, size, layout))
+            pos += size
+        graphs = {}
+        for t, start, size, layout in plans:
+            calls = []
+            ops: dict[str, list[WriteOp]] = defaultdict(list)
+            for w, aligned, woff, soff in layout:
+                shape = box_shape(w.dest_box)
+                sshape = box_shape(w.scale_box)
+                q = self.arena.view(start + woff, numel(shape)).view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
+                sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
+                b0, b1 = w.block
+                for p, (r0, r1, c0, c1) in aligned:
+                    src = self._local(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
+                    calls.append((src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]))
+                self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, start + woff, ops)
+                self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, start + soff, ops)
+            assert self._stream is not None
+            with torch.cuda.stream(self._stream):
+                for src, block, q, sc in calls:  # compile and warm up outside the capture
+                    self.quantize(src, block, q, sc)
+            self._stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream):
+                for src, block, q, sc in calls:
+                    self.quantize(src, block, q, sc)
+            graphs[t.task_id] = (graph, dict(ops), start, start + size, tuple(t.gather))
+        return graphs
+
+    def _replay(
+        self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event
+    ) -> _Prepared | None:
+        graph, ops, start, end, names = self._graphs[task.task_id]
+        rec.admit = time.perf_counter() - t0
+        with self._ring_cond:
+            # Wait until no task in flight still owns bytes of this task's slice of the ring.
+            while any(a < end and start < b for _, a, b in self._ring_busy):
+                if abort.is_set():
+                    return None
+                if time.monotonic() > deadline:
+                    raise TransportTimeoutError(
+                        f"trainer rank {self.rank}: task {task.task_id} never got its staging slice"
+                    )
+                self._ring_cond.wait(0.01)
+            self._ring_busy.append((task.task_id, start, end))
+        for n in names:
+            self._local(n)  # raises if a parameter was reallocated since the capture
+        rec.prepare_start = time.perf_counter() - t0
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            graph.replay()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        rec.prepare_end = time.perf_counter() - t0
+        return _Prepared(task, rec, ops, [], 0, event)
+
     def _release(self, p: _Prepared) -> None:
+        if p.task.task_id in self._graphs:
+            with self._ring_cond:
+                self._ring_busy = [b for b in self._ring_busy if b[0] != p.task.task_id]
+                self._ring_cond.notify_all()
+            return
         for off, n in p.blocks:
             self.arena.free(off, n)
         p.blocks = []
