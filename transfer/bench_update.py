@@ -79,7 +79,61 @@ class BenchUpdateConfig:
             raise ValueError("repeats must be >= 1")
 
 
-def param_module(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> nn.Module:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What a preset gives the benchmark: trainer tensors and each engine rank's layout."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    """Trainer tensors that are not bfloat16."""
+    preset: str
+
+    def recipes(self, rank: int, tp: int, fp8: bool) -> Any:
+        """Recipes of engine rank `rank` of `tp`."""
+        if self.preset == "deepseek-v3-slice":
+            from planner.presets.deepseek import mla_recipes
+
+            return mla_recipes(_mla_slice(), tp_rank=rank, tp_size=tp, fp8=fp8)
+        from planner.presets.models import get_model_shape
+        from planner.presets.vllm import vllm_recipes
+
+        return vllm_recipes(get_model_shape(self.preset), rank, tp, fp8=fp8)
+
+    def specs(self, rank: int, tp: int, fp8: bool) -> Any:
+        """Engine tensors (name, shape, dtype) of that rank."""
+        from planner.recipes import engine_tensor_specs
+
+        extra: dict[str, str] = {}
+        if self.preset == "deepseek-v3-slice":
+            from planner.presets.deepseek import mla_engine_dtypes
+
+            extra = mla_engine_dtypes(_mla_slice())
+        return engine_tensor_specs(self.recipes(rank, tp, fp8), param_dtype="bfloat16", dtypes=extra)
+
+
+def _mla_slice() -> Any:
+    from planner.presets.deepseek import MLA_SHAPES
+
+    # Two real DeepSeek-V3 layers: a dense one and a MoE one (256 experts, shared expert).
+    return dataclasses.replace(MLA_SHAPES["deepseek-v3"], num_layers=2, first_k_dense=1)
+
+
+def model_spec(preset: str) -> ModelSpec:
+    """Shapes of a model preset (`planner.presets.models`, or "deepseek-v3-slice")."""
+    if preset == "deepseek-v3-slice":
+        from planner.presets.deepseek import mla_parameter_shapes, mla_source_dtypes
+
+        shape = _mla_slice()
+        return ModelSpec(mla_parameter_shapes(shape), mla_source_dtypes(shape), preset)
+    from planner.presets.models import get_model_shape, hf_parameter_shapes
+
+    return ModelSpec(hf_parameter_shapes(get_model_shape(preset)), {}, preset)
+
+
+def param_module(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+    dtypes: dict[str, str] | None = None,
+) -> nn.Module:
     """A module whose parameters carry the given dotted names (no forward)."""
     root = nn.Module()
     for name, shape in shapes.items():
@@ -89,7 +143,8 @@ def param_module(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device:
             if not hasattr(m, p):
                 m.add_module(p, nn.Module())
             m = getattr(m, p)
-        m.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False))
+        dt = getattr(torch, (dtypes or {}).get(name, "")) if (dtypes or {}).get(name) else dtype
+        m.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
     return root
 
 
@@ -150,8 +205,6 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from backends.base import TransportConfig
-    from planner.presets.models import get_model_shape, hf_parameter_shapes
-    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
     from transfer.controller import Controller
     from transfer.manifest import torch_dtype
@@ -168,11 +221,11 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
     res: dict[str, Any] = {"rank": rank}
     try:
-        shape = get_model_shape(cfg.preset)
-        shapes = hf_parameter_shapes(shape)
+        spec = model_spec(cfg.preset)
+        shapes = spec.shapes
         mesh = init_device_mesh("cuda", (world,))
         # Build on the GPU (fast random init), then let FSDP2 shard (and offload) it.
-        model = param_module(shapes, torch.bfloat16, dev)
+        model = param_module(shapes, torch.bfloat16, dev, spec.dtypes)
         with torch.no_grad():
             g = torch.Generator(device=dev).manual_seed(1234 + rank)
             for p in model.parameters():
@@ -186,11 +239,19 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated(dev)
-        nbytes_model = sum(int(torch.Size(s).numel()) * 2 for s in shapes.values())
+        nbytes_model = sum(p.numel() * p.element_size() for p in model.parameters())
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
         controller = None
         if rank == 0:
-            controller = Controller(ControllerConfig(num_trainer_ranks=world, num_engines=_n_engines(cfg)), control)
+            from planner.plan import PlannerConfig
+
+            controller = Controller(
+                ControllerConfig(
+                    num_trainer_ranks=world, num_engines=_n_engines(cfg),
+                    planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
+                ),
+                control,
+            )
         torch.cuda.reset_peak_memory_stats(dev)
         sender = WeightSender(
             model, rank=rank, world_size=world,
@@ -231,8 +292,8 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
             mismatches = []
             tp = _n_engines(cfg)
             for e in range(tp):
-                recipes = vllm_recipes(shape, e, tp, fp8=cfg.fp8)
-                specs = vllm_tensor_specs(shape, e, tp, fp8=cfg.fp8)
+                recipes = spec.recipes(e, tp, cfg.fp8)
+                specs = spec.specs(e, tp, cfg.fp8)
                 want = expected_fingerprints(recipes, {s.name: (s.shape, torch_dtype(s.dtype)) for s in specs}, full)
                 got = dict(sender._control.get(f"digest/{step}/engine{e}", Digests, cfg.timeout_s).digests)
                 mismatches += [f"engine{e}:{n}" for n, v in want.items() if got.get(n) != str(v)]
@@ -341,8 +402,6 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
     from backends.base import TransportConfig
-    from planner.presets.models import get_model_shape
-    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from transfer.config import ControlPlaneConfig
     from transfer.manifest import torch_dtype
     from transfer.protocol import Digests
@@ -353,10 +412,10 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
     torch.cuda.set_device(gpu)
     dev = torch.device("cuda", gpu)
     try:
-        shape = get_model_shape(cfg.preset)
+        spec = model_spec(cfg.preset)
         tp = _n_engines(cfg)
-        recipes = vllm_recipes(shape, rank, tp, fp8=cfg.fp8)
-        specs = vllm_tensor_specs(shape, rank, tp, fp8=cfg.fp8)
+        recipes = spec.recipes(rank, tp, cfg.fp8)
+        specs = spec.specs(rank, tp, cfg.fp8)
         g = torch.Generator(device=dev).manual_seed(5 + rank)
         tensors = {}
         for s in specs:
@@ -375,7 +434,7 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         rx._control.put(f"digest/{verify_step}/engine{rank}", Digests(engine=f"engine{rank}", step=verify_step, version=rx.version, digests=tuple(sorted(fp.items()))))
         res: dict[str, Any] = {"rank": rank, "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
         if cfg.baseline and cfg.layout == "split":
-            res.update(_baseline_engine(cfg, rank, shape, recipes, specs, tensors, ports, dev))
+            res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
         rx.close()
         out.put(("engine", rank, res))
     except BaseException:
@@ -385,16 +444,16 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         raise
 
 
-def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any, specs: Any, tensors: dict[str, torch.Tensor], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
+def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes: Any, specs: Any, tensors: dict[str, torch.Tensor], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from planner.presets.models import hf_parameter_shapes
     from transfer.verify import build_engine_tensor
 
     store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
     pg = _baseline_pg(store, 1 + rank, 1 + _n_engines(cfg))
-    shapes = hf_parameter_shapes(shape)
+    shapes = spec.shapes
     names = list(shapes)
+    src_dtype = {n: getattr(torch, spec.dtypes.get(n, "bfloat16")) for n in names}
     need: dict[str, list[Any]] = {}
     for r in recipes:
         for p in r.parts:
@@ -407,7 +466,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
     for _ in range(cfg.repeats + 1):
         received: dict[str, torch.Tensor] = {}
         pending: dict[str, torch.Tensor] = {}
-        order = [(n, int(torch.Size(shapes[n]).numel()) * 2) for n in names]
+        order = [(n, int(torch.Size(shapes[n]).numel()) * src_dtype[n].itemsize) for n in names]
         cursor = [0, 0]  # tensor index, byte offset within it
         total = sum(nb for _, nb in order)
         done_bytes = 0
@@ -424,10 +483,17 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
                     if r.quant is not None:
                         from transfer.kernels.fp8_triton import quantize_fp8
 
-                        hp = torch.empty(s.shape, dtype=torch.float32, device=dev)
-                        for p in r.parts:
-                            hp[tuple(slice(a, b) for a, b in p.dest_box)] = received[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(tuple(b - a for a, b in p.dest_box))
-                        quantize_fp8(hp, r.quant.block, out_q=tensors[r.dest], out_scale=tensors[r.quant.scale_dest])
+                        # Assemble in float32 and quantize, one leading slice (expert) at a time.
+                        lead = s.shape[0] if len(s.shape) > 2 else 1
+                        for e in range(lead):
+                            sub = [p for p in r.parts if len(s.shape) == 2 or p.dest_box[0][0] == e]
+                            hp = torch.empty(s.shape[-2:], dtype=torch.float32, device=dev)
+                            for p in sub:
+                                box = p.dest_box[-2:]
+                                hp[tuple(slice(a, b) for a, b in box)] = received[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(tuple(b - a for a, b in box))
+                            q = tensors[r.dest] if len(s.shape) == 2 else tensors[r.dest][e]
+                            sc = tensors[r.quant.scale_dest] if len(s.shape) == 2 else tensors[r.quant.scale_dest][e]
+                            quantize_fp8(hp, r.quant.block, out_q=q, out_scale=sc)
                     else:
                         assert built is not None
                         tensors[r.dest].copy_(built[r.dest])
@@ -445,7 +511,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, shape: Any, recipes: Any
             while pos < n:
                 name, nb = order[cursor[0]]
                 if name not in pending:
-                    pending[name] = torch.empty(shapes[name], dtype=torch.bfloat16, device=dev)
+                    pending[name] = torch.empty(shapes[name], dtype=src_dtype[name], device=dev)
                 dst = pending[name].view(-1).view(torch.uint8)
                 k = min(nb - cursor[1], n - pos)
                 dst[cursor[1]:cursor[1] + k].copy_(bucket[pos:pos + k])

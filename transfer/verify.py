@@ -54,7 +54,14 @@ def build_engine_tensor(
         hp[tuple(slice(a, b) for a, b in p.dest_box)] = src.reshape(
             tuple(b - a for a, b in p.dest_box)
         ).float()
-    q, s = quantize_fp8_blockwise(hp, recipe.quant.block)
+    if hp.dim() > 2:
+        # Leading dims (experts) quantize independently: one slice at a time bounds memory.
+        flat = hp.reshape(-1, *hp.shape[-2:])
+        qs, ss = zip(*(quantize_fp8_blockwise(x, recipe.quant.block) for x in flat))
+        q = torch.stack(qs).reshape(hp.shape)
+        s = torch.stack(ss).reshape(*hp.shape[:-2], *ss[0].shape)
+    else:
+        q, s = quantize_fp8_blockwise(hp, recipe.quant.block)
     return {recipe.dest: q, recipe.quant.scale_dest: s}
 
 
