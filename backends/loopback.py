@@ -170,6 +170,7 @@ class LoopbackTransport(Transport):
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
         self._cuda_targets: dict[tuple[str, bytes], torch.Tensor] = {}  # (peer, handle) -> view
         self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
+        self._decoded: dict[str, dict[bytes, _Target]] = {}  # peer -> payload -> checked target
         self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
         self._local_cuda_handles: dict[int, bytes] = {}  # region id -> IPC handle
         self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream
@@ -316,6 +317,7 @@ class LoopbackTransport(Transport):
 
     def _disconnect(self, peer: str) -> None:
         self._peer_ids.pop(peer, None)
+        self._decoded.pop(peer, None)
         mappings = self._mappings.pop(peer, {})
         for key in [k for k in self._cuda_targets if k[0] == peer]:
             del self._cuda_targets[key]
@@ -331,7 +333,8 @@ class LoopbackTransport(Transport):
         host_copies: list[tuple[int, int, int]] = []
         cuda_ops: list[tuple[torch.Tensor, torch.Tensor]] = []
         raw_ops: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
-        decoded: dict[bytes, _Target] = {}
+        # Descriptors repeat every update: decode and check each one once per peer.
+        decoded = self._decoded.setdefault(peer, {})
         for i, op in enumerate(ops):
             target = decoded.get(op.target.payload)
             if target is None:

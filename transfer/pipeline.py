@@ -243,7 +243,8 @@ class Executor:
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
         # and released in order) and its kernels are captured once as a CUDA graph, so an
         # update replays one graph per task instead of re-issuing every launch from Python.
-        self._graphs: dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...]]] = {}
+        self._graphs: dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...], int]] = {}
+        self._graph_skip: set[int] = set()  # tasks replayed by the graph of an earlier task
         self._ring_busy: list[tuple[int, int, int]] = []  # (task_id, start, end) in flight
         self._ring_cond = threading.Condition()
         if self._stream is not None:
@@ -252,9 +253,11 @@ class Executor:
             except _NotGraphable as why:
                 log.info("trainer rank %d: per-task graphs not used: %s", rank, why)
                 self._graphs = {}
+                self._graph_skip = set()
             except RuntimeError as exc:  # capture refused (driver, allocator): run eagerly
                 log.warning("trainer rank %d: CUDA graph capture failed, running eagerly: %s", rank, exc)
                 self._graphs = {}
+                self._graph_skip = set()
                 torch.cuda.synchronize(device)
 
     # -- one update ------------------------------------------------------------------------
@@ -283,8 +286,8 @@ class Executor:
                 for task in self.schedule.tasks:
                     if abort.is_set():
                         return
-                    if task.task_id in self._static:
-                        continue  # posted by the write stage at the start
+                    if task.task_id in self._static or task.task_id in self._graph_skip:
+                        continue  # posted at the start, or part of an earlier task's graph
                     # Every rank enters every group's barrier, also groups it has no task in.
                     while group < task.mesh_group:
                         group += 1
@@ -372,7 +375,7 @@ class Executor:
                     p.record.write_end = time.perf_counter() - t0
                     self._release(p)
                     records.append(p.record)
-                    total += p.task.nbytes
+                    total += p.record.nbytes
                     finished += 1
                 if finished:
                     del in_flight[:finished]
@@ -503,11 +506,11 @@ class Executor:
         del fulls
         return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
 
-    def _capture_graphs(self) -> dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...]]]:
+    def _capture_graphs(self) -> dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...], int]]:
         todo = [t for t in self.schedule.tasks if t.task_id not in self._static]
         if not todo:
             raise _NotGraphable("no task needs preparation")
-        plans = []
+        per_task: list[tuple[Task, int, Any]] = []
         pos = 0
         for t in todo:
             if t.kind != "direct" or not t.gather or not all(isinstance(w, QuantWrite) for w in t.writes):
@@ -530,15 +533,33 @@ class Executor:
                 size += wb + sb
             if size > self.arena.nbytes:
                 raise _NotGraphable(f"task {t.task_id} needs {size} bytes, more than the arena")
+            per_task.append((t, size, layout))
+        # Consecutive small tasks share one graph, one ring slice and one batch per engine, so
+        # a MoE layer's hundreds of expert units cost a few replays and posts, not hundreds.
+        group_limit = max(1, min(self.arena.nbytes // 8, 128 << 20))
+        groups: list[list[tuple[Task, int, Any]]] = []
+        for item in per_task:
+            if groups and sum(x[1] for x in groups[-1]) + item[1] <= group_limit:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        plans = []
+        for members in groups:
+            size = sum(x[1] for x in members)
             if pos + size > self.arena.nbytes:
                 pos = 0
-            plans.append((t, pos, size, layout))
+            plans.append((members, pos, size))
             pos += size
         graphs = {}
-        for t, start, size, layout in plans:
+        for members, start, size in plans:
             calls = []
             ops: dict[str, list[WriteOp]] = defaultdict(list)
-            for w, aligned, woff, soff in layout:
+            flat = []
+            base = start
+            for t, tsize, layout in members:
+                flat += [(w, aligned, base - start + woff, base - start + soff) for w, aligned, woff, soff in layout]
+                base += tsize
+            for w, aligned, woff, soff in flat:
                 shape = box_shape(w.dest_box)
                 sshape = box_shape(w.scale_box)
                 q = self.arena.view(start + woff, numel(shape)).view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
@@ -558,13 +579,19 @@ class Executor:
             with torch.cuda.graph(graph, stream=self._stream):
                 for src, block, q, sc in calls:
                     self.quantize(src, block, q, sc)
-            graphs[t.task_id] = (graph, dict(ops), start, start + size, tuple(t.gather))
+            first = members[0][0]
+            names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
+            nbytes = sum(t.nbytes for t, _, _ in members)
+            graphs[first.task_id] = (graph, dict(ops), start, start + size, names, nbytes)
+            for t, _, _ in members[1:]:
+                self._graph_skip.add(t.task_id)
         return graphs
 
     def _replay(
         self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event
     ) -> _Prepared | None:
-        graph, ops, start, end, names = self._graphs[task.task_id]
+        graph, ops, start, end, names, nbytes = self._graphs[task.task_id]
+        rec.nbytes = nbytes
         rec.admit = time.perf_counter() - t0
         with self._ring_cond:
             # Wait until no task in flight still owns bytes of this task's slice of the ring.
