@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import importlib
 import itertools
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -271,6 +272,9 @@ class TransportConfig:
 # The contract.
 # ---------------------------------------------------------------------------------------------
 
+_EVENT_WAIT_SLICE_S = 0.05
+"""Longest `wait` sleeps on a completion event before it checks its deadline again."""
+
 
 class Transport(ABC):
     """One process's endpoint of a one-sided write transport.
@@ -282,6 +286,10 @@ class Transport(ABC):
 
     name: ClassVar[str]
     """Backend name, a key of `BACKENDS`."""
+    progress_driven: ClassVar[bool] = False
+    """True if data moves only inside `poll` (the backend progresses its engine there and has
+    no thread of its own doing it, like UCX's `ucp_worker_progress`); `wait` then polls
+    without sleeping. False for backends whose threads or hardware complete batches alone."""
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -455,20 +463,33 @@ class Transport(ABC):
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
         """Block until the batch completes.
 
+        How it waits depends on the backend: if `_completion_event` gives an event (backends
+        whose background threads complete batches: tcp, loopback's host copies), it sleeps on
+        that event and uses no CPU; if the backend is `progress_driven` (data moves only while
+        `poll` runs: ucx, nixl), it polls without sleeping; otherwise it polls with a short
+        backoff (10 us doubling to 100 us).
+
         Raises:
             TransportTimeoutError: not complete after `timeout_s`, naming the peer.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         deadline = time.monotonic() + timeout_s
+        event = None if handle.done or handle.error else self._completion_event(handle)
         backoff = 0.0
         while not self.poll(handle):
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise TransportTimeoutError(
                     f"{self.name}: {handle.num_ops} write(s), {handle.nbytes} bytes to peer "
                     f"{handle.peer!r} not complete after {timeout_s:.1f} s"
                 )
-            # Progress-driven backends need tight polling; back off gently to spare the CPU.
+            if event is not None:
+                if event.wait(min(remaining, _EVENT_WAIT_SLICE_S)):
+                    event = None  # set: what remains (if anything) is polled below
+                continue
+            if self.progress_driven:
+                continue  # every poll moves data; sleeping would only stall the transfer
             if backoff:
                 time.sleep(backoff)
             backoff = min(backoff * 2 or 1e-5, 1e-4)
@@ -531,6 +552,16 @@ class Transport(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
+        """An event that is set once `handle`'s batch completed or failed, or None.
+
+        Optional: a backend whose own threads complete batches returns it so that `wait`
+        sleeps on it instead of polling. After it is set, `wait` still calls `poll` (which
+        reports the result); a backend may return None for batches it must poll (loopback
+        batches with CUDA copies).
+        """
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

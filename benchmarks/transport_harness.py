@@ -3,8 +3,9 @@
 What is measured: one-sided write throughput from a sender process into a receiver process.
 For each message size `n` a *sample* is one batch of `k` writes of `n` bytes to consecutive
 offsets (`k = ceil(min_sample_bytes / n)`, so small messages are measured as a stream, like
-`ucx_perftest` and `nixlbench` do), timed on the sender from `post_writes` until `poll`
-reports the batch complete. Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
+`ucx_perftest` and `nixlbench` do), timed on the sender from `post_writes` until
+`Transport.wait` returns: what a user of the transport gets (it sleeps on the batch's completion
+event where the backend has one, spins on progress-driven backends, else polls with backoff). Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
 
 Baselines, measured in the same run with the same sizes, ops and sample counts:
 - `socket`: a plain TCP stream over 127.0.0.1 between two processes; a sample is `k` `sendall`
@@ -53,11 +54,9 @@ from backends.base import (
     Region,
     RegionDescriptor,
     RegionRole,
-    Transport,
     TransportConfig,
     TransportTimeoutError,
     TransportUnavailableError,
-    WriteHandle,
     WriteOp,
     create_transport,
 )
@@ -102,8 +101,6 @@ BASELINES: dict[str, tuple[str, ...]] = {"cpu": ("socket", "memcpy"), "cuda": ("
 """Baselines measured beside the backends, per device."""
 
 SCHEMA = "weight-transfer/bench-transports/1"
-_SPIN_POLLS = 50
-_POLL_SLEEP_S = 1e-5
 _SOCKET_HEADER = struct.Struct("!QQQB")  # message bytes, number of messages, seed, check flag
 _ACK_OK, _ACK_BAD = b"\x01", b"\x00"
 
@@ -380,29 +377,6 @@ def _transport_config(
     )
 
 
-def wait_polling(transport: Transport, handle: WriteHandle, timeout_s: float) -> None:
-    """Poll `handle` until complete: spin first, then sleep 10 us between polls.
-
-    `Transport.wait` backs off up to 1 ms, which would be most of a small sample's time; the
-    short sleeps still release the GIL to the background threads some backends copy on.
-
-    Raises:
-        TransportTimeoutError: not complete after `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    spins = 0
-    while not transport.poll(handle):
-        spins += 1
-        if spins < _SPIN_POLLS:
-            continue
-        if time.monotonic() > deadline:
-            raise TransportTimeoutError(
-                f"benchmark: {handle.num_ops} write(s), {handle.nbytes} bytes to peer "
-                f"{handle.peer!r} not complete after {timeout_s:.1f} s"
-            )
-        time.sleep(_POLL_SLEEP_S)
-
-
 class WriteSampler:
     """The sender side of one backend: a connected transport, a SOURCE region and the target.
 
@@ -460,7 +434,7 @@ class WriteSampler:
         """Post one sample's batch and wait for it; seconds from post to completion."""
         start = time.perf_counter()
         handle = self.transport.post_writes("receiver", self.ops)
-        wait_polling(self.transport, handle, self.timeout_s)
+        self.transport.wait(handle, self.timeout_s)
         return time.perf_counter() - start
 
     def close(self) -> None:
