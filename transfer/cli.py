@@ -27,7 +27,7 @@ def command(name: str, help_text: str) -> Callable[[Callable[[argparse.ArgumentP
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="loopback", choices=sorted(BACKENDS), help="transport (default: loopback)")
+    p.add_argument("--backend", default=None, choices=sorted(BACKENDS), help="transport (default: the config's, else loopback)")
     p.add_argument("--fp8", action="store_true", help="engines hold FP8 block-quantized weights")
     p.add_argument("--train-ranks", type=int, default=3, help="trainer processes (FSDP2, gloo)")
     p.add_argument("--engine-ranks", type=int, default=2, help="engine processes (tensor parallel)")
@@ -35,28 +35,28 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model shape preset (default: tiny)")
     p.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit for the whole run")
-    p.add_argument("--config", help="TOML file; its transport_options apply")
+    p.add_argument("--config", help="TOML file (transfer.config.TransferConfig); flags override it")
 
 
 @command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
-    from transfer.config import load_toml
+    from transfer.config import config_from_mapping, merge, read_toml
     from transfer.demo import DemoConfig, UpdateReport, run_demo
 
-    options: tuple[tuple[str, str], ...] = ()
-    backend = ns.backend
-    if ns.config:
-        tc = load_toml(ns.config)
-        options = tc.transport_options
-        if backend == "loopback" and tc.transport != "loopback":
-            backend = tc.transport
     try:
+        # The TOML file and the flags fill the same dataclass; flags win.
+        data = read_toml(ns.config) if ns.config else {}
+        if ns.backend is not None:
+            data = merge(data, {"transport": ns.backend})
+        tc = config_from_mapping(data)
         cfg = DemoConfig(
-            backend=backend, fp8=ns.fp8, train_ranks=ns.train_ranks, engine_ranks=ns.engine_ranks,
-            steps=ns.steps, model=ns.model, trainer_dtype=ns.trainer_dtype, timeout_s=ns.timeout_s,
-            transport_options=options,
+            backend=tc.transport, fp8=ns.fp8, train_ranks=ns.train_ranks,
+            engine_ranks=ns.engine_ranks, steps=ns.steps, model=ns.model,
+            trainer_dtype=ns.trainer_dtype, timeout_s=ns.timeout_s,
+            transport_options=tc.transport_options,
+            memory_budget_bytes=tc.sender.memory_budget_bytes,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(

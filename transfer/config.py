@@ -182,10 +182,18 @@ def config_from_mapping(data: Mapping[str, Any]) -> TransferConfig:
     return typing.cast(TransferConfig, _build(TransferConfig, data, "config"))
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The plain data of a TOML file (to merge with CLI overrides before building)."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+
+
 def load_toml(path: str | Path) -> TransferConfig:
     """Read a TOML configuration file."""
-    with open(path, "rb") as f:
-        return config_from_mapping(tomllib.load(f))
+    return config_from_mapping(read_toml(path))
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
