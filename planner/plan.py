@@ -22,15 +22,20 @@ How a schedule is made:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
+import itertools
+import math
+import operator
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgpack
 
 from backends.base import PlanMismatchError
 from planner import codec
 from planner.types import (
+    DTYPE_SIZES,
     FLOAT_DTYPES,
     Box,
     DestManifest,
@@ -83,12 +88,11 @@ class PlannerConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Holder:
-    rank: int
-    local_box: Box | None
-    mesh: tuple[int, ...]
-    offloaded: bool
+
+_Holder = tuple[int, Box | None, tuple[int, ...], bool]
+"""One trainer rank's shard of a source tensor: (rank, local box, mesh, offloaded). A plain
+tuple: there are 10^6 of them at trainer scale."""
+RANK, LOCAL_BOX, MESH, OFFLOADED = range(4)
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,13 +103,36 @@ class _Source:
     holders: list[_Holder]
     # Holders grouped by local box (replicas share a box): lookups scan distinct boxes only.
     _by_box: dict[Box, tuple[_Holder, ...]] | None = None
+    _max_shard: int = -1
+
+    def max_shard_numel(self) -> int:
+        """Elements of the largest local shard (0 when no shard is a box)."""
+        if self._max_shard < 0:
+            self._max_shard = max(
+                (math.prod([c - a for a, c in b]) for b in self.by_box()), default=0
+            )
+        return self._max_shard
 
     def by_box(self) -> dict[Box, tuple[_Holder, ...]]:
         if self._by_box is None:
-            groups: dict[Box, list[_Holder]] = defaultdict(list)
+            # Group by the identity of box tuples first (cheap), then merge equal boxes.
+            by_id: dict[int, list[_Holder]] = {}
             for h in self.holders:
-                if h.local_box is not None:
-                    groups[h.local_box].append(h)
+                lb = h[LOCAL_BOX]
+                if lb is not None:
+                    got = by_id.get(id(lb))
+                    if got is None:
+                        by_id[id(lb)] = [h]
+                    else:
+                        got.append(h)
+            groups: dict[Box, list[_Holder]] = {}
+            for hs in by_id.values():
+                box = hs[0][LOCAL_BOX]
+                assert box is not None
+                if box in groups:
+                    groups[box] = sorted(groups[box] + hs, key=lambda h: h[RANK])
+                else:
+                    groups[box] = hs
             self._by_box = {b: tuple(hs) for b, hs in groups.items()}
         return self._by_box
 
@@ -213,6 +240,14 @@ def _split_box(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _box_fits(box: Box, shape: tuple[int, ...]) -> bool:
+    return (
+        len(box) == len(shape)
+        and box_in(box, tuple((0, n) for n in shape))
+        and all(a <= b for a, b in box)
+    )
+
+
 def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> dict[str, _Source]:
     table: dict[str, _Source] = {}
     ranks = sorted(m.rank for m in sources)
@@ -224,53 +259,71 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
             f"expected one source manifest per trainer rank 0..{sources[0].world_size - 1}, "
             f"got ranks {ranks}"
         )
+    # 10^6 entries at trainer scale: checks of a box or a mesh are memoised by the identity of
+    # the tuple (the manifests keep them alive and presets share them), so each distinct object
+    # is checked once per shape; decoded manifests simply miss the memo.
+    box_ok: dict[int, tuple[int, ...]] = {}  # id(box) -> a shape it fits
+    fields = operator.attrgetter("name", "shape", "dtype", "local_box", "mesh", "offloaded")
     for m in sorted(sources, key=lambda m: m.rank):
+        rank = m.rank
         seen: set[str] = set()
-        for t in m.tensors:
-            if t.name in seen:
-                problems.append(f"trainer rank {m.rank}: duplicate tensor name {t.name!r}")
+        mesh_ok: dict[int, bool] = {}
+        for name, shape, dtype, lb, mesh, off in map(fields, m.tensors):
+            if name in seen:
+                problems.append(f"trainer rank {rank}: duplicate tensor name {name!r}")
                 continue
-            seen.add(t.name)
-            try:
-                dtype_size(t.dtype)
-            except ValueError:
-                problems.append(f"trainer rank {m.rank}: tensor {t.name!r} has unsupported dtype {t.dtype!r}")
+            seen.add(name)
+            if dtype not in DTYPE_SIZES:
+                problems.append(f"trainer rank {rank}: tensor {name!r} has unsupported dtype {dtype!r}")
                 continue
-            if t.local_box is not None and (
-                len(t.local_box) != len(t.shape)
-                or not box_in(t.local_box, tuple((0, n) for n in t.shape))
-                or any(a > b for a, b in t.local_box)
-            ):
-                problems.append(
-                    f"trainer rank {m.rank}: tensor {t.name!r} local shard {t.local_box} "
-                    f"does not fit its global shape {t.shape}"
-                )
+            if lb is not None and box_ok.get(id(lb)) != shape:
+                if _box_fits(lb, shape):
+                    box_ok[id(lb)] = shape
+                else:
+                    problems.append(
+                        f"trainer rank {rank}: tensor {name!r} local shard {lb} "
+                        f"does not fit its global shape {shape}"
+                    )
+                    continue
+            ok = mesh_ok.get(id(mesh))
+            if ok is None:
+                ok = mesh_ok[id(mesh)] = rank in mesh
+            if not ok:
+                problems.append(f"trainer rank {rank}: tensor {name!r} mesh {mesh} does not contain the rank")
                 continue
-            if m.rank not in t.mesh:
-                problems.append(f"trainer rank {m.rank}: tensor {t.name!r} mesh {t.mesh} does not contain the rank")
-                continue
-            src = table.get(t.name)
+            src = table.get(name)
             if src is None:
-                src = table[t.name] = _Source(t.name, tuple(t.shape), t.dtype, [])
-            elif src.shape != tuple(t.shape) or src.dtype != t.dtype:
+                src = table[name] = _Source(name, tuple(shape), dtype, [])
+            elif (src.shape is not shape and src.shape != shape) or src.dtype != dtype:
                 problems.append(
-                    f"tensor {t.name!r}: trainer ranks disagree on shape/dtype "
-                    f"({src.shape}/{src.dtype} vs rank {m.rank}: {tuple(t.shape)}/{t.dtype})"
+                    f"tensor {name!r}: trainer ranks disagree on shape/dtype "
+                    f"({src.shape}/{src.dtype} vs rank {rank}: {tuple(shape)}/{dtype})"
                 )
                 continue
-            src.holders.append(_Holder(m.rank, t.local_box, tuple(t.mesh), t.offloaded))
+            src.holders.append((rank, lb, mesh, off))
     covered_memo: dict[tuple[Box, ...], int] = {}
     for src in table.values():
+        # Group by the identity of mesh tuples first (cheap), then merge equal meshes.
+        by_mesh_id: dict[int, tuple[tuple[int, ...], list[int]]] = {}
+        has_none = False
+        for rank, lb, mesh, _ in src.holders:
+            if lb is None:
+                has_none = True
+            got = by_mesh_id.get(id(mesh))
+            if got is None:
+                by_mesh_id[id(mesh)] = (mesh, [rank])
+            else:
+                got[1].append(rank)
         by_mesh: dict[tuple[int, ...], set[int]] = defaultdict(set)
-        for h in src.holders:
-            if len(h.mesh) > 1:
-                by_mesh[h.mesh].add(h.rank)
+        for mesh, rs in by_mesh_id.values():
+            if len(mesh) > 1:
+                by_mesh[mesh].update(rs)
         for mesh, have in by_mesh.items():
-            if have != set(mesh):
+            if len(have) != len(mesh) or have != set(mesh):
                 problems.append(
                     f"tensor {src.name!r}: mesh {mesh} is missing rank(s) {sorted(set(mesh) - have)}"
                 )
-        if not any(h.local_box is None for h in src.holders):
+        if not has_none:
             # Tensors of one shape sharded alike share their boxes: compute coverage once.
             distinct = tuple(sorted(src.by_box()))
             covered = covered_memo.get(distinct, -1)
@@ -462,15 +515,39 @@ def _validate_dests(
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(slots=True)
-class _DirectItem:
-    write: SliceWrite  # zero_copy decided after assignment
-    candidates: tuple[int, ...]
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Piece:
+    """A direct write's geometry, shared by every engine whose recipe places it alike."""
+
+    source: str
+    source_box: Box
+    dest_box: Box
+    runs: tuple[WriteRun, ...]
     nbytes: int
+    candidates: tuple[int, ...]  # ranks holding the piece in their own shard (sorted)
     boxes: dict[int, Box]  # rank -> its local box of the source (for zero-copy)
     offloaded: dict[int, bool]
     src_itemsize: int
-    assigned: int = -1
+    any_offloaded: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _QuantUnit:
+    """One quantize-and-write unit of an FP8 recipe, shared by engines placing it alike."""
+
+    dest_box: Box
+    scale_box: Box
+    parts: tuple[Part, ...]
+    sources: tuple[str, ...]
+    weight_runs: tuple[WriteRun, ...]
+    scale_runs: tuple[WriteRun, ...]
+    local: int | None  # a rank holding every part in its own shard (no collective), or None
+    nbytes: int
+    numel: int  # elements of dest_box (the float32 assembly buffer)
+
+
+_GatherKey = tuple[tuple[int, ...], tuple[str, ...]]
+_Unit = tuple[SliceWrite | QuantWrite, int, int]  # a write, its bytes, its elements
 
 
 @dataclasses.dataclass(slots=True)
@@ -478,8 +555,10 @@ class _Gather:
     mesh: tuple[int, ...]
     sources: tuple[str, ...]
     scratch_bytes: int
-    units: list[tuple[SliceWrite | QuantWrite, int]]  # (write, assigned rank)
+    by_rank: dict[int, list[SliceWrite | QuantWrite]]  # assigned writes per rank
+    staging: dict[int, int]  # their bytes per rank
     local: bool  # one rank holds all needed data locally: no collective
+    seq: int  # position of the gather's first unit in the engines' recipe order
 
 
 def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] | None:
@@ -487,7 +566,7 @@ def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] |
     groups = src.by_box()
     containing = [h for b, hs in groups.items() if box_in(part.source_box, b) for h in hs]
     if containing:
-        containing.sort(key=lambda h: h.rank)
+        containing.sort(key=lambda h: h[RANK])
         return [(part.source_box, tuple(containing))]
     by_box = {b: hs for b, hs in groups.items() if box_intersection(part.source_box, b) is not None}
     boxes = sorted(by_box)
@@ -505,6 +584,118 @@ def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] |
     return out
 
 
+def _direct_template(
+    rc: Recipe, dt: DestTensor, table: dict[str, _Source], config: PlannerConfig,
+    problems: list[str],
+) -> tuple[list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]]:
+    """A copy recipe's direct pieces, and the parts whose shards are not boxes (gather, then
+    copy) as (mesh, part, runs, bytes)."""
+    out_size = dtype_size(dt.dtype)
+    pieces: list[_Piece] = []
+    gathered: list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]] = []
+    for p in rc.parts:
+        src = table[p.source]
+        cut = _pieces(p, src)
+        if cut is None:
+            mesh = _gather_mesh(src, problems)
+            if mesh is not None:
+                runs = dest_runs(dt.shape, p.dest_box, out_size, dt.offset_bytes, dt.region)
+                gathered.append((mesh, p, runs, sum(r.nbytes for r in runs)))
+            continue
+        isz = dtype_size(src.dtype)
+        for piece, holders in cut:
+            cands = tuple(sorted({h[RANK] for h in holders}))
+            boxes = {h[RANK]: h[LOCAL_BOX] for h in holders if h[LOCAL_BOX]}
+            offl = {h[RANK]: h[OFFLOADED] for h in holders}
+            for chunk in _split_box(piece, max(out_size, isz), config.max_write_bytes):
+                dbox = map_subbox(p, chunk)
+                runs = dest_runs(dt.shape, dbox, out_size, dt.offset_bytes, dt.region)
+                pieces.append(_Piece(
+                    p.source, chunk, dbox, runs, sum(r.nbytes for r in runs), cands, boxes,  # type: ignore[arg-type]
+                    offl, isz, any(offl.values()),
+                ))
+    return pieces, gathered
+
+
+_DirectTemplate = tuple[
+    list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]
+]
+
+
+@dataclasses.dataclass(slots=True)
+class _Layout:
+    """One engine layout's work, without the engine name."""
+
+    directs: list[tuple[_Piece, str, str]]  # (piece, dest, dtype)
+    copies: list[tuple[_GatherKey, Part, tuple[WriteRun, ...], int, str, str]]
+    quants: list[tuple[_QuantUnit, str, str, tuple[int, int], _GatherKey | None, tuple[str, ...] | None]]
+    local_keys: set[_GatherKey]
+    gather_seq: dict[_GatherKey, int]  # first recipe index using each gather
+    pending_seq: dict[tuple[str, ...], int]
+
+
+def _compile_layout(
+    d: DestManifest,
+    table: dict[str, _Source],
+    config: PlannerConfig,
+    problems: list[str],
+    direct_by_id: dict[tuple[object, ...], _DirectTemplate],
+    direct_by_value: dict[tuple[object, ...], _DirectTemplate],
+    quant_by_id: dict[tuple[object, ...], list[_QuantUnit]],
+    quant_by_value: dict[tuple[object, ...], list[_QuantUnit]],
+    cands_of: dict[tuple[str, ...], list[tuple[int, ...]]],
+) -> _Layout:
+    """Write templates of one engine layout; a quant unit whose sources share no mesh has
+    neither a local key nor a source set (the caller reports it per engine)."""
+    lay = _Layout([], [], [], set(), {}, {})
+    tensors = {t.name: t for t in d.tensors}
+    for seq, rc in enumerate(d.recipes):
+        dt = tensors[rc.dest]
+        if rc.quant is None:
+            place: tuple[object, ...] = (dt.shape, dt.dtype, dt.region, dt.offset_bytes)
+            tmpl = direct_by_id.get((id(rc), *place))
+            if tmpl is None:
+                tmpl = direct_by_value.get((rc, *place))
+                if tmpl is None:
+                    tmpl = direct_by_value[(rc, *place)] = _direct_template(
+                        rc, dt, table, config, problems
+                    )
+                direct_by_id[(id(rc), *place)] = tmpl
+            pieces, gathered = tmpl
+            lay.directs.extend((pc, rc.dest, dt.dtype) for pc in pieces)
+            for mesh, p, runs, nbytes in gathered:
+                key = (mesh, (p.source,))
+                lay.gather_seq.setdefault(key, seq)
+                lay.copies.append((key, p, runs, nbytes, rc.dest, dt.dtype))
+            continue
+        st = tensors[rc.quant.scale_dest]
+        place = (dt.shape, dt.region, dt.offset_bytes, st.shape, st.region, st.offset_bytes)
+        units = quant_by_id.get((id(rc), *place))
+        if units is None:
+            units = quant_by_value.get((rc, *place))
+            if units is None:
+                units = quant_by_value[(rc, *place)] = _quant_units(rc, dt, st, table)
+            quant_by_id[(id(rc), *place)] = units
+        for u in units:
+            local_key: _GatherKey | None = None
+            names: tuple[str, ...] | None = None
+            if u.local is not None:
+                local_key = ((u.local,), u.sources)
+                lay.local_keys.add(local_key)
+                lay.gather_seq.setdefault(local_key, seq)
+            else:
+                cands = cands_of.get(u.sources)
+                if cands is None:
+                    cands = cands_of[u.sources] = _common_gather_meshes(
+                        [table[n] for n in u.sources]
+                    )
+                if cands:
+                    names = u.sources
+                    lay.pending_seq.setdefault(names, seq)
+            lay.quants.append((u, rc.dest, st.name, rc.quant.block, local_key, names))
+    return lay
+
+
 def plan(
     sources: Sequence[SourceManifest],
     dests: Sequence[DestManifest],
@@ -512,10 +703,25 @@ def plan(
 ) -> Schedule:
     """Compute the static schedule.
 
+    Not thread-hostile but process-global in one respect: the cyclic garbage collector is paused
+    while planning (planning builds 10^6 acyclic objects, and the collector's repeated scans of
+    them cost a third of the time at trainer scale); it is resumed on return or error.
+
     Raises:
         PlanMismatchError: listing every problem found in the manifests.
     """
-    config = config or PlannerConfig()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(sources, dests, config or PlannerConfig())
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(
+    sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
+) -> Schedule:
     problems: list[str] = []
     if not sources:
         problems.append("no trainer (source) manifests")
@@ -530,155 +736,108 @@ def plan(
         raise PlanMismatchError(problems)
 
     world = sources[0].world_size
-    directs: list[_DirectItem] = []
-    gathers: dict[tuple[tuple[int, ...], tuple[str, ...]], _Gather] = {}
-    gather_units: dict[tuple[tuple[int, ...], tuple[str, ...]], list[SliceWrite | QuantWrite]] = defaultdict(list)
-    gather_local_rank: dict[tuple[tuple[int, ...], tuple[str, ...]], int] = {}
-    pending: dict[tuple[str, ...], list[SliceWrite | QuantWrite]] = defaultdict(list)
-    pending_meshes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
+    engines = sorted(d.engine for d in dests)
+    # Direct work in generation order (engines sorted, recipes in manifest order): the stable
+    # tie-break of every later sort, so equal inputs give equal schedules.
+    directs: list[tuple[_Piece, str, str, str]] = []  # (piece, engine, dest, dtype)
+    gather_units: dict[_GatherKey, list[_Unit]] = defaultdict(list)
+    gather_seq: dict[_GatherKey, int] = {}
+    gather_local: set[_GatherKey] = set()
+    pending: dict[tuple[str, ...], list[_Unit]] = defaultdict(list)
+    pending_seq: dict[tuple[str, ...], int] = {}
+    cands_of: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
 
-    # Replicas share recipe objects: the geometry of a recipe at a given place in an engine's
-    # memory is computed once and only the engine name differs between replicas.
-    direct_cache: dict[tuple[object, ...], list[tuple[object, ...]] | None] = {}
-    quant_cache: dict[tuple[object, ...], list[tuple[object, ...]]] = {}
+    # Replicas share their recipe and tensor tuples (one layout), and engine ranks holding the
+    # same slice at the same place have equal recipes: a layout is compiled once into write
+    # templates (recipe geometry found by identity first, by value second), and each engine only
+    # stamps its name on them.
+    direct_by_id: dict[tuple[object, ...], _DirectTemplate] = {}
+    direct_by_value: dict[tuple[object, ...], _DirectTemplate] = {}
+    quant_by_id: dict[tuple[object, ...], list[_QuantUnit]] = {}
+    quant_by_value: dict[tuple[object, ...], list[_QuantUnit]] = {}
+    layouts: dict[tuple[int, int], _Layout] = {}
     for d in sorted(dests, key=lambda d: d.engine):
-        tensors = {t.name: t for t in d.tensors}
-        for rc in d.recipes:
-            dt = tensors[rc.dest]
-            if rc.quant is None:
-                out_size = dtype_size(dt.dtype)
-                dkey = (id(rc), dt.shape, dt.dtype, dt.region, dt.offset_bytes)
-                cached = direct_cache.get(dkey)
-                if cached is not None:
-                    for source, chunk, dbox, runs, nbytes, cands, boxes, offl, isz in cached:
-                        directs.append(
-                            _DirectItem(
-                                write=SliceWrite(
-                                    engine=d.engine, dest=rc.dest, source=source,  # type: ignore[arg-type]
-                                    source_box=chunk, dest_box=dbox, dtype=dt.dtype,  # type: ignore[arg-type]
-                                    runs=runs, zero_copy=False,  # type: ignore[arg-type]
-                                ),
-                                candidates=cands, nbytes=nbytes, boxes=boxes,  # type: ignore[arg-type]
-                                offloaded=offl, src_itemsize=isz,  # type: ignore[arg-type]
-                            )
-                        )
-                    continue
-                template: list[tuple[object, ...]] | None = []
-                for p in rc.parts:
-                    src = table[p.source]
-                    pieces = _pieces(p, src)
-                    if pieces is None:
-                        template = None
-                        # Shards that are not boxes (or overlap oddly): gather, then copy.
-                        key_mesh = _gather_mesh(src, problems)
-                        if key_mesh is None:
-                            continue
-                        gather_units[(key_mesh, (p.source,))].append(
-                            SliceWrite(
-                                engine=d.engine, dest=rc.dest, source=p.source,
-                                source_box=p.source_box, dest_box=p.dest_box, dtype=dt.dtype,
-                                runs=dest_runs(dt.shape, p.dest_box, out_size, dt.offset_bytes, dt.region),
-                                zero_copy=False,
-                            )
-                        )
-                        continue
-                    for piece, holders in pieces:
-                        cands = tuple(sorted({h.rank for h in holders}))
-                        boxes = {h.rank: h.local_box for h in holders if h.local_box}
-                        offl = {h.rank: h.offloaded for h in holders}
-                        isz = dtype_size(src.dtype)
-                        for chunk in _split_box(piece, max(out_size, dtype_size(src.dtype)), config.max_write_bytes):
-                            dbox = map_subbox(p, chunk)
-                            runs = dest_runs(dt.shape, dbox, out_size, dt.offset_bytes, dt.region)
-                            nbytes = sum(r.nbytes for r in runs)
-                            write = SliceWrite(
-                                engine=d.engine, dest=rc.dest, source=p.source, source_box=chunk,
-                                dest_box=dbox, dtype=dt.dtype, runs=runs, zero_copy=False,
-                            )
-                            directs.append(
-                                _DirectItem(
-                                    write=write, candidates=cands, nbytes=nbytes, boxes=boxes,  # type: ignore[arg-type]
-                                    offloaded=offl, src_itemsize=isz,
-                                )
-                            )
-                            if template is not None:
-                                template.append(
-                                    (p.source, chunk, dbox, runs, nbytes, cands, boxes, offl, isz)
-                                )
-                if template is not None:
-                    direct_cache[dkey] = template
+        engine = d.engine
+        lay = layouts.get((id(d.tensors), id(d.recipes)))
+        if lay is None:
+            lay = layouts[(id(d.tensors), id(d.recipes))] = _compile_layout(
+                d, table, config, problems, direct_by_id, direct_by_value, quant_by_id,
+                quant_by_value, cands_of,
+            )
+            for key, sq in lay.gather_seq.items():
+                gather_seq[key] = min(sq, gather_seq.get(key, sq))
+            for names, sq in lay.pending_seq.items():
+                pending_seq[names] = min(sq, pending_seq.get(names, sq))
+        directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
+        for key, p, runs, nbytes, dest, dtype in lay.copies:
+            gather_units[key].append((
+                SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs, False),
+                nbytes, numel(box_shape(p.dest_box)),
+            ))
+        for u, dest, sdest, block, local_key, names in lay.quants:
+            w = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
+                           u.weight_runs, u.scale_runs)
+            if local_key is not None:
+                gather_units[local_key].append((w, u.nbytes, u.numel))
+            elif names is not None:
+                pending[names].append((w, u.nbytes, u.numel))
             else:
-                assert rc.quant is not None
-                st = tensors[rc.quant.scale_dest]
-                qkey = (id(rc), dt.shape, dt.region, dt.offset_bytes, st.shape, st.region,
-                        st.offset_bytes)
-                units_t = quant_cache.get(qkey)
-                if units_t is None:
-                    units_t = quant_cache[qkey] = _quant_units(rc, dt, st, table)
-                for ubox, sbox, parts, names, wruns, sruns, local in units_t:
-                    w = QuantWrite(
-                        engine=d.engine, dest=rc.dest, scale_dest=st.name, block=rc.quant.block,
-                        parts=parts, dest_box=ubox, scale_box=sbox,  # type: ignore[arg-type]
-                        weight_runs=wruns, scale_runs=sruns,  # type: ignore[arg-type]
-                    )
-                    if local is not None:
-                        key = ((local,), names)  # type: ignore[assignment]
-                        gather_local_rank[key] = local  # type: ignore[assignment,index]
-                        gather_units[key].append(w)
-                        continue
-                    if names not in pending:
-                        cands = _common_gather_meshes([table[n] for n in names])  # type: ignore[attr-defined]
-                        if not cands:
-                            meshes = {_gather_mesh(table[n], problems) for n in names}  # type: ignore[attr-defined]
-                            problems.append(
-                                f"engine {d.engine!r}: {rc.dest!r} needs sources on different "
-                                f"meshes ({sorted(str(m) for m in meshes)}); cannot gather them "
-                                "together"
-                            )
-                            continue
-                        pending_meshes[names] = cands  # type: ignore[index]
-                    pending[names].append(w)  # type: ignore[index]
+                meshes = {_gather_mesh(table[n], problems) for n in u.sources}
+                problems.append(
+                    f"engine {engine!r}: {dest!r} needs sources on different meshes "
+                    f"({sorted(str(m) for m in meshes)}); cannot gather them together"
+                )
+        gather_local.update(lay.local_keys)
     if problems:
         raise PlanMismatchError(problems)
     # Sources replicated on several disjoint meshes (HSDP) can be gathered on any of them: pick
     # the least-loaded one per source set, largest sets first, so replicas share the work.
     mesh_load: dict[tuple[int, ...], int] = defaultdict(int)
-    order = sorted(pending, key=lambda n: (-sum(u.nbytes for u in pending[n]), n))
-    for names in order:
-        cands = pending_meshes[names]
+    totals = {n: sum(u[1] for u in us) for n, us in pending.items()}
+    for names in sorted(pending, key=lambda n: (-totals[n], n)):
+        cands = cands_of[names]
         mesh = min(cands, key=lambda m: (mesh_load[m] / len(m), m)) if len(cands) > 1 else cands[0]
-        units = pending[names]
-        mesh_load[mesh] += sum(u.nbytes for u in units)
-        gather_units[(mesh, names)].extend(units)
+        mesh_load[mesh] += totals[names]
+        key = (mesh, names)
+        gather_units[key].extend(pending[names])
+        gather_seq.setdefault(key, pending_seq[names])
 
+    # Balance: every unit of work goes to the least-loaded rank that can send it (each trainer
+    # GPU sends through its own NICs, so bytes per rank are bytes per NIC). Gathers first (their
+    # units can go to any rank of the mesh), largest units first; then direct pieces, largest
+    # first, among the ranks holding them.
     load = [0] * world
-    # Gathers first (their units can go to any mesh rank), largest units first.
+    gathers: dict[_GatherKey, _Gather] = {}
     for key in sorted(gather_units):
         mesh, names = key
-        units = gather_units[key]
-        local = key in gather_local_rank
+        units_k = gather_units[key]
+        local = key in gather_local
         scratch = 0 if local else sum(
             numel(table[n].shape) * dtype_size(table[n].dtype) for n in names
         )
-        assembly = max(numel(box_shape(u.dest_box)) for u in units) * 4
-        scratch += assembly
-        g = _Gather(mesh=mesh, sources=names, scratch_bytes=scratch, units=[], local=local)
-        # min over the sorted mesh returns the lowest rank among equally loaded ones.
+        scratch += max(u[2] for u in units_k) * 4  # assembly in float32
         ranks_sorted = sorted(mesh)
-        for u in sorted(units, key=lambda u: (-u.nbytes, u.engine, u.dest, u.dest_box)):
+        by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
+        staging = dict.fromkeys(ranks_sorted, 0)
+        units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
+        for w, nb, _ in units_k:
+            # min over the sorted mesh returns the lowest rank among equally loaded ones.
             r = min(ranks_sorted, key=load.__getitem__)
-            load[r] += u.nbytes
-            g.units.append((u, r))
-        gathers[key] = g
-    for it in sorted(directs, key=lambda it: (-it.nbytes, it.write.engine, it.write.dest, it.write.dest_box)):
-        r = min(it.candidates, key=load.__getitem__)  # candidates are sorted
-        it.assigned = r
-        load[r] += it.nbytes
+            load[r] += nb
+            by_rank[r].append(w)
+            staging[r] += nb
+        gathers[key] = _Gather(mesh, names, scratch, by_rank, staging, local, gather_seq[key])
+    assigned = [0] * len(directs)
+    sizes = [it[0].nbytes for it in directs]
+    # reverse=True keeps equal sizes in generation order (Python's sort is stable both ways).
+    for i in sorted(range(len(directs)), key=sizes.__getitem__, reverse=True):
+        pc = directs[i][0]
+        r = min(pc.candidates, key=load.__getitem__)  # candidates are sorted
+        assigned[i] = r
+        load[r] += pc.nbytes
 
     for g in gathers.values():
-        need = g.scratch_bytes + max(
-            (sum(u.nbytes for u, r in g.units if r == rank) for rank in g.mesh), default=0
-        )
+        need = g.scratch_bytes + max(g.staging.values(), default=0)
         if need > config.memory_budget_bytes:
             problems.append(
                 f"gathering {list(g.sources)} needs {need} bytes of temporary memory, more than "
@@ -690,92 +849,110 @@ def plan(
     # Mesh groups: greedy colouring of meshes so that meshes of one group share no rank.
     mesh_list = sorted({g.mesh for g in gathers.values() if not g.local}, key=lambda m: (-len(m), m))
     groups: list[list[tuple[int, ...]]] = []
+    group_ranks: list[set[int]] = []
     mesh_group: dict[tuple[int, ...], int] = {}
     for m in mesh_list:
+        ms = set(m)
         for gi, members in enumerate(groups):
-            if all(not set(m) & set(o) for o in members):
+            if not ms & group_ranks[gi]:
                 members.append(m)
+                group_ranks[gi] |= ms
                 mesh_group[m] = gi
                 break
         else:
             mesh_group[m] = len(groups)
             groups.append([m])
+            group_ranks.append(ms)
     num_groups = max(1, len(groups))
 
     per_rank: list[list[Task]] = [[] for _ in range(world)]
+    rank_bytes = [0] * world
     next_id = 0
-    # Gather tasks, in one global order, so every rank of a mesh sees the same sequence.
-    for key in sorted(gathers, key=lambda k: (mesh_group.get(gathers[k].mesh, 0), k)):
-        g = gathers[key]
+    # Gather tasks: every rank of a mesh sees its mesh's gathers in the same order. Each mesh
+    # walks the model in the engines' recipe order, starting at its own offset (its index in
+    # its group), so that at any moment the meshes of a group work on different layers and
+    # every engine is fed by several meshes at once rather than all meshes feeding the same
+    # engines' same tensors together.
+    by_mesh: dict[tuple[int, ...], list[_Gather]] = defaultdict(list)
+    for g in gathers.values():
+        if not g.local:
+            by_mesh[g.mesh].append(g)
+    ordered: list[tuple[int, int, int, _Gather]] = []
+    for gi, members in enumerate(groups):
+        for mi, m in enumerate(sorted(members)):
+            gs = sorted(by_mesh[m], key=lambda g: (g.seq, g.sources))
+            shift = (mi * len(gs)) // len(members)
+            for pos, g in enumerate(gs[shift:] + gs[:shift]):
+                ordered.append((gi, pos, mi, g))
+    local_gathers = sorted(
+        (g for g in gathers.values() if g.local), key=lambda g: (g.seq, g.mesh, g.sources)
+    )
+    ordered.sort(key=lambda x: (x[0], x[1], x[2]))
+    for g in [x[3] for x in ordered] + local_gathers:
         group = mesh_group.get(g.mesh, 0)
+        kind = "direct" if g.local else "gather"
         for rank in g.mesh:
-            mine = tuple(u for u, r in g.units if r == rank)
+            mine = g.by_rank[rank]
             if g.local and not mine:
                 continue
+            nbytes = g.staging[rank]
+            rank_bytes[rank] += nbytes
             per_rank[rank].append(
-                Task(
-                    task_id=next_id,
-                    kind="direct" if g.local else "gather",
-                    mesh_group=group,
-                    mesh=g.mesh,
-                    gather=g.sources,
-                    writes=mine,
-                    staging_bytes=sum(u.nbytes for u in mine),
-                    scratch_bytes=g.scratch_bytes if (mine or not g.local) else 0,
-                    h2d_bytes=0,
-                )
+                Task(next_id, kind, group, g.mesh, g.sources, tuple(mine),  # type: ignore[arg-type]
+                     nbytes, g.scratch_bytes, 0)
             )
         next_id += 1
 
-    # Direct writes: per rank, interleave engines, batch small writes into tasks.
-    by_rank: dict[int, list[_DirectItem]] = defaultdict(list)
-    for it in directs:
-        by_rank[it.assigned].append(it)
-    engines = sorted(d.engine for d in dests)
+    # Direct writes: per rank, interleave engines (each rank starting at its own engine), batch
+    # small writes into tasks.
+    queues: list[dict[str, list[int]]] = [defaultdict(list) for _ in range(world)]
+    for i, r in enumerate(assigned):
+        queues[r][directs[i][1]].append(i)
+    zero_memo: dict[int, bool] = {}  # id(piece) * world + rank -> zero-copy
+    half_budget = config.memory_budget_bytes // 2
     for rank in range(world):
-        items = by_rank.get(rank, [])
-        queues: dict[str, list[_DirectItem]] = defaultdict(list)
-        for it in sorted(items, key=lambda it: (it.write.dest, it.write.dest_box)):
-            queues[it.write.engine].append(it)
-        order: list[_DirectItem] = []
+        q = queues[rank]
+        order: list[int] = []
         rot = engines[rank % len(engines):] + engines[: rank % len(engines)]
-        while any(queues.values()):
-            for e in rot:
-                if queues[e]:
-                    order.append(queues[e].pop(0))
+        active = [q[e] for e in rot if e in q]
+        depth = 0
+        while active:
+            order.extend(lst[depth] for lst in active)
+            depth += 1
+            active = [lst for lst in active if len(lst) > depth]
         batch: list[SliceWrite] = []
-        staging = h2d = 0
-        batch_bytes = 0
-
-        def flush() -> None:
-            nonlocal batch, staging, h2d, batch_bytes, next_id
-            if batch:
-                per_rank[rank].append(
-                    Task(
-                        task_id=next_id, kind="direct", mesh_group=0, mesh=(rank,), gather=(),
-                        writes=tuple(batch), staging_bytes=staging, scratch_bytes=0, h2d_bytes=h2d,
+        staging = h2d = batch_bytes = 0
+        for i in order:
+            pc, engine, dest, dtype = directs[i]
+            zkey = id(pc) * world + rank
+            zero = zero_memo.get(zkey)
+            if zero is None:
+                zero = False
+                lb = pc.boxes.get(rank)
+                if lb is not None and len(pc.runs) == 1 and table[pc.source].dtype == dtype:
+                    local = tuple(
+                        (a - o, b - o) for (a, b), (o, _) in zip(pc.source_box, lb, strict=True)
                     )
-                )
+                    zero = is_contiguous_box(box_shape(lb), local)
+                zero_memo[zkey] = zero
+            cost = 0 if zero else pc.nbytes
+            if batch and (batch_bytes + pc.nbytes > config.task_target_bytes
+                          or staging + cost > half_budget):
+                per_rank[rank].append(Task(next_id, "direct", 0, (rank,), (), tuple(batch),
+                                           staging, 0, h2d))
                 next_id += 1
-            batch, staging, h2d, batch_bytes = [], 0, 0, 0
-
-        for it in order:
-            w = it.write
-            lb = it.boxes.get(rank)
-            zero = False
-            if lb is not None and len(w.runs) == 1 and table[w.source].dtype == w.dtype:
-                local = tuple((a - o, b - o) for (a, b), (o, _) in zip(w.source_box, lb, strict=True))
-                zero = is_contiguous_box(box_shape(lb), local)
-            w = dataclasses.replace(w, zero_copy=zero)
-            cost = 0 if zero else it.nbytes
-            if batch and (batch_bytes + it.nbytes > config.task_target_bytes or staging + cost > config.memory_budget_bytes // 2):
-                flush()
-            batch.append(w)
+                batch, staging, h2d, batch_bytes = [], 0, 0, 0
+            batch.append(SliceWrite(engine, dest, pc.source, pc.source_box, pc.dest_box, dtype,
+                                    pc.runs, zero))
             staging += cost
-            batch_bytes += it.nbytes
-            if it.offloaded.get(rank, False):
-                h2d += numel(box_shape(w.source_box)) * it.src_itemsize
-        flush()
+            batch_bytes += pc.nbytes
+            rank_bytes[rank] += pc.nbytes
+            if pc.any_offloaded and pc.offloaded.get(rank, False):
+                h2d += numel(box_shape(pc.source_box)) * pc.src_itemsize
+        if batch:
+            per_rank[rank].append(Task(next_id, "direct", 0, (rank,), (), tuple(batch), staging,
+                                       0, h2d))
+            next_id += 1
 
     # Spread direct tasks between gather tasks so writes overlap the collectives.
     for rank in range(world):
@@ -799,10 +976,21 @@ def plan(
 
     # Version word writers: the rank that sends least among those writing to each engine.
     senders_of: dict[str, set[int]] = defaultdict(set)
+    bytes_per_engine = dict.fromkeys(engines, 0)
+    peers_of: list[set[str]] = [set() for _ in range(world)]
+    for key, units_k in gather_units.items():
+        g = gathers[key]
+        for w, nb, _ in units_k:
+            bytes_per_engine[w.engine] += nb
+        for rank, ws in g.by_rank.items():
+            peers_of[rank].update(w.engine for w in ws)
+    for i, r in enumerate(assigned):
+        pc, engine = directs[i][0], directs[i][1]
+        peers_of[r].add(engine)
+        bytes_per_engine[engine] += pc.nbytes
     for rank in range(world):
-        for t in per_rank[rank]:
-            for w in t.writes:
-                senders_of[w.engine].add(rank)
+        for e in peers_of[rank]:
+            senders_of[e].add(rank)
     version_engines: dict[int, list[str]] = defaultdict(list)
     vload = list(load)
     for e in engines:
@@ -811,19 +999,14 @@ def plan(
         vload[r] += 1
         version_engines[r].append(e)
 
-    bytes_per_engine = {e: 0 for e in engines}
-    ranks_out = []
-    for rank in range(world):
-        peers = sorted({w.engine for t in per_rank[rank] for w in t.writes} | set(version_engines[rank]))
-        for t in per_rank[rank]:
-            for w in t.writes:
-                bytes_per_engine[w.engine] += w.nbytes
-        ranks_out.append(
-            RankSchedule(
-                rank=rank, tasks=tuple(per_rank[rank]), peers=tuple(peers),
-                version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
-            )
+    ranks_out = [
+        RankSchedule(
+            rank=rank, tasks=tuple(per_rank[rank]),
+            peers=tuple(sorted(peers_of[rank] | set(version_engines[rank]))),
+            version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
         )
+        for rank in range(world)
+    ]
     return Schedule(
         format_version=FORMAT_VERSION,
         fingerprint=fingerprint(sources, dests, config),
@@ -831,13 +1014,13 @@ def plan(
         engines=tuple(engines),
         num_mesh_groups=num_groups,
         ranks=tuple(ranks_out),
-        bytes_per_rank=tuple(sum(t.nbytes for t in r.tasks) for r in ranks_out),
+        bytes_per_rank=tuple(rank_bytes),
         bytes_per_engine=tuple(bytes_per_engine[e] for e in engines),
     )
 
 
 def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:
-    meshes = sorted({h.mesh for h in src.holders}, key=lambda m: (-len(m), m))
+    meshes = sorted({h[MESH] for h in src.holders}, key=lambda m: (-len(m), m))
     if not meshes:
         problems.append(f"tensor {src.name!r}: no trainer rank holds it")
         return None
@@ -846,36 +1029,45 @@ def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:
 
 def _quant_units(
     rc: Recipe, dt: DestTensor, st: DestTensor, table: dict[str, _Source]
-) -> list[tuple[object, ...]]:
-    """Quantization units of an FP8 recipe (one per leading index): boxes, clipped parts,
-    source names, weight and scale runs, and the rank holding all of it locally (or None)."""
+) -> list[_QuantUnit]:
+    """Quantization units of an FP8 recipe (one per leading index, e.g. per expert)."""
     assert rc.quant is not None
     lead = dt.shape[:-2]
-    unit_boxes: list[tuple[Box, Box]] = []
+    nlead = len(lead)
+    # Parts by the leading index they touch, so each unit clips only its own parts.
+    parts_at: dict[tuple[int, ...], list[Part]] = defaultdict(list)
     if lead:
-        for flat in range(numel(lead)):
-            idx = []
-            rem = flat
-            for n in reversed(lead):
-                idx.append(rem % n)
-                rem //= n
-            idx.reverse()
-            prefix = tuple((i, i + 1) for i in idx)
-            unit_boxes.append(
-                (prefix + ((0, dt.shape[-2]), (0, dt.shape[-1])),
-                 prefix + ((0, st.shape[-2]), (0, st.shape[-1])))
-            )
-    else:
-        unit_boxes.append((tuple((0, n) for n in dt.shape), tuple((0, n) for n in st.shape)))
-    out: list[tuple[object, ...]] = []
-    for ubox, sbox in unit_boxes:
-        parts = tuple(c for c in (_clip_part_to_dest(p, ubox) for p in rc.parts) if c is not None)
-        names = tuple(sorted({p.source for p in parts}))
-        out.append((
-            ubox, sbox, parts, names,
-            dest_runs(dt.shape, ubox, 1, dt.offset_bytes, dt.region),
-            dest_runs(st.shape, sbox, 4, st.offset_bytes, st.region),
+        for p in rc.parts:
+            for idx in itertools.product(*(range(a, b) for a, b in p.dest_box[:nlead])):
+                parts_at[idx].append(p)
+    unit_w = numel(dt.shape[nlead:])
+    unit_s = numel(st.shape[nlead:]) * 4
+    out: list[_QuantUnit] = []
+    for idx in itertools.product(*(range(n) for n in lead)) if lead else [()]:
+        prefix = tuple((i, i + 1) for i in idx)
+        ubox = prefix + tuple((0, n) for n in dt.shape[nlead:])
+        sbox = prefix + tuple((0, n) for n in st.shape[nlead:])
+        candidates = parts_at.get(idx, []) if lead else rc.parts
+        parts = tuple(
+            c for c in (
+                p if p.dest_box[:nlead] == prefix else _clip_part_to_dest(p, ubox)
+                for p in candidates
+            ) if c is not None
+        )
+        if lead:
+            # A unit is one whole leading slice: one run at its flat index.
+            flat = 0
+            for i, n in zip(idx, lead, strict=True):
+                flat = flat * n + i
+            wruns = (WriteRun(dt.region, dt.offset_bytes + flat * unit_w, unit_w),)
+            sruns = (WriteRun(st.region, st.offset_bytes + flat * unit_s, unit_s),)
+        else:
+            wruns = dest_runs(dt.shape, ubox, 1, dt.offset_bytes, dt.region)
+            sruns = dest_runs(st.shape, sbox, 4, st.offset_bytes, st.region)
+        out.append(_QuantUnit(
+            ubox, sbox, parts, tuple(sorted({p.source for p in parts})), wruns, sruns,
             _local_holder(parts, table),
+            sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns), numel(box_shape(ubox)),
         ))
     return out
 
@@ -888,7 +1080,7 @@ def _common_gather_meshes(srcs: Sequence[_Source]) -> list[tuple[int, ...]]:
     """
     common: set[tuple[int, ...]] | None = None
     for src in srcs:
-        meshes = {h.mesh for h in src.holders}
+        meshes = {h[MESH] for h in src.holders}
         if not meshes:
             return []
         size = max(len(m) for m in meshes)
@@ -901,8 +1093,10 @@ def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> int | Non
     """A rank whose own shards contain every part's source box, if any (no gather needed)."""
     common: set[int] | None = None
     for p in parts:
+        if numel(box_shape(p.source_box)) > table[p.source].max_shard_numel():
+            return None
         ranks = {
-            h.rank for b, hs in table[p.source].by_box().items()
+            h[RANK] for b, hs in table[p.source].by_box().items()
             if box_in(p.source_box, b) for h in hs
         }
         common = ranks if common is None else common & ranks
@@ -911,51 +1105,52 @@ def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> int | Non
     return min(common) if common else None
 
 
+_FINGERPRINT_TAG = "weight-transfer plan inputs v2"
+
+
 def fingerprint(
     sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
 ) -> str:
-    """sha256 of the canonical encoding of the planner's inputs.
+    """sha256 of a canonical encoding of the planner's inputs.
 
-    The bytes are msgpack of ``[[source manifests], [dest manifests], config]`` as
-    `codec.to_plain` gives them, packed piecewise (msgpack concatenates) so that 10^6-entry
-    manifests are neither copied into plain data nor held as one buffer.
+    The bytes are msgpack of a tag, the source manifests by rank, the destination manifests by
+    engine and the config, each dataclass as the array of its fields in declaration order.
+    Engine replicas share their tensor and recipe tuples, whose encodings are packed once.
     """
     h = hashlib.sha256()
     packer = msgpack.Packer(use_bin_type=True)
-    h.update(packer.pack_array_header(3))
-    memo: dict[int, object] = {}
-    for group in (sorted(sources, key=lambda m: m.rank), sorted(dests, key=lambda d: d.engine)):
-        h.update(packer.pack_array_header(len(group)))
-        for m in group:
-            h.update(packer.pack(_fast_plain(m, memo)))
+    h.update(packer.pack(_FINGERPRINT_TAG))
+    h.update(packer.pack_array_header(len(sources)))
+    fields = operator.attrgetter(
+        "name", "shape", "dtype", "local_box", "mesh", "device", "offloaded"
+    )
+    for m in sorted(sources, key=lambda m: m.rank):
+        h.update(packer.pack((m.rank, m.world_size, m.host, list(map(fields, m.tensors)))))
+    memo: dict[int, bytes] = {}
+
+    def once(key: object, make: Callable[[], object]) -> bytes:
+        got = memo.get(id(key))
+        if got is None:
+            got = memo[id(key)] = packer.pack(make())
+        return got
+
+    h.update(packer.pack_array_header(len(dests)))
+    for d in sorted(dests, key=lambda d: d.engine):
+        h.update(packer.pack_array_header(6))
+        h.update(packer.pack(d.engine))
+        h.update(packer.pack(d.host))
+        h.update(packer.pack([(r.index, r.nbytes, r.descriptor) for r in d.regions]))
+        h.update(once(d.tensors, lambda d=d: [  # type: ignore[misc]
+            (t.name, t.shape, t.dtype, t.region, t.offset_bytes) for t in d.tensors
+        ]))
+        h.update(once(d.recipes, lambda d=d: [  # type: ignore[misc]
+            (rc.dest, [(p.source, p.source_box, p.dest_box) for p in rc.parts],
+             None if rc.quant is None else (rc.quant.scale_dest, rc.quant.block))
+            for rc in d.recipes
+        ]))
+        h.update(packer.pack(d.version_region))
     h.update(packer.pack(codec.to_plain(config)))
     return h.hexdigest()
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _fast_plain(value: object, memo: dict[int, object]) -> object:
-    """`codec.to_plain` for manifests, msgpack-equal (tuples stay tuples), memoising shared
-    tuples by identity (the caller keeps them alive for the memo's lifetime)."""
-    t = type(value)
-    if value is None or t in (int, str, bytes, bool, float):
-        return value
-    if t is tuple or t is list:
-        seq: tuple[object, ...] | list[object] = value  # type: ignore[assignment]
-        if all(type(x) is int or type(x) is str for x in seq):
-            return seq
-        key = id(seq)
-        got = memo.get(key)
-        if got is None:
-            got = memo[key] = [_fast_plain(x, memo) for x in seq]
-        return got
-    names = _FIELD_NAMES.get(t)
-    if names is None:
-        if not dataclasses.is_dataclass(value):
-            return codec.to_plain(value)
-        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
-    return {n: _fast_plain(getattr(value, n), memo) for n in names}
 
 
 def schedule_to_json(schedule: Schedule) -> str:
