@@ -243,6 +243,40 @@ class UcxWorker:
             self.lib.ucp_put_nbx(ep, address, nbytes, remote_address, rkey, ctypes.byref(param)),
         )
 
+    def put_param(self, memh: int, cuda: bool) -> ctypes.Structure:
+        """Request parameters for puts from the registration `memh`, built once and reused."""
+        param = L.ucp_request_param_t()
+        param.op_attr_mask = L.UCP_OP_ATTR_FIELD_MEMH | L.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+        param.memh = memh
+        param.memory_type = L.UCS_MEMORY_TYPE_CUDA if cuda else L.UCS_MEMORY_TYPE_HOST
+        return param
+
+    def put_many(
+        self, ep: int, puts: Iterable[tuple[int, int, int, int, ctypes.Structure]]
+    ) -> int:
+        """Post puts `(address, nbytes, remote_address, rkey, param)` on `ep`; returns how many.
+
+        The fast path for batches: no request is tracked. A put that UCX cannot finish at once
+        returns a request, which is freed here at once (UCX still completes it, it only stops
+        reporting it); completion is then learned from a flush posted after the batch, which
+        UCX completes only after every earlier put on `ep`. `param` comes from `put_param`.
+
+        Raises:
+            UcxError: a put was refused (the puts before it are already posted).
+        """
+        put = self.lib.ucp_put_nbx
+        free = self.lib.ucp_request_free
+        err_floor = L.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
+        count = 0
+        for address, nbytes, remote, rkey, param in puts:
+            ptr = put(ep, address, nbytes, remote, rkey, ctypes.byref(param))
+            if ptr is not None:
+                if ptr >= err_floor:
+                    self._request("ucp_put_nbx", ptr)  # raises with UCX's text
+                free(ptr)
+            count += 1
+        return count
+
     def flush(self, ep: int) -> Request:
         """Post a flush: completes once every earlier operation on `ep` is remotely complete."""
         param = L.ucp_request_param_t()
