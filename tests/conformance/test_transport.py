@@ -203,14 +203,19 @@ def test_poll_reports_completion_and_stays_complete(transports: Factory) -> None
 
 @pytest.mark.timeout(60)
 def test_wait_timeout_raises(transports: Factory) -> None:
-    """A 64 MiB batch cannot complete within 100 microseconds: wait must raise, naming the peer."""
-    nbytes = 64 << 20
+    """A 128 MiB batch cannot complete within 100 microseconds: wait must raise, naming the peer.
+
+    128 MiB, as two 64 MiB writes: a backend that copies inline one segment per call (nixl over
+    cma copies up to 64 MiB inside `post_writes`) still has the second one to do."""
+    nbytes = 128 << 20
+    half = nbytes // 2
     receiver, sender = _pair(transports)
     target = seeded_bytes(nbytes, 40)
     desc = _desc(receiver.register(target, role=RegionRole.TARGET).descriptor)
     source = seeded_bytes(nbytes, 41)
     src = sender.register(source, role=RegionRole.SOURCE)
-    handle = sender.post_writes("rx", [WriteOp(src, 0, desc, 0, nbytes)])
+    ops = [WriteOp(src, 0, desc, 0, half), WriteOp(src, half, desc, half, half)]
+    handle = sender.post_writes("rx", ops)
     with pytest.raises(TransportTimeoutError, match="'rx'"):
         sender.wait(handle, timeout_s=1e-4)
     with pytest.raises(ValueError):

@@ -6,7 +6,6 @@ Cross-process writes live in tests/conformance.
 from __future__ import annotations
 
 import sys
-import types
 
 import msgpack
 import pytest
@@ -39,12 +38,29 @@ def test_payload_round_trip_and_garbage() -> None:
 
 
 def test_segments_split_long_writes_at_the_limit() -> None:
-    fake = types.SimpleNamespace(_segment_bytes=10)
     pieces = [(1000, 0, 5000, 0, 25, 1), (2000, 0, 6000, 0, 3, 2)]
-    segments = NixlTransport._segments(fake, pieces)  # type: ignore[arg-type]
+    segments = NixlTransport._segments(pieces, 10)
     assert [[p[4] for p in seg] for seg in segments] == [[10], [10], [5, 3]]
     assert segments[1][0][:3] == (1010, 0, 5010)
     assert segments[2][1][:3] == (2000, 0, 6000)
+    assert NixlTransport._segments(pieces, 0) == [pieces]  # 0: uncut (GPU default)
+
+
+@requires_module("nixl_cu13")
+def test_segment_defaults_by_memory_type_and_override() -> None:
+    """Host sources: 64 MiB segments; GPU sources: one transfer; the option sets both."""
+    default = NixlTransport(TransportConfig(name="nixl"))
+    given = NixlTransport(
+        TransportConfig(name="nixl", options=(("segment_bytes", "4096"), ("window", "2")))
+    )
+    try:
+        assert default._segment_bytes == {"DRAM": 64 << 20, "VRAM": 0}
+        assert default._window == 0 and default.progress_driven
+        assert given._segment_bytes == {"DRAM": 4096, "VRAM": 4096}
+        assert given._window == 2
+    finally:
+        default.close()
+        given.close()
 
 
 def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
