@@ -541,7 +541,7 @@ class _QuantUnit:
     sources: tuple[str, ...]
     weight_runs: tuple[WriteRun, ...]
     scale_runs: tuple[WriteRun, ...]
-    local: int | None  # a rank holding every part in its own shard (no collective), or None
+    local: tuple[int, ...]  # ranks holding every part in their own shard (no collective)
     nbytes: int
     numel: int  # elements of dest_box (the float32 assembly buffer)
 
@@ -628,9 +628,8 @@ class _Layout:
 
     directs: list[tuple[_Piece, str, str]]  # (piece, dest, dtype)
     copies: list[tuple[_GatherKey, Part, tuple[WriteRun, ...], int, str, str]]
-    quants: list[tuple[_QuantUnit, str, str, tuple[int, int], _GatherKey | None, tuple[str, ...] | None]]
-    local_keys: set[_GatherKey]
-    gather_seq: dict[_GatherKey, int]  # first recipe index using each gather
+    quants: list[tuple[_QuantUnit, str, str, tuple[int, int], int, tuple[str, ...] | None]]
+    gather_seq: dict[_GatherKey, int]  # first recipe index using each copy gather
     pending_seq: dict[tuple[str, ...], int]
 
 
@@ -645,9 +644,9 @@ def _compile_layout(
     quant_by_value: dict[tuple[object, ...], list[_QuantUnit]],
     cands_of: dict[tuple[str, ...], list[tuple[int, ...]]],
 ) -> _Layout:
-    """Write templates of one engine layout; a quant unit whose sources share no mesh has
-    neither a local key nor a source set (the caller reports it per engine)."""
-    lay = _Layout([], [], [], set(), {}, {})
+    """Write templates of one engine layout; a quant unit that is not local and whose sources
+    share no mesh has no source set (the caller reports it per engine)."""
+    lay = _Layout([], [], [], {}, {})
     tensors = {t.name: t for t in d.tensors}
     for seq, rc in enumerate(d.recipes):
         dt = tensors[rc.dest]
@@ -677,12 +676,9 @@ def _compile_layout(
                 units = quant_by_value[(rc, *place)] = _quant_units(rc, dt, st, table)
             quant_by_id[(id(rc), *place)] = units
         for u in units:
-            local_key: _GatherKey | None = None
             names: tuple[str, ...] | None = None
-            if u.local is not None:
-                local_key = ((u.local,), u.sources)
-                lay.local_keys.add(local_key)
-                lay.gather_seq.setdefault(local_key, seq)
+            if u.local:
+                names = u.sources
             else:
                 cands = cands_of.get(u.sources)
                 if cands is None:
@@ -692,7 +688,7 @@ def _compile_layout(
                 if cands:
                     names = u.sources
                     lay.pending_seq.setdefault(names, seq)
-            lay.quants.append((u, rc.dest, st.name, rc.quant.block, local_key, names))
+            lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names))
     return lay
 
 
@@ -742,7 +738,8 @@ def _plan(
     directs: list[tuple[_Piece, str, str, str]] = []  # (piece, engine, dest, dtype)
     gather_units: dict[_GatherKey, list[_Unit]] = defaultdict(list)
     gather_seq: dict[_GatherKey, int] = {}
-    gather_local: set[_GatherKey] = set()
+    # Units one rank can quantize from its own shards, with the ranks that can: (unit, seq).
+    local_units: list[tuple[_Unit, tuple[int, ...], tuple[str, ...], int]] = []
     pending: dict[tuple[str, ...], list[_Unit]] = defaultdict(list)
     pending_seq: dict[tuple[str, ...], int] = {}
     cands_of: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
@@ -774,11 +771,11 @@ def _plan(
                 SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs, False),
                 nbytes, numel(box_shape(p.dest_box)),
             ))
-        for u, dest, sdest, block, local_key, names in lay.quants:
+        for u, dest, sdest, block, sq, names in lay.quants:
             w = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
                            u.weight_runs, u.scale_runs)
-            if local_key is not None:
-                gather_units[local_key].append((w, u.nbytes, u.numel))
+            if u.local:
+                local_units.append(((w, u.nbytes, u.numel), u.local, u.sources, sq))
             elif names is not None:
                 pending[names].append((w, u.nbytes, u.numel))
             else:
@@ -787,26 +784,56 @@ def _plan(
                     f"engine {engine!r}: {dest!r} needs sources on different meshes "
                     f"({sorted(str(m) for m in meshes)}); cannot gather them together"
                 )
-        gather_local.update(lay.local_keys)
     if problems:
         raise PlanMismatchError(problems)
+    # Balance: every unit of work goes to the least-loaded rank that can send it (each trainer
+    # GPU sends through its own NICs, so bytes per rank are bytes per NIC). The most constrained
+    # work first: direct pieces and local quant units (only their holders can send them),
+    # largest first; then gathers, whose units can go to any rank of their mesh.
+    load = [0] * world
+    assigned = [0] * len(directs)
+    # (bytes, kind, index): kind 0 a direct piece, 1 a local unit; reverse=True keeps equal
+    # sizes in generation order (Python's sort is stable both ways).
+    work = [(it[0].nbytes, 0, i) for i, it in enumerate(directs)]
+    work.extend((lu[0][1], 1, i) for i, lu in enumerate(local_units))
+    work.sort(key=operator.itemgetter(0), reverse=True)
+    gather_local: set[_GatherKey] = set()
+    for nbytes, kind, i in work:
+        if kind == 0:
+            r = min(directs[i][0].candidates, key=load.__getitem__)  # candidates are sorted
+            assigned[i] = r
+        else:
+            unit, cands, names, sq = local_units[i]
+            r = min(cands, key=load.__getitem__)
+            key = ((r,), names)
+            gather_local.add(key)
+            gather_units[key].append(unit)
+            gather_seq[key] = min(sq, gather_seq.get(key, sq))
+        load[r] += nbytes
+
     # Sources replicated on several disjoint meshes (HSDP) can be gathered on any of them: pick
-    # the least-loaded one per source set, largest sets first, so replicas share the work.
-    mesh_load: dict[tuple[int, ...], int] = defaultdict(int)
+    # the least-loaded mesh per source set (by bytes per rank, counting the work above), largest
+    # sets first, so replicas share the work.
+    mesh_load: dict[tuple[int, ...], int] = {}
+    for key, units_k in gather_units.items():
+        if key not in gather_local:
+            mesh_load[key[0]] = mesh_load.get(key[0], 0) + sum(u[1] for u in units_k)
     totals = {n: sum(u[1] for u in us) for n, us in pending.items()}
     for names in sorted(pending, key=lambda n: (-totals[n], n)):
         cands = cands_of[names]
-        mesh = min(cands, key=lambda m: (mesh_load[m] / len(m), m)) if len(cands) > 1 else cands[0]
+        for m in cands:
+            if m not in mesh_load:
+                mesh_load[m] = 0
+        mesh = cands[0]
+        if len(cands) > 1:
+            mesh = min(
+                cands, key=lambda m: ((mesh_load[m] + sum(load[r] for r in m)) / len(m), m)
+            )
         mesh_load[mesh] += totals[names]
         key = (mesh, names)
         gather_units[key].extend(pending[names])
-        gather_seq.setdefault(key, pending_seq[names])
+        gather_seq[key] = min(pending_seq[names], gather_seq.get(key, pending_seq[names]))
 
-    # Balance: every unit of work goes to the least-loaded rank that can send it (each trainer
-    # GPU sends through its own NICs, so bytes per rank are bytes per NIC). Gathers first (their
-    # units can go to any rank of the mesh), largest units first; then direct pieces, largest
-    # first, among the ranks holding them.
-    load = [0] * world
     gathers: dict[_GatherKey, _Gather] = {}
     for key in sorted(gather_units):
         mesh, names = key
@@ -819,22 +846,18 @@ def _plan(
         ranks_sorted = sorted(mesh)
         by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
         staging = dict.fromkeys(ranks_sorted, 0)
-        units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
-        for w, nb, _ in units_k:
-            # min over the sorted mesh returns the lowest rank among equally loaded ones.
-            r = min(ranks_sorted, key=load.__getitem__)
-            load[r] += nb
-            by_rank[r].append(w)
-            staging[r] += nb
+        if not local:
+            units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
+            for w, nb, _ in units_k:
+                # min over the sorted mesh returns the lowest rank among equally loaded ones.
+                r = min(ranks_sorted, key=load.__getitem__)
+                load[r] += nb
+                by_rank[r].append(w)
+                staging[r] += nb
+        else:
+            by_rank[mesh[0]] = [u[0] for u in units_k]
+            staging[mesh[0]] = sum(u[1] for u in units_k)
         gathers[key] = _Gather(mesh, names, scratch, by_rank, staging, local, gather_seq[key])
-    assigned = [0] * len(directs)
-    sizes = [it[0].nbytes for it in directs]
-    # reverse=True keeps equal sizes in generation order (Python's sort is stable both ways).
-    for i in sorted(range(len(directs)), key=sizes.__getitem__, reverse=True):
-        pc = directs[i][0]
-        r = min(pc.candidates, key=load.__getitem__)  # candidates are sorted
-        assigned[i] = r
-        load[r] += pc.nbytes
 
     for g in gathers.values():
         need = g.scratch_bytes + max(g.staging.values(), default=0)
@@ -1089,20 +1112,20 @@ def _common_gather_meshes(srcs: Sequence[_Source]) -> list[tuple[int, ...]]:
     return sorted(common or ())
 
 
-def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> int | None:
-    """A rank whose own shards contain every part's source box, if any (no gather needed)."""
+def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int, ...]:
+    """The ranks whose own shards contain every part's source box (no gather needed), sorted."""
     common: set[int] | None = None
     for p in parts:
         if numel(box_shape(p.source_box)) > table[p.source].max_shard_numel():
-            return None
+            return ()
         ranks = {
             h[RANK] for b, hs in table[p.source].by_box().items()
             if box_in(p.source_box, b) for h in hs
         }
         common = ranks if common is None else common & ranks
         if not common:
-            return None
-    return min(common) if common else None
+            return ()
+    return tuple(sorted(common or ()))
 
 
 _FINGERPRINT_TAG = "weight-transfer plan inputs v2"
