@@ -10,8 +10,12 @@ copies on a dedicated stream with a completion event.
 
 Limits worth knowing:
 - Peers must share a host and a /dev/shm (same boot, same IPC namespace).
-- One-sided means no signal on the target and no detection of a dead target: a write into the
-  mapping of a receiver that has exited succeeds into memory nobody reads.
+- One-sided means no signal on the target; a dead target is detected by its process instead: at
+  `connect` the sender opens a pidfd of the peer's process (`os.pidfd_open`, Linux 5.3+; else
+  it falls back to `os.kill(pid, 0)`, which a recycled pid or a zombie can fool), and every
+  `post_writes` and every `poll` of an unfinished batch checks it (one non-blocking `poll(2)`):
+  once the peer process has exited, they raise `PeerLostError` naming the peer, even though the
+  copy into the still-mapped segment itself succeeds.
 - Registering host memory reallocates its storage (once); raw pointers taken before that (for
   example CUDA graphs over CPU tensors, which do not exist in practice) go stale.
 - The GPU path cannot be exercised on CPU-only hosts; it is kept small on purpose.
@@ -24,6 +28,7 @@ import logging
 import os
 import queue
 import secrets
+import select
 import threading
 from typing import Any
 
@@ -151,6 +156,56 @@ class _BatchState:
 _STOP = object()
 
 
+class _PeerProcess:
+    """Liveness of a peer's process: a pidfd polled without blocking, else `os.kill(pid, 0)`."""
+
+    __slots__ = ("dead", "pid", "pidfd", "poller")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.dead = False
+        self.pidfd: int | None = None
+        self.poller: select.poll | None = None
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None:
+            self.dead = not self._kill_check()
+            return
+        try:
+            self.pidfd = pidfd_open(pid)
+        except ProcessLookupError:
+            self.dead = True
+            return
+        except OSError:  # no pidfd support in this kernel or sandbox: fall back
+            self.dead = not self._kill_check()
+            return
+        self.poller = select.poll()
+        self.poller.register(self.pidfd, select.POLLIN)
+
+    def _kill_check(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # exists, owned by someone else
+        return True
+
+    def alive(self) -> bool:
+        """False once the process has exited (a pidfd becomes readable then)."""
+        if not self.dead:
+            if self.poller is not None:
+                self.dead = bool(self.poller.poll(0))
+            else:
+                self.dead = not self._kill_check()
+        return not self.dead
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+            self.poller = None
+
+
 class LoopbackTransport(Transport):
     """Same-host, truly one-sided transport over POSIX shared memory and CUDA IPC.
 
@@ -167,6 +222,7 @@ class LoopbackTransport(Transport):
         self._pid = os.getpid()
         self._id = secrets.randbits(63)  # tells transports of one process apart
         self._peer_ids: dict[str, tuple[int, int]] = {}  # peer -> (pid, transport id)
+        self._peer_procs: dict[str, _PeerProcess] = {}  # peers in other processes
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
         self._cuda_targets: dict[tuple[str, bytes], torch.Tensor] = {}  # (peer, handle) -> view
         self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
@@ -314,9 +370,21 @@ class LoopbackTransport(Transport):
             )
         self._peer_ids[peer] = (pid, owner)
         self._mappings[peer] = {}
+        if pid != self._pid:
+            self._peer_procs[peer] = _PeerProcess(pid)
+
+    def _check_alive(self, peer: str) -> None:
+        proc = self._peer_procs.get(peer)
+        if proc is not None and not proc.alive():
+            raise PeerLostError(
+                f"loopback: peer {peer!r} is gone: its process {proc.pid} has exited"
+            )
 
     def _disconnect(self, peer: str) -> None:
         self._peer_ids.pop(peer, None)
+        proc = self._peer_procs.pop(peer, None)
+        if proc is not None:
+            proc.close()
         self._decoded.pop(peer, None)
         mappings = self._mappings.pop(peer, {})
         for key in [k for k in self._cuda_targets if k[0] == peer]:
@@ -329,6 +397,7 @@ class LoopbackTransport(Transport):
     # -- writes ---------------------------------------------------------------------------
 
     def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
+        self._check_alive(peer)
         state = _BatchState()
         host_copies: list[tuple[int, int, int]] = []
         cuda_ops: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -432,10 +501,15 @@ class LoopbackTransport(Transport):
             finally:
                 state.host_done.set()
 
+    def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
+        state: _BatchState = handle.state
+        return None if state.events else state.host_done
+
     def _poll(self, handle: WriteHandle) -> bool:
         state: _BatchState = handle.state
         if state.error is not None:
             raise state.error
+        self._check_alive(handle.peer)
         if not state.host_done.is_set():
             return False
         if state.events:
@@ -553,6 +627,9 @@ class LoopbackTransport(Transport):
     # -- close ----------------------------------------------------------------------------
 
     def _close(self) -> None:
+        for proc in self._peer_procs.values():
+            proc.close()
+        self._peer_procs.clear()
         released: list[ShmMapping] = []
         for mappings in self._mappings.values():
             released.extend(mappings.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import msgpack
@@ -111,6 +112,33 @@ def test_segment_of_exited_receiver_reported_as_peer_lost() -> None:
         src = sender.register(seeded_bytes(4096, 4), role=RegionRole.SOURCE)
         with pytest.raises(PeerLostError, match="'rx'.*gone"):
             sender.post_writes("rx", [WriteOp(src, 0, desc, 0, 10)])
+
+
+@pytest.mark.timeout(120)
+def test_killed_receiver_reported_as_peer_lost_on_poll_and_post() -> None:
+    """A one-sided write into a killed engine's mapping would "succeed": the peer's process is
+    checked instead, so the pending batch's poll and the next post raise, naming the peer."""
+    nbytes = 1 << 20
+    receiver = Receiver("loopback", nbytes, init_seed=5)
+    try:
+        desc = RegionDescriptor.from_bytes(receiver.descriptor)
+        with LoopbackTransport(TransportConfig(name="loopback")) as sender:
+            sender.connect("engine-0", receiver.endpoint)
+            src = sender.register(seeded_bytes(nbytes, 6), role=RegionRole.SOURCE)
+            ops = [WriteOp(src, 0, desc, 0, nbytes)]
+            sender.wait(sender.post_writes("engine-0", ops), timeout_s=30)  # alive: completes
+            pending = sender.post_writes("engine-0", ops)
+            receiver.process.kill()
+            receiver.process.join(timeout=30)
+            assert receiver.process.exitcode == -signal.SIGKILL
+            with pytest.raises(PeerLostError, match=r"'engine-0'.*process \d+ has exited"):
+                sender.wait(pending, timeout_s=30)
+            with pytest.raises(PeerLostError, match="'engine-0'"):
+                sender.poll(pending)  # the failure sticks
+            with pytest.raises(PeerLostError, match=r"'engine-0'.*process \d+ has exited"):
+                sender.post_writes("engine-0", ops)
+    finally:
+        join_all([receiver.process])
 
 
 @pytest.mark.timeout(30)
