@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import resource
 import sys
 import time
@@ -49,11 +50,13 @@ def run(cfg: BenchConfig) -> dict[str, object]:
     rss_manifests = _rss_gib()
     config = PlannerConfig()
     times = []
+    cpu_times = []
     schedule = None
     for _ in range(cfg.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         schedule = plan(sources, dests, config)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     assert schedule is not None
     rss_plan = _rss_gib()
     # Correctness before timing matters: every engine receives what its tensors hold.
@@ -76,6 +79,8 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         "manifests_s": t_manifests,
         "plan_s_median": sorted(times)[len(times) // 2],
         "plan_s_all": times,
+        "plan_cpu_s_all": cpu_times,
+        "load_average_1min": os.getloadavg()[0],
         "simulate_s": t_sim,
         "peak_rss_gib_after_manifests": rss_manifests,
         "peak_rss_gib": rss_plan,
@@ -84,6 +89,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         "max_engine_region_bytes": max(engine_sizes.values()),
         "predicted_s": result.predicted_s,
         "lower_bound_s": result.lower_bound_s,
+        "predicted_over_bound": result.predicted_s / result.lower_bound_s,
         "bottleneck": result.bottleneck,
         "stage_bound_s": result.stage_bound_s,
         "trainer_nic_imbalance": result.trainer_nic_bytes.imbalance,

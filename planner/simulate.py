@@ -70,6 +70,13 @@ class Rates:
     """Fixed cost of one full_tensor() all-gather."""
     write_latency_s: float = 5e-6
     """Fixed cost of one posted batch of writes to one engine."""
+    write_overhead_s: float = 0.0
+    """Host time to post one write (one contiguous run) on a trainer rank. Posting is serial per
+    rank and runs ahead of the link (the two pipeline: a batch's bytes finish no earlier than
+    its last write was posted)."""
+    task_overhead_s: float = 0.0
+    """Host time to launch one task's preparation (gather, pack or quantize kernels) on the
+    prepare stage; tasks whose writes all go straight from the shard pay nothing."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -180,7 +187,7 @@ class _TaskCost:
     gather_bytes: int  # bytes received per rank by the all-gather
     gather_nvlink: bool
     compute_s: float
-    batches: list[tuple[str, int]]
+    batches: list[tuple[str, int, int]]  # (engine, bytes, writes)
     group: int
     collective: int  # task_id when the task is a collective on > 1 rank, else -1
     mesh_size: int
@@ -206,13 +213,19 @@ def _task_costs(
         for task in rs.tasks:
             compute = 0.0
             per_engine: dict[str, int] = defaultdict(int)
+            runs: dict[str, int] = defaultdict(int)
             for w in task.writes:
                 if isinstance(w, QuantWrite):
                     fp8 = sum(r.nbytes for r in w.weight_runs)
                     compute += fp8 / quant_rate
-                elif isinstance(w, SliceWrite) and not w.zero_copy:
-                    compute += w.nbytes / prep_rate
+                    runs[w.engine] += len(w.weight_runs) + len(w.scale_runs)
+                elif isinstance(w, SliceWrite):
+                    if not w.zero_copy:
+                        compute += w.nbytes / prep_rate
+                    runs[w.engine] += len(w.runs)
                 per_engine[w.engine] += w.nbytes
+            if task.kind == "gather" or compute > 0:
+                compute += rates.task_overhead_s
             h2d = task.h2d_bytes
             gather = 0
             n = len(task.mesh)
@@ -229,7 +242,7 @@ def _task_costs(
                     gather_bytes=gather,
                     gather_nvlink=len({hosts[r] for r in task.mesh}) == 1,
                     compute_s=compute,
-                    batches=sorted(per_engine.items()),
+                    batches=[(e, n, runs[e]) for e, n in sorted(per_engine.items())],
                     group=task.mesh_group,
                     collective=task.task_id if task.kind == "gather" and n > 1 else -1,
                     mesh_size=n,
@@ -282,7 +295,8 @@ def simulate(
     nvl_send_free = [0.0] * world
     recv_free: dict[str, float] = defaultdict(float)
     nvl_recv_free: dict[str, float] = defaultdict(float)
-    nvl_gather_free = [0.0] * world
+    host_free = [0.0] * world  # posting thread of each trainer rank
+    post_cost = rates.write_overhead_s
     # Work totals for the lower bound.
     send_bytes = [0] * world
     nvl_bytes = [0] * world
@@ -330,19 +344,26 @@ def simulate(
 
     def post(rank: int, c: _TaskCost, t: float) -> float:
         finish = t
-        for engine, nbytes in c.batches:
+        for engine, nbytes, nwrites in c.batches:
+            # Posting: the link may start after the first write was posted, and the last bytes
+            # leave no earlier than the last write was posted plus its share of the bytes.
+            h_start = max(t, host_free[rank])
+            h_end = h_start + nwrites * post_cost
+            host_free[rank] = h_end
+            ready = h_start + post_cost if nwrites else h_start
+            last = nbytes / max(1, nwrites)  # bytes of the last write posted (mean size)
             if engine_hosts[engine] == hosts[rank]:
-                start = max(t, nvl_send_free[rank])
-                s_end = start + nbytes / nvl
+                start = max(ready, nvl_send_free[rank])
+                s_end = max(start + nbytes / nvl, h_end + last / nvl)
                 nvl_send_free[rank] = s_end
-                r_end = max(start, nvl_recv_free[engine]) + nbytes / nvl
+                r_end = max(max(start, nvl_recv_free[engine]) + nbytes / nvl, s_end)
                 nvl_recv_free[engine] = r_end
                 nvl_bytes[rank] += nbytes
             else:
-                start = max(t, send_free[rank])
-                s_end = start + nbytes / nic
+                start = max(ready, send_free[rank])
+                s_end = max(start + nbytes / nic, h_end + last / nic)
                 send_free[rank] = s_end
-                r_end = max(start, recv_free[engine]) + nbytes / nic
+                r_end = max(max(start, recv_free[engine]) + nbytes / nic, s_end)
                 recv_free[engine] = r_end
                 send_bytes[rank] += nbytes
                 recv_bytes[engine] += nbytes

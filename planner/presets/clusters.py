@@ -174,6 +174,9 @@ class ClusterPreset:
     """GPUs per host, trainer and engine alike (decides what NVLink connects)."""
     rates: Rates = dataclasses.field(default_factory=Rates)
     """Link and stage rates used by the simulator."""
+    shared_hosts: bool = False
+    """Trainer and engine GPUs are numbered in the same hosts (one machine for both: writes go
+    over NVLink), rather than trainer and engine clusters of their own."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -190,6 +193,35 @@ class ClusterPreset:
             f"ep {e.ep}, {'FP8' if e.fp8 else 'BF16'}), {self.gpus_per_node} GPUs/node, "
             f"{self.rates.nics_per_gpu} x {self.rates.nic_gb_per_s:g} GB/s NIC per GPU"
         )
+
+
+H200X2_RATES = Rates(
+    nic_gb_per_s=50.0,
+    nvlink_gb_per_s=395.0,
+    h2d_gb_per_s=55.0,
+    prepare_gb_per_s=1150.0,
+    quantize_gb_per_s=767.0,
+    barrier_s=0.0,
+    collective_latency_s=0.0,
+    write_latency_s=0.0,
+    write_overhead_s=9.4e-6,
+    task_overhead_s=72e-6,
+)
+"""Rates of the 2x H200 machine of the GPU benchmarks (2026-11-30), from microbenchmarks only
+(`benchmarks/results/rates_h200x2_202611.json` explains each; the update times are not used)."""
+
+
+def _h200x2(name: str, model: str, *, fp8: bool = False, colocated: bool = False) -> ClusterPreset:
+    """`transfer/bench_update.py` on 2 H200s: "split" is one FSDP2 trainer rank on GPU0 writing
+    into one engine rank (tp=1) on GPU1; "colocated" is FSDP2 over both GPUs writing into an
+    engine with tp=2 over both GPUs."""
+    n = 2 if colocated else 1
+    return ClusterPreset(
+        name=name, model=model,
+        trainer=TrainerLayout(num_gpus=n, dense_shard_size=n, expert_shard_size=n),
+        engine=EngineLayout(num_replicas=1, tp=n, fp8=fp8),
+        gpus_per_node=2, rates=H200X2_RATES, shared_hosts=True,
+    )
 
 
 PRESETS: dict[str, ClusterPreset] = {
@@ -222,6 +254,11 @@ PRESETS: dict[str, ClusterPreset] = {
         trainer=TrainerLayout(num_gpus=128, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=8, tp=8),
     ),
+    # The 2x H200 benchmark machine of the GPU issue (benchmarks/results/update_h200x2_202611.md).
+    "h200x2-llama8b-bf16": _h200x2("h200x2-llama8b-bf16", "llama-3.1-8b"),
+    "h200x2-llama8b-fp8": _h200x2("h200x2-llama8b-fp8", "llama-3.1-8b", fp8=True),
+    "h200x2-llama8b-colocated": _h200x2("h200x2-llama8b-colocated", "llama-3.1-8b", colocated=True),
+    "h200x2-qwen3-30b-bf16": _h200x2("h200x2-qwen3-30b-bf16", "qwen3-30b-a3b"),
     # Kimi-K2's structure at toy sizes: 32 trainer GPUs -> 2 replicas of 8 engine GPUs.
     "kimi-k2-mini": ClusterPreset(
         name="kimi-k2-mini", model="kimi-k2-mini",
@@ -267,11 +304,15 @@ def chunk_bounds(size: int, num_chunks: int) -> tuple[tuple[int, int], ...]:
 
 def trainer_host(preset: ClusterPreset, rank: int) -> str:
     """Host name of trainer rank `rank`."""
+    if preset.shared_hosts:
+        return f"node{rank // preset.gpus_per_node}"
     return f"trainer-node{rank // preset.gpus_per_node}"
 
 
 def engine_host(preset: ClusterPreset, index: int) -> str:
     """Host name of global engine rank `index` (replica-major)."""
+    if preset.shared_hosts:
+        return f"node{index // preset.gpus_per_node}"
     return f"engine-node{index // preset.gpus_per_node}"
 
 
@@ -481,6 +522,7 @@ def engine_names(preset: ClusterPreset) -> Sequence[str]:
 __all__ = [
     "ClusterPreset",
     "EngineLayout",
+    "H200X2_RATES",
     "LARGE_SHAPES",
     "PRESETS",
     "SMALL_MLA",

@@ -89,3 +89,19 @@ def test_overrides_and_bad_layouts() -> None:
     too_many = with_overrides(PRESETS["kimi-k2-mini"], **{"trainer.expert_shard_size": 1})
     with pytest.raises(ConfigurationError, match="expert meshes"):
         cluster_manifests(too_many)
+
+
+def test_h200x2_presets_share_one_host_and_plan() -> None:
+    from planner.plan import PlannerConfig, plan
+    from planner.presets.clusters import H200X2_RATES
+
+    p = get_preset("h200x2-llama8b-colocated")
+    assert p.rates == H200X2_RATES
+    sources, dests = cluster_manifests(p)
+    assert {m.host for m in sources} == {d.host for d in dests} == {"node0"}
+    s = plan(sources, dests, PlannerConfig(memory_budget_bytes=4 << 30))
+    assert s.num_ranks == 2 and len(s.engines) == 2
+    # FSDP2 over 2 GPUs into tp=2: both trainer ranks send half of the bytes.
+    assert s.bytes_per_rank[0] == s.bytes_per_rank[1] == sum(s.bytes_per_engine) // 2
+    split = get_preset("h200x2-llama8b-fp8")
+    assert split.engine.fp8 and split.trainer.num_gpus == 1 and split.engine.num_gpus == 1

@@ -102,3 +102,24 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
         for d in dests
     )
     assert result.predicted_s >= result.lower_bound_s > 0
+
+
+def test_local_units_spread_over_the_ranks_that_hold_them() -> None:
+    # Shared-expert slices of the engine's tp ranks are whole trainer shards, held by one rank of
+    # each of the 4 replica meshes: their quant units must not all land on the lowest such rank.
+    from planner.presets.clusters import with_overrides
+
+    preset = with_overrides(get_preset("kimi-k2-mini"), **{"engine.tp": 8})
+    sources, dests = cluster_manifests(preset)
+    schedule = plan(sources, dests)
+    senders: dict[str, set[int]] = {}
+    for rs in schedule.ranks:
+        for t in rs.tasks:
+            if t.kind == "direct" and t.gather:
+                for n in t.gather:
+                    senders.setdefault(n, set()).add(rs.rank)
+    assert senders, "expected local quant tasks (shared experts)"
+    used = set().union(*senders.values())
+    assert len({r // 8 for r in used}) == 4  # all 4 replica meshes send local units
+    per_rank = schedule.bytes_per_rank
+    assert max(per_rank) / (sum(per_rank) / len(per_rank)) < 1.15  # toy sizes: coarse units

@@ -221,3 +221,31 @@ def test_missing_engine_host_is_named() -> None:
     sched = schedule_of([[direct(0, 0, [slice_write("e0", MB)])]], ("e0",))
     with pytest.raises(ValueError, match="e0"):
         simulate(sched, sources_of(1), {}, RATES, memory_budget_bytes=1 << 30)
+
+
+def test_write_overhead_bounds_many_small_writes() -> None:
+    # 100 writes of 10 kB: posting (20 us each) is slower than the link (1 us each), so the
+    # update takes 100 postings plus the last write's bytes on the link.
+    n, b, post = 100, 10_000, 20e-6
+    writes = [slice_write("e0", b, i * b) for i in range(n)]
+    sched = schedule_of([[direct(0, 0, writes)]], ("e0",))
+    rates = Rates(**{**RATES_FIELDS, "write_overhead_s": post})
+    r = simulate(sched, sources_of(1), {"e0": "x"}, rates, memory_budget_bytes=1 << 30)
+    assert r.predicted_s == pytest.approx(n * post + b / (NIC * GB))
+    # Large writes: the link dominates and posting hides behind it.
+    big = [slice_write("e0", 10 * MB, i * 10 * MB) for i in range(4)]
+    r = simulate(schedule_of([[direct(0, 0, big)]], ("e0",)), sources_of(1), {"e0": "x"}, rates,
+                 memory_budget_bytes=1 << 30)
+    assert r.predicted_s == pytest.approx(post + 40 * MB / (NIC * GB))
+
+
+def test_task_overhead_only_for_tasks_that_prepare() -> None:
+    b = 10 * MB
+    launch = 1e-3
+    rates = Rates(**{**RATES_FIELDS, "task_overhead_s": launch})
+    packed = schedule_of([[direct(0, 0, [slice_write("e0", b, zero_copy=False)])]], ("e0",))
+    r = simulate(packed, sources_of(1), {"e0": "x"}, rates, memory_budget_bytes=1 << 30)
+    assert r.predicted_s == pytest.approx(launch + b / (20.0 * GB) + b / (NIC * GB))
+    zero = schedule_of([[direct(0, 0, [slice_write("e0", b)])]], ("e0",))
+    r = simulate(zero, sources_of(1), {"e0": "x"}, rates, memory_budget_bytes=1 << 30)
+    assert r.predicted_s == pytest.approx(b / (NIC * GB))
