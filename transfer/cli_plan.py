@@ -164,7 +164,8 @@ def _simulate(ns: argparse.Namespace) -> int:
     print(preset.describe())
     print(f"rates: NIC {rates.nics_per_gpu} x {rates.nic_gb_per_s:g} GB/s, NVLink "
           f"{rates.nvlink_gb_per_s:g} GB/s, h2d {rates.h2d_gb_per_s:g} GB/s, prepare "
-          f"{rates.prepare_gb_per_s:g} GB/s, quantize {rates.quantize_gb_per_s:g} GB/s")
+          f"{rates.prepare_gb_per_s:g} GB/s, quantize {rates.quantize_gb_per_s:g} GB/s, per write "
+          f"{rates.write_overhead_s * 1e6:g} us, per task {rates.task_overhead_s * 1e6:g} us")
     print()
     print(f"{'':<30}{'schedule':>12}{'rank-0 broadcast':>20}")
     print(f"{'predicted update':<30}{r.predicted_s:>11.3f}s{base.predicted_s:>19.3f}s")
