@@ -174,13 +174,15 @@ class UcxTransport(Transport):
         keys = {k[4:] if k.startswith("UCX_") else k for k, _ in options}
         if "NET_DEVICES" not in keys and _is_loopback(config.listen_host):
             options.append(("NET_DEVICES", "lo"))
-        options += [(k, v) for k, v in _CMA_DEFAULTS if k not in keys]
+        defaults = [(k, v) for k, v in _CMA_DEFAULTS if k not in keys]
         self._cuda = config.device_index is not None and torch.cuda.is_available()
         if self._cuda:
             # UCX's CUDA transports work on the calling thread's current device.
             torch.cuda.set_device(config.device_index)
         try:
-            self._worker = ucx_native.UcxWorker(options, name=f"wt-{os.getpid()}")
+            self._worker = ucx_native.UcxWorker(
+                options, name=f"wt-{os.getpid()}", defaults=defaults
+            )
         except ImportError as exc:
             raise TransportUnavailableError(
                 f"transport 'ucx' needs the libucx wheel ({exc}); install it with: {_INSTALL_HINT}"

@@ -50,12 +50,19 @@ class UcxWorker:
             config API; UCX itself still reads `UCX_*` environment variables of the process
             first, as it always does (`ucp_config_read`).
         name: A name for UCX's logs.
+        defaults: Like `options`, applied first; one this UCX does not know (a transport
+            module it lacks) is skipped with a debug log instead of failing.
 
     Raises:
         UcxError: UCX rejected an option or could not start.
     """
 
-    def __init__(self, options: Iterable[tuple[str, str]], name: str) -> None:
+    def __init__(
+        self,
+        options: Iterable[tuple[str, str]],
+        name: str,
+        defaults: Iterable[tuple[str, str]] = (),
+    ) -> None:
         self.lib = L.load()
         self._context = L.ucp_context_h()
         self._worker = L.ucp_worker_h()
@@ -63,6 +70,11 @@ class UcxWorker:
         config = L.ucp_config_p()
         self._check("ucp_config_read", self.lib.ucp_config_read(None, None, ctypes.byref(config)))
         try:
+            for key, value in defaults:
+                status = self.lib.ucp_config_modify(config, key.encode(), value.encode())
+                if status != L.UCS_OK:
+                    logger.debug("ucx: default %s=%s not applied: %s", key, value,
+                                 self.lib.status_string(status))  # fmt: skip
             for key, value in options:
                 ucx_key = key[4:] if key.startswith("UCX_") else key
                 self._check(
@@ -251,9 +263,7 @@ class UcxWorker:
         param.memory_type = L.UCS_MEMORY_TYPE_CUDA if cuda else L.UCS_MEMORY_TYPE_HOST
         return param
 
-    def put_many(
-        self, ep: int, puts: Iterable[tuple[int, int, int, int, ctypes.Structure]]
-    ) -> int:
+    def put_many(self, ep: int, puts: Iterable[tuple[int, int, int, int, ctypes.Structure]]) -> int:
         """Post puts `(address, nbytes, remote_address, rkey, param)` on `ep`; returns how many.
 
         The fast path for batches: no request is tracked. A put that UCX cannot finish at once

@@ -146,6 +146,43 @@ def test_bad_ucx_option_is_refused_by_name() -> None:
 
 
 @requires_module("libucx")
+def test_defaults_that_ucx_lacks_are_skipped_but_options_are_not() -> None:
+    from backends import ucx_native
+
+    worker = ucx_native.UcxWorker([], name="t", defaults=[("NO_SUCH_KNOB", "1")])
+    worker.destroy()
+    with pytest.raises(ucx_native.UcxError, match="NO_SUCH_KNOB"):
+        ucx_native.UcxWorker([("NO_SUCH_KNOB", "1")], name="t")
+
+
+@requires_module("libucx")
+def test_many_small_puts_complete_on_the_flush_bit_exact() -> None:
+    """2048 puts of 4 KiB whose requests are freed at once: the flush alone completes the batch,
+    and every byte lands (the fast path of `UcxWorker.put_many`)."""
+    from backends.ucx import UcxTransport
+
+    rx = UcxTransport(TransportConfig(name="ucx"))
+    tx = UcxTransport(TransportConfig(name="ucx"))
+    try:
+        assert tx.progress_driven
+        gen = torch.Generator().manual_seed(12)
+        n, k = 4096, 2048
+        target = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=gen)
+        source = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=gen)
+        desc = rx.register(target, role=RegionRole.TARGET).descriptor
+        assert desc is not None
+        tx.connect("rx", rx.endpoint())
+        src = tx.register(source, role=RegionRole.SOURCE)
+        # reversed order: target block i gets source block k-1-i
+        ops = [WriteOp(src, (k - 1 - i) * n, desc, i * n, n) for i in range(k)]
+        tx.wait(tx.post_writes("rx", ops), timeout_s=30)
+        assert torch.equal(target.view(k, n), source.view(k, n).flip(0))
+    finally:
+        tx.close()
+        rx.close()
+
+
+@requires_module("libucx")
 def test_repeated_batches_reuse_rkeys_and_write_new_bytes() -> None:
     """Same layout twice (as every update does), new bytes each time; the rkey is unpacked once."""
     from backends.ucx import UcxTransport
