@@ -19,6 +19,7 @@ Wire format (network byte order, no pickle anywhere):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -60,6 +61,7 @@ _BATCH, _ACK, _ERROR = 1, 2, 3
 _MAX_OPS_PER_BATCH = 1 << 20
 _MAX_ERROR_BYTES = 1 << 16
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
+_SEND_BYTES = 1 << 20  # bytes per send call
 _CHUNK_BYTES = 64 << 20  # bounce-buffer and drain chunk
 _JOIN_TIMEOUT_S = 10.0
 _ACCEPT_POLL_S = 0.2
@@ -91,22 +93,34 @@ def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every view in order, up to `_IOV_MAX` per `sendmsg` call (one syscall for many
-    small writes, like a NIC's gather list)."""
-    if len(views) == 1:
-        sock.sendall(views[0])
-        return
-    i = 0
-    while i < len(views):
-        batch = views[i : i + _IOV_MAX]
-        sent = sock.sendmsg(batch)
-        for view in batch:  # skip what went out; resend the rest of a partly sent view
-            if sent >= len(view):
-                sent -= len(view)
-                i += 1
-                continue
-            views[i] = view[sent:]
-            break
+    """Send every view in order: up to `_IOV_MAX` views and `_SEND_BYTES` per `sendmsg` call.
+
+    Gathering many small writes into one syscall is what a NIC's gather list does. Capping a
+    call's bytes matters on loopback: one blocking 64 MiB send holds the socket for the whole
+    copy, while the receiver's acknowledgements wait in the backlog.
+    """
+    pending = collections.deque(views)
+    while pending:
+        batch: list[memoryview] = []
+        size = 0
+        while pending and len(batch) < _IOV_MAX and size < _SEND_BYTES:
+            view = pending.popleft()
+            room = _SEND_BYTES - size
+            if len(view) > room:
+                pending.appendleft(view[room:])
+                view = view[:room]
+            batch.append(view)
+            size += len(view)
+        sent = sock.sendmsg(batch) if len(batch) > 1 else sock.send(batch[0])
+        if sent < size:  # put the unsent rest back, in order
+            rest: list[memoryview] = []
+            for view in batch:
+                if sent >= len(view):
+                    sent -= len(view)
+                    continue
+                rest.append(view[sent:])
+                sent = 0
+            pending.extendleft(reversed(rest))
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
