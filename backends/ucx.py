@@ -24,8 +24,8 @@ up to 16 queued puts, instead of 512 KiB and one.
 Progress: UCX moves data only inside `ucp_worker_progress`, which this backend calls from
 `post_writes` (a burst of at most 0.5 ms) and from `poll` (while there is progress, at most
 4 ms); the class is `progress_driven`, so `Transport.wait` polls without sleeping. Puts are
-posted without tracking their requests (freed at once, UCX still completes them); the flush
-posted after them is the batch's completion.
+posted in one tight loop with reused parameters; their requests are checked once, after the
+flush posted behind them completed (a put's failure shows in its own request only).
 
 Failure model: endpoints use `UCP_ERR_HANDLING_MODE_NONE`, because asking UCX for peer error
 handling turns puts into slow software emulation. UCX therefore never reports a dead peer;
@@ -132,8 +132,10 @@ class _RegionState:
 
 @dataclasses.dataclass(slots=True)
 class _Batch:
+    puts: list[int]
+    """Request pointers of puts UCX did not finish at once; settled after the flush."""
     flush: ucx_native.Request | None
-    """The flush posted after the batch's puts; the batch is complete when it is."""
+    """The flush posted after the batch's puts; they are all complete once it is."""
 
 
 def _encode_payload(token: bytes, address: int, nbytes: int, rkey: bytes) -> bytes:
@@ -294,12 +296,14 @@ class UcxTransport(Transport):
                     region_state[op.source.region_id].param,
                 )
             )
+        puts: list[int] = []
         try:
-            self._worker.put_many(state.ep, resolved)
+            puts = self._worker.put_many(state.ep, resolved)
             flush = self._worker.flush(state.ep)
         except ucx_native.UcxError as exc:
+            self._worker.release_all(puts)
             raise TransportError(f"ucx: posting writes to {peer!r} failed: {exc}") from exc
-        batch = _Batch(flush=flush)
+        batch = _Batch(puts=puts, flush=flush)
         handle.state = batch
         # Start moving data now: on one host UCX copies with cma inside progress calls, one
         # segment (UCX_CMA_SEG_SIZE) each; a short first burst overlaps the caller's next work.
@@ -341,12 +345,18 @@ class UcxTransport(Transport):
         try:
             if batch.flush is not None and self._worker.check(batch.flush):
                 batch.flush = None
+            if batch.flush is None and batch.puts:
+                # Each put's own status: a failed put (peer gone) shows there, not in the flush.
+                batch.puts = self._worker.settle(batch.puts)
         except ucx_native.UcxError as exc:
+            batch.puts = []  # settle released them
             self._release_batch(batch)
             raise TransportError(f"ucx: writes to peer {handle.peer!r} failed: {exc}") from exc
-        return batch.flush is None
+        return batch.flush is None and not batch.puts
 
     def _release_batch(self, batch: _Batch) -> None:
+        self._worker.release_all(batch.puts)
+        batch.puts = []
         if batch.flush is not None:
             self._worker.release(batch.flush)
             batch.flush = None

@@ -263,29 +263,56 @@ class UcxWorker:
         param.memory_type = L.UCS_MEMORY_TYPE_CUDA if cuda else L.UCS_MEMORY_TYPE_HOST
         return param
 
-    def put_many(self, ep: int, puts: Iterable[tuple[int, int, int, int, ctypes.Structure]]) -> int:
-        """Post puts `(address, nbytes, remote_address, rkey, param)` on `ep`; returns how many.
+    def put_many(
+        self, ep: int, puts: Iterable[tuple[int, int, int, int, ctypes.Structure]]
+    ) -> list[int]:
+        """Post puts `(address, nbytes, remote_address, rkey, param)` on `ep`.
 
-        The fast path for batches: no request is tracked. A put that UCX cannot finish at once
-        returns a request, which is freed here at once (UCX still completes it, it only stops
-        reporting it); completion is then learned from a flush posted after the batch, which
-        UCX completes only after every earlier put on `ep`. `param` comes from `put_param`.
+        The fast path for batches: one foreign call per put, `param` from `put_param`.
+        Returns the request pointers of the puts UCX did not finish at once; check them with
+        `settle` once a flush posted after them completed (a put's own failure, a dead peer
+        say, shows only in its request, not in the flush).
 
         Raises:
-            UcxError: a put was refused (the puts before it are already posted).
+            UcxError: a put was refused (the puts before it are already posted; their
+                requests are released).
         """
         put = self.lib.ucp_put_nbx
-        free = self.lib.ucp_request_free
         err_floor = L.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
-        count = 0
+        pending: list[int] = []
         for address, nbytes, remote, rkey, param in puts:
             ptr = put(ep, address, nbytes, remote, rkey, ctypes.byref(param))
             if ptr is not None:
                 if ptr >= err_floor:
+                    self.release_all(pending)
                     self._request("ucp_put_nbx", ptr)  # raises with UCX's text
-                free(ptr)
-            count += 1
-        return count
+                pending.append(ptr)
+        return pending
+
+    def settle(self, requests: list[int]) -> list[int]:
+        """Free the completed requests of `requests`; return those still in progress.
+
+        Raises:
+            UcxError: a request completed with an error (all of `requests` are released).
+        """
+        check = self.lib.ucp_request_check_status
+        free = self.lib.ucp_request_free
+        still: list[int] = []
+        for i, ptr in enumerate(requests):
+            status = int(check(ptr))
+            if status == L.UCS_INPROGRESS:
+                still.append(ptr)
+                continue
+            free(ptr)
+            if status != L.UCS_OK:
+                self.release_all(still + requests[i + 1 :])
+                self._check("UCX put", status)
+        return still
+
+    def release_all(self, requests: list[int]) -> None:
+        """Give up on raw request pointers (as `release` does for a `Request`)."""
+        for ptr in requests:
+            self.release(Request(ptr, L.UCS_INPROGRESS))
 
     def flush(self, ep: int) -> Request:
         """Post a flush: completes once every earlier operation on `ep` is remotely complete."""

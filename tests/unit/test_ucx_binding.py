@@ -157,8 +157,8 @@ def test_defaults_that_ucx_lacks_are_skipped_but_options_are_not() -> None:
 
 @requires_module("libucx")
 def test_many_small_puts_complete_on_the_flush_bit_exact() -> None:
-    """2048 puts of 4 KiB whose requests are freed at once: the flush alone completes the batch,
-    and every byte lands (the fast path of `UcxWorker.put_many`)."""
+    """2048 puts of 4 KiB through the fast path (`UcxWorker.put_many`, requests settled after
+    the flush): every byte lands, and no request is left behind."""
     from backends.ucx import UcxTransport
 
     rx = UcxTransport(TransportConfig(name="ucx"))
@@ -175,8 +175,10 @@ def test_many_small_puts_complete_on_the_flush_bit_exact() -> None:
         src = tx.register(source, role=RegionRole.SOURCE)
         # reversed order: target block i gets source block k-1-i
         ops = [WriteOp(src, (k - 1 - i) * n, desc, i * n, n) for i in range(k)]
-        tx.wait(tx.post_writes("rx", ops), timeout_s=30)
+        handle = tx.post_writes("rx", ops)
+        tx.wait(handle, timeout_s=30)
         assert torch.equal(target.view(k, n), source.view(k, n).flip(0))
+        assert handle.state.puts == [] and handle.state.flush is None
     finally:
         tx.close()
         rx.close()
