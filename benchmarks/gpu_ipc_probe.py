@@ -66,7 +66,6 @@ def sender(conn, size: int, res) -> None:
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
     dst1 = torch.empty(0, dtype=torch.uint8, device="cuda:1").set_(storage, 0, (size,), (1,))
     ptr = dst1.data_ptr()
-    sync0 = lambda: torch.cuda.synchronize(0)  # noqa: E731
     sync_all = lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))  # noqa: E731
 
     def record(name, ts):

@@ -86,7 +86,7 @@ def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
             if len(args) != len(data):
                 raise ValueError(f"{path}: expected {len(args)} items, got {len(data)}")
             return tuple(
-                _decode(a, v, f"{path}[{i}]", depth + 1) for i, (a, v) in enumerate(zip(args, data))
+                _decode(a, v, f"{path}[{i}]", depth + 1) for i, (a, v) in enumerate(zip(args, data, strict=True))
             )
         return [_decode(args[0], v, f"{path}[{i}]", depth + 1) for i, v in enumerate(data)]
     if origin is dict:

@@ -344,7 +344,7 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
         if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_trainer(cfg, rank, model, shapes, ports, dev))
         out.put(("trainer", rank, res))
-    except BaseException as exc:
+    except BaseException:
         import traceback
 
         out.put(("error", f"trainer{rank}", traceback.format_exc()))
@@ -472,7 +472,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
         done_bytes = 0
         loaded: set[str] = set()
 
-        def load_ready() -> None:
+        def load_ready(received: dict[str, torch.Tensor] = received, loaded: set[str] = loaded, pending: dict[str, torch.Tensor] = pending) -> None:
             # Like an engine's load_weights: build each parameter once all its sources arrived.
             for n in list(received):
                 for r in need.get(n, []):

@@ -380,7 +380,8 @@ class Executor:
                 if finished:
                     del in_flight[:finished]
                     progressed = True
-                if not progressed and (in_flight or waiting):
+                if not progressed and (in_flight or waiting) and not self.transport.progress_driven:
+                    # Progress-driven transports (ucx, nixl) move data only while polled.
                     time.sleep(2e-5)
         except BaseException:
             abort.set()
@@ -556,7 +557,7 @@ class Executor:
             ops: dict[str, list[WriteOp]] = defaultdict(list)
             flat = []
             base = start
-            for t, tsize, layout in members:
+            for _task, tsize, layout in members:
                 flat += [(w, aligned, base - start + woff, base - start + soff) for w, aligned, woff, soff in layout]
                 base += tsize
             for w, aligned, woff, soff in flat:

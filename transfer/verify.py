@@ -57,7 +57,7 @@ def build_engine_tensor(
     if hp.dim() > 2:
         # Leading dims (experts) quantize independently: one slice at a time bounds memory.
         flat = hp.reshape(-1, *hp.shape[-2:])
-        qs, ss = zip(*(quantize_fp8_blockwise(x, recipe.quant.block) for x in flat))
+        qs, ss = zip(*(quantize_fp8_blockwise(x, recipe.quant.block) for x in flat), strict=True)
         q = torch.stack(qs).reshape(hp.shape)
         s = torch.stack(ss).reshape(*hp.shape[:-2], *ss[0].shape)
     else:

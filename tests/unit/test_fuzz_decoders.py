@@ -193,14 +193,16 @@ def test_tcp_wire_random_bytes_write_nothing(tcp_target, garbage: bytes, with_ha
     t, region, before = tcp_target
     ep = msgpack.unpackb(t.endpoint(), raw=False)
     with socket.create_connection((ep["host"], ep["port"]), timeout=5) as s:
-        if with_handshake:
-            import struct
-            s.sendall(struct.pack("!4sHxxQ", b"WTT1", 1, 0))
-            s.recv(16)
-        s.sendall(garbage)
-        s.shutdown(socket.SHUT_WR)
-        s.settimeout(5)
+        # The listener may refuse and reset the connection at any point: a reset is a valid
+        # answer to garbage, so every socket call below may raise OSError.
         try:
+            if with_handshake:
+                import struct
+                s.sendall(struct.pack("!4sHxxQ", b"WTT1", 1, 0))
+                s.recv(16)
+            s.sendall(garbage)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(5)
             while s.recv(4096):
                 pass  # the listener answers (error frame) or closes; it never hangs
         except OSError:

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from backends.base import PlanMismatchError
-from planner.plan import PlannerConfig, dest_runs, is_contiguous_box, plan, schedule_from_json, schedule_to_json
+from planner.plan import (
+    PlannerConfig,
+    dest_runs,
+    is_contiguous_box,
+    plan,
+    schedule_from_json,
+    schedule_to_json,
+)
 from planner.presets.models import get_model_shape, hf_parameter_shapes
 from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
 from planner.recipes import split_bounds
@@ -99,7 +106,7 @@ def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -
                     hp = torch.empty(box_shape(w.dest_box), dtype=torch.float32)
                     o = [a for a, _ in w.dest_box]
                     for p in w.parts:
-                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o))
+                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True))
                         hp[sl] = full[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(box_shape(p.dest_box)).float()
                     q, s = quantize_fp8_blockwise(hp, w.block)
                     put(w.engine, w.weight_runs, raw(q))

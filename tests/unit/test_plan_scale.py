@@ -55,7 +55,7 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
                     hp = torch.empty(box_shape(w.dest_box), dtype=torch.float32)
                     o = [a for a, _ in w.dest_box]
                     for p in w.parts:
-                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o))
+                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True))
                         part = full[p.source][tuple(slice(a, b) for a, b in p.source_box)]
                         hp[sl] = part.reshape(box_shape(p.dest_box)).float()
                     q, s = quantize_fp8_blockwise(hp, w.block)
