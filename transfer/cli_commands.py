@@ -5,5 +5,8 @@ Each module decorates its handler with `transfer.cli.command(name, help)(add_arg
 
 from __future__ import annotations
 
-from transfer import cli_bench, cli_doctor  # noqa: F401
-from transfer import cli_plan  # noqa: F401
+from transfer import (  # noqa: F401
+    cli_bench,
+    cli_doctor,
+    cli_plan,  # noqa: F401
+)

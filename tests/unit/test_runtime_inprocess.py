@@ -16,7 +16,7 @@ from backends.base import (
     WeightTransferError,
 )
 from planner.recipes import column_shard, identity
-from transfer.config import ControlPlaneConfig, ControllerConfig, SenderConfig
+from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from transfer.controller import Controller
 from transfer.demo import free_port
 from transfer.receiver import WeightReceiver
