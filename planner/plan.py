@@ -29,6 +29,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Literal
 
 import msgpack
 
@@ -92,7 +93,11 @@ class PlannerConfig:
 _Holder = tuple[int, Box | None, tuple[int, ...], bool]
 """One trainer rank's shard of a source tensor: (rank, local box, mesh, offloaded). A plain
 tuple: there are 10^6 of them at trainer scale."""
-RANK, LOCAL_BOX, MESH, OFFLOADED = range(4)
+# Final int constants are Literal types, so mypy knows which tuple field each index picks.
+RANK: Final = 0
+LOCAL_BOX: Final = 1
+MESH: Final = 2
+OFFLOADED: Final = 3
 
 
 @dataclasses.dataclass(slots=True)
@@ -611,7 +616,7 @@ def _direct_template(
                 dbox = map_subbox(p, chunk)
                 runs = dest_runs(dt.shape, dbox, out_size, dt.offset_bytes, dt.region)
                 pieces.append(_Piece(
-                    p.source, chunk, dbox, runs, sum(r.nbytes for r in runs), cands, boxes,  # type: ignore[arg-type]
+                    p.source, chunk, dbox, runs, sum(r.nbytes for r in runs), cands, boxes,
                     offl, isz, any(offl.values()),
                 ))
     return pieces, gathered
@@ -771,13 +776,13 @@ def _plan(
                 SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs, False),
                 nbytes, numel(box_shape(p.dest_box)),
             ))
-        for u, dest, sdest, block, sq, names in lay.quants:
-            w = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
-                           u.weight_runs, u.scale_runs)
+        for u, dest, sdest, block, sq, quant_names in lay.quants:
+            qw = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
+                            u.weight_runs, u.scale_runs)
             if u.local:
-                local_units.append(((w, u.nbytes, u.numel), u.local, u.sources, sq))
-            elif names is not None:
-                pending[names].append((w, u.nbytes, u.numel))
+                local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
+            elif quant_names is not None:
+                pending[quant_names].append((qw, u.nbytes, u.numel))
             else:
                 meshes = {_gather_mesh(table[n], problems) for n in u.sources}
                 problems.append(
@@ -820,14 +825,14 @@ def _plan(
             mesh_load[key[0]] = mesh_load.get(key[0], 0) + sum(u[1] for u in units_k)
     totals = {n: sum(u[1] for u in us) for n, us in pending.items()}
     for names in sorted(pending, key=lambda n: (-totals[n], n)):
-        cands = cands_of[names]
-        for m in cands:
+        mesh_cands = cands_of[names]
+        for m in mesh_cands:
             if m not in mesh_load:
                 mesh_load[m] = 0
-        mesh = cands[0]
-        if len(cands) > 1:
+        mesh = mesh_cands[0]
+        if len(mesh_cands) > 1:
             mesh = min(
-                cands, key=lambda m: ((mesh_load[m] + sum(load[r] for r in m)) / len(m), m)
+                mesh_cands, key=lambda m: ((mesh_load[m] + sum(load[r] for r in m)) / len(m), m)
             )
         mesh_load[mesh] += totals[names]
         key = (mesh, names)
@@ -845,7 +850,7 @@ def _plan(
         scratch += max(u[2] for u in units_k) * 4  # assembly in float32
         ranks_sorted = sorted(mesh)
         by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
-        staging = dict.fromkeys(ranks_sorted, 0)
+        rank_staging = dict.fromkeys(ranks_sorted, 0)
         if not local:
             units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
             for w, nb, _ in units_k:
@@ -853,11 +858,13 @@ def _plan(
                 r = min(ranks_sorted, key=load.__getitem__)
                 load[r] += nb
                 by_rank[r].append(w)
-                staging[r] += nb
+                rank_staging[r] += nb
         else:
             by_rank[mesh[0]] = [u[0] for u in units_k]
-            staging[mesh[0]] = sum(u[1] for u in units_k)
-        gathers[key] = _Gather(mesh, names, scratch, by_rank, staging, local, gather_seq[key])
+            rank_staging[mesh[0]] = sum(u[1] for u in units_k)
+        gathers[key] = _Gather(
+            mesh, names, scratch, by_rank, rank_staging, local, gather_seq[key]
+        )
 
     for g in gathers.values():
         need = g.scratch_bytes + max(g.staging.values(), default=0)
@@ -913,7 +920,7 @@ def _plan(
     ordered.sort(key=lambda x: (x[0], x[1], x[2]))
     for g in [x[3] for x in ordered] + local_gathers:
         group = mesh_group.get(g.mesh, 0)
-        kind = "direct" if g.local else "gather"
+        task_kind: Literal["direct", "gather"] = "direct" if g.local else "gather"
         for rank in g.mesh:
             mine = g.by_rank[rank]
             if g.local and not mine:
@@ -921,7 +928,7 @@ def _plan(
             nbytes = g.staging[rank]
             rank_bytes[rank] += nbytes
             per_rank[rank].append(
-                Task(next_id, kind, group, g.mesh, g.sources, tuple(mine),  # type: ignore[arg-type]
+                Task(next_id, task_kind, group, g.mesh, g.sources, tuple(mine),
                      nbytes, g.scratch_bytes, 0)
             )
         next_id += 1
@@ -953,10 +960,10 @@ def _plan(
                 zero = False
                 lb = pc.boxes.get(rank)
                 if lb is not None and len(pc.runs) == 1 and table[pc.source].dtype == dtype:
-                    local = tuple(
+                    local_box = tuple(
                         (a - o, b - o) for (a, b), (o, _) in zip(pc.source_box, lb, strict=True)
                     )
-                    zero = is_contiguous_box(box_shape(lb), local)
+                    zero = is_contiguous_box(box_shape(lb), local_box)
                 zero_memo[zkey] = zero
             cost = 0 if zero else pc.nbytes
             if batch and (batch_bytes + pc.nbytes > config.task_target_bytes
@@ -1017,8 +1024,8 @@ def _plan(
     version_engines: dict[int, list[str]] = defaultdict(list)
     vload = list(load)
     for e in engines:
-        cands = sorted(senders_of.get(e, set())) or list(range(world))
-        r = min(cands, key=lambda r: (vload[r], r))
+        writer_cands = sorted(senders_of.get(e, set())) or list(range(world))
+        r = min(writer_cands, key=lambda r: (vload[r], r))
         vload[r] += 1
         version_engines[r].append(e)
 
@@ -1066,6 +1073,8 @@ def _quant_units(
     unit_w = numel(dt.shape[nlead:])
     unit_s = numel(st.shape[nlead:]) * 4
     out: list[_QuantUnit] = []
+    wruns: tuple[WriteRun, ...]
+    sruns: tuple[WriteRun, ...]
     for idx in itertools.product(*(range(n) for n in lead)) if lead else [()]:
         prefix = tuple((i, i + 1) for i in idx)
         ubox = prefix + tuple((0, n) for n in dt.shape[nlead:])
