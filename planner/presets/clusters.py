@@ -98,7 +98,7 @@ def get_shape(name: str) -> AnyShape:
     """
     for table in (MLA_SHAPES, SMALL_MLA, LARGE_SHAPES, MODEL_SHAPES):
         if name in table:
-            return table[name]  # type: ignore[return-value]
+            return table[name]
     known = sorted({*MLA_SHAPES, *SMALL_MLA, *LARGE_SHAPES, *MODEL_SHAPES})
     raise ConfigurationError(f"unknown model {name!r}; known: {', '.join(known)}")
 
@@ -448,7 +448,7 @@ def dest_manifests(preset: ClusterPreset) -> list[DestManifest]:
     out = []
     for r in range(e.num_replicas):
         for k in range(e.gpus_per_replica):
-            recipes, tensors, nbytes = per_rank[k]
+            recipes, rank_tensors, nbytes = per_rank[k]
             index = r * e.gpus_per_replica + k
             name = f"r{r}/ep{k}" if e.ep > 1 else f"r{r}/tp{k}"
             out.append(
@@ -458,7 +458,7 @@ def dest_manifests(preset: ClusterPreset) -> list[DestManifest]:
                         DestRegion(0, max(nbytes, 8), f"sim:{name}:0".encode()),
                         DestRegion(1, 8, f"sim:{name}:version".encode()),
                     ),
-                    tensors=tensors, recipes=recipes, version_region=1,
+                    tensors=rank_tensors, recipes=recipes, version_region=1,
                 )
             )
     return out
