@@ -100,7 +100,8 @@ class ControlPlane:
                 # The store takes ownership of the descriptor (libuv closes it with the server).
                 listen_fd = _listen(config.host, config.port).detach()
             try:
-                self._store = dist.TCPStore(
+                # torch's stubs omit TCPStore from torch.distributed's exports.
+                self._store = dist.TCPStore(  # type: ignore[attr-defined]
                     config.host,
                     config.port,
                     is_master=server,
@@ -173,7 +174,11 @@ class ControlPlane:
         """Publish a message under `key` (overwrites)."""
         full = self._prefix + key
         value = self.seal(full, codec.to_msgpack(message))
-        self._call(f"publishing {key!r}", lambda: self._store.set(full, value))
+        # Store.set takes bytes as well; torch's stubs declare only str.
+        self._call(
+            f"publishing {key!r}",
+            lambda: self._store.set(full, value),  # type: ignore[arg-type]
+        )
 
     def delete(self, key: str) -> None:
         """Remove `key` (missing keys are ignored)."""
