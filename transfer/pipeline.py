@@ -232,7 +232,11 @@ class Executor:
         self._scratch_in_use = 0
         self._scratch_peak = 0
         self._lock = threading.Lock()
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # torch.cuda.Stream/Event constructors are unannotated in torch's stubs.
+        self._stream = (
+            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda" else None
+        )
         self._static: dict[int, tuple[tuple[str, ...], dict[str, list[WriteOp]]]] = {}
         for t in schedule.tasks:
             ops = self._static_ops(t)
@@ -501,7 +505,7 @@ class Executor:
                 self._prepare_quant(w, fulls, ops, blocks, deadline, abort)
         event = None
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record()
         rec.prepare_end = time.perf_counter() - t0
         del fulls
@@ -611,7 +615,7 @@ class Executor:
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             graph.replay()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record(self._stream)
         rec.prepare_end = time.perf_counter() - t0
         return _Prepared(task, rec, ops, [], 0, event)
