@@ -8,6 +8,7 @@ import logging
 import socket
 import time
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -171,7 +172,8 @@ class WeightReceiver:
                     shape=tuple(int(x) for x in t.shape),
                     dtype=dtype_name(t.dtype),
                     region=idx,
-                    offset_bytes=t.storage_offset() * t.element_size(),
+                    # Eager tensors have int offsets; the stubs also allow SymInt (tracing).
+                    offset_bytes=cast(int, t.storage_offset()) * t.element_size(),
                 )
             )
         self._version = torch.zeros(1, dtype=torch.int64)
