@@ -181,7 +181,8 @@ def _phi3(cfg: DemoConfig) -> Any:
     from transformers import Phi3Config, Phi3ForCausalLM
 
     lc = _model_config(cfg.model)
-    pc = Phi3Config(
+    # transformers 5 still accepts the legacy rope_scaling keyword its signature omits.
+    pc = Phi3Config(  # type: ignore[call-arg]
         vocab_size=lc.vocab_size, hidden_size=lc.hidden_size,
         intermediate_size=lc.intermediate_size, num_hidden_layers=lc.num_hidden_layers,
         num_attention_heads=lc.num_attention_heads, num_key_value_heads=lc.num_key_value_heads,
@@ -191,7 +192,7 @@ def _phi3(cfg: DemoConfig) -> Any:
     )
     if pc.hidden_size // pc.num_attention_heads != lc.head_dim:
         raise ValueError("Phi3 derives head_dim from hidden_size / num_heads; this model differs")
-    return Phi3ForCausalLM(pc).eval()
+    return Phi3ForCausalLM(pc).eval()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
@@ -269,7 +270,10 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
     try:
         mesh = init_device_mesh("cpu", (cfg.train_ranks,))
         torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(_model_config(cfg.model)).to(torch_dtype(cfg.trainer_dtype))
+        # transformers' decorated PreTrainedModel.to loses its signature in the stubs.
+        model = LlamaForCausalLM(_model_config(cfg.model)).to(
+            torch_dtype(cfg.trainer_dtype)  # type: ignore[arg-type]
+        )
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -312,7 +316,9 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
                     )
                     expected[f"engine{e}"] = materialize(recipes, specs, full)
                 if cfg.engine_model == "phi3":
-                    ref = LlamaForCausalLM(_model_config(cfg.model)).to(torch_dtype(cfg.trainer_dtype))
+                    ref = LlamaForCausalLM(_model_config(cfg.model)).to(
+                        torch_dtype(cfg.trainer_dtype)  # type: ignore[arg-type]  # see above
+                    )
                     ref.load_state_dict(full)
                     with torch.no_grad():
                         logits = ref.eval()(input_ids=probe_tokens(cfg)).logits
