@@ -185,7 +185,7 @@ def _baseline_pg(store: Any, rank: int, size: int) -> Any:
     import torch.distributed as dist
 
     opts = dist.ProcessGroupNCCL.Options()
-    return dist.ProcessGroupNCCL(dist.PrefixStore("baseline/", store), rank, size, opts)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("baseline/", store), rank, size, opts)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
 
 
 def _bcast(pg: Any, t: torch.Tensor, root: int) -> None:
@@ -357,7 +357,7 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
     """Rank-0 funnel: gather on rank 0, broadcast 1 GiB buckets to every engine rank."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=(rank == 0), timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=(rank == 0), timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     size = 1 + _n_engines(cfg)
     from transfer.sender import full_tensor
 
@@ -449,7 +449,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
 
     from transfer.verify import build_engine_tensor
 
-    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     pg = _baseline_pg(store, 1 + rank, 1 + _n_engines(cfg))
     shapes = spec.shapes
     names = list(shapes)
@@ -657,7 +657,7 @@ def main(ns: argparse.Namespace) -> int:
         preset=ns.preset, backend=ns.backend, fp8=ns.fp8, offload=ns.offload, layout=ns.layout,
         repeats=ns.repeats, memory_budget_bytes=ns.memory_budget_bytes, baseline=not ns.no_baseline,
         timeout_s=ns.timeout_s, json_path=ns.json, trace_path=ns.trace, plot_path=ns.plot,
-        transport_options=tuple(tuple(o.split("=", 1)) for o in ns.option),  # type: ignore[misc]
+        transport_options=tuple(tuple(o.split("=", 1)) for o in ns.option),
     )
     print(f"bench update: {cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} backend={cfg.backend} layout={cfg.layout} offload={cfg.offload}", file=sys.stderr, flush=True)
     res = run(cfg)
