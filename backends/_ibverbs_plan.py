@@ -16,6 +16,7 @@ import ipaddress
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import cast
 
 import msgpack
 
@@ -643,7 +644,7 @@ class RemoteKey:
 
     def to_payload(self) -> bytes:
         """Encode as msgpack [rkey, address, length]."""
-        return msgpack.packb([self.rkey, self.address, self.length], use_bin_type=True)
+        return cast(bytes, msgpack.packb([self.rkey, self.address, self.length], use_bin_type=True))
 
     @classmethod
     def from_payload(cls, payload: bytes) -> RemoteKey:
@@ -683,7 +684,7 @@ class Endpoint:
 
     def to_bytes(self) -> bytes:
         """msgpack map with a version field."""
-        return msgpack.packb(
+        return cast(bytes, msgpack.packb(
             {
                 "v": ENDPOINT_VERSION,
                 "host": self.host,
@@ -698,7 +699,7 @@ class Endpoint:
                 "mtu": self.active_mtu,
             },
             use_bin_type=True,
-        )
+        ))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Endpoint:
@@ -771,7 +772,7 @@ class ConnectRequest:
 
     def to_bytes(self) -> bytes:
         """msgpack list."""
-        return msgpack.packb(
+        return cast(bytes, msgpack.packb(
             [
                 HANDSHAKE_VERSION,
                 "req",
@@ -785,7 +786,7 @@ class ConnectRequest:
                 list(self.psns),
             ],
             use_bin_type=True,
-        )
+        ))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ConnectRequest:
@@ -844,10 +845,10 @@ class ConnectReply:
 
     def to_bytes(self) -> bytes:
         """msgpack list."""
-        return msgpack.packb(
+        return cast(bytes, msgpack.packb(
             [HANDSHAKE_VERSION, "rep", self.error, list(self.qpns), list(self.psns)],
             use_bin_type=True,
-        )
+        ))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ConnectReply:
