@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -497,7 +497,7 @@ class PyverbsDevice:
 
     def _access(self) -> int:
         e = self.pv.enums
-        return e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+        return cast(int, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
 
     def register_host(self, address: int, length: int) -> MemoryRegistration:
         try:
