@@ -208,6 +208,28 @@ class Region:
     tensor: torch.Tensor = dataclasses.field(repr=False)
     """The uint8 view the region covers; keeps the memory alive while registered."""
 
+    @classmethod
+    def of(
+        cls, region_id: int, flat: torch.Tensor, role: RegionRole,
+        descriptor: RegionDescriptor | None,
+    ) -> Region:
+        """The region covering all of `flat` (a contiguous uint8 tensor), as registered now.
+
+        Read the address after any backend work that moves the memory (loopback's move into
+        shared memory).
+        """
+        kind = MemoryKind.of(flat)
+        return cls(
+            region_id=region_id,
+            address=flat.data_ptr(),
+            nbytes=flat.numel(),
+            kind=kind,
+            device_index=flat.device.index if kind is MemoryKind.CUDA else None,
+            role=role,
+            descriptor=descriptor,
+            tensor=flat,
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriteOp:

@@ -266,16 +266,7 @@ class LoopbackTransport(Transport):
             descriptor = RegionDescriptor(
                 backend=self.name, kind=kind, nbytes=flat.numel(), payload=payload
             )
-        return Region(
-            region_id=region_id,
-            address=flat.data_ptr(),  # read after sharing: sharing moves host storage
-            nbytes=flat.numel(),
-            kind=kind,
-            device_index=flat.device.index if kind is MemoryKind.CUDA else None,
-            role=role,
-            descriptor=descriptor,
-            tensor=flat,
-        )
+        return Region.of(region_id, flat, role, descriptor)
 
     def _share_host(self, flat: torch.Tensor) -> bytes:
         storage = flat.untyped_storage()

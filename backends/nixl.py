@@ -291,16 +291,7 @@ class NixlTransport(Transport):
                 backend=self.name, kind=kind, nbytes=flat.numel(), payload=_encode_payload(target)
             )
         self._reg_descs[region_id] = reg
-        return Region(
-            region_id=region_id,
-            address=flat.data_ptr(),
-            nbytes=flat.numel(),
-            kind=kind,
-            device_index=flat.device.index if kind is MemoryKind.CUDA else None,
-            role=role,
-            descriptor=descriptor,
-            tensor=flat,
-        )
+        return Region.of(region_id, flat, role, descriptor)
 
     def _deregister(self, region: Region) -> None:
         for key in [k for k, p in self._prepared.items() if region.region_id in p.source_ids]:

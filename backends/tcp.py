@@ -373,16 +373,7 @@ class TcpTransport(Transport):
             descriptor = RegionDescriptor(
                 backend=self.name, kind=kind, nbytes=flat.numel(), payload=payload
             )
-        return Region(
-            region_id=region_id,
-            address=flat.data_ptr(),
-            nbytes=flat.numel(),
-            kind=kind,
-            device_index=flat.device.index if kind is MemoryKind.CUDA else None,
-            role=role,
-            descriptor=descriptor,
-            tensor=flat,
-        )
+        return Region.of(region_id, flat, role, descriptor)
 
     def _deregister(self, region: Region) -> None:
         key = self._region_keys.pop(region.region_id, None)

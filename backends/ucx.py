@@ -230,16 +230,7 @@ class UcxTransport(Transport):
         self._region_state[region_id] = _RegionState(
             memh=memh, cuda=cuda, param=self._worker.put_param(memh, cuda)
         )
-        return Region(
-            region_id=region_id,
-            address=flat.data_ptr(),
-            nbytes=flat.numel(),
-            kind=kind,
-            device_index=flat.device.index if cuda else None,
-            role=role,
-            descriptor=descriptor,
-            tensor=flat,
-        )
+        return Region.of(region_id, flat, role, descriptor)
 
     def _deregister(self, region: Region) -> None:
         state = self._region_state.pop(region.region_id)

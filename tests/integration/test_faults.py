@@ -340,7 +340,7 @@ def fp8_engine_proc(port: int, token: str, out: Any) -> None:
         rx.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_trainer_rank_killed_inside_a_gather() -> None:
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
@@ -353,7 +353,10 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     for p in procs.values():
         p.start()
     rep: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
-    deadline = time.monotonic() + 120
+    # Generous: three spawned processes importing torch on a loaded 2-core CI machine can take
+    # minutes to start; the bounds that matter (time from the failure to each report) are
+    # asserted separately below.
+    deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and not (0 in rep["trainer"] and 0 in rep["engine"]):
             try:
@@ -365,7 +368,7 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
         finish.set()
         codes = {}
         for name, p in procs.items():
-            p.join(60)
+            p.join(30)
             if p.is_alive():
                 p.kill()
                 p.join(10)
