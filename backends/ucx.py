@@ -8,11 +8,14 @@ How a write travels: the target registers its memory with `ucp_mem_map` (host me
 region descriptor. The initiator unpacks the rkey once per (peer, region), posts one
 `ucp_put_nbx` per write, then one `ucp_ep_flush_nbx`; the batch is complete when the flush
 completes, which UCX guarantees only after every earlier put on that endpoint is remotely
-complete. The target runs no code: on one host UCX moves host memory with `cma`
-(process_vm_writev) and GPU memory with `cuda_ipc`; across hosts it uses RDMA where present.
+complete. On one host UCX moves host memory with `cma` (process_vm_writev) and GPU memory with
+`cuda_ipc`, across hosts with RDMA where present: true one-sided lanes, the target runs no code.
+Over UCX's `tcp` lane (two hosts without RDMA; `TLS=tcp`) and other lanes without a put of
+their own, UCX emulates puts with messages that the target's worker must progress; see
+`target_progress` below.
 
-Options (`TransportConfig.options`): every key is a UCX configuration variable, with or
-without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`, `("NET_DEVICES", "lo")`), applied with
+Options (`TransportConfig.options`): `target_progress` is this backend's own; every other key
+is a UCX configuration variable, with or without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`, `("NET_DEVICES", "lo")`), applied with
 `ucp_config_modify`; the library never reads the environment itself (UCX still honours `UCX_*`
 variables that the process already has, as `ucp_config_read` always does). If
 `NET_DEVICES` is not given and `config.listen_host` is a loopback address (the default), the
@@ -20,6 +23,18 @@ backend sets `NET_DEVICES=lo`, so a default transport never sends a packet off t
 Unless given, `CMA_SEG_SIZE=4M` and `CMA_TX_QUOTA=16` are set (these override `UCX_*`
 environment variables of the same names): one progress call then copies up to 4 MiB per put and
 up to 16 queued puts, instead of 512 KiB and one.
+
+`target_progress` = `auto` (default) | `on` | `off`: a daemon thread that progresses the
+worker of a process holding TARGET regions, so emulated puts land. `auto` starts it when the
+first TARGET region is registered (whatever the lanes: it costs nothing while no message
+arrives), `on` at construction, `off` never (then only true one-sided lanes work; a tcp-lane
+write into a target that runs no code never completes). Unless `off`, the context asks for
+`UCP_FEATURE_WAKEUP` and the worker is `UCS_THREAD_MODE_SERIALIZED`: the thread progresses
+until the worker is idle, arms the worker's event fd (`ucp_worker_arm`) and sleeps in
+`poll()` on it for at most 100 ms, so an idle target wakes ten times a second. Every call on
+the worker, from the thread or from the transport's methods, holds one lock, released while
+the thread sleeps. `close()` stops the thread (woken with `ucp_worker_signal`, joined for at
+most 2 s) before it tears the worker down.
 
 Progress: UCX moves data only inside `ucp_worker_progress`, which this backend calls from
 `post_writes` (a burst of at most 0.5 ms) and from `poll` (while there is progress, at most
@@ -30,11 +45,13 @@ flush posted behind them completed (a put's failure shows in its own request onl
 Failure model: endpoints use `UCP_ERR_HANDLING_MODE_NONE`, because asking UCX for peer error
 handling turns puts into slow software emulation. UCX therefore never reports a dead peer;
 a batch to a peer that died simply never completes, and `Transport.wait`'s timeout is what
-detects it (`TransportTimeoutError` naming the peer). Over plain `tcp` lanes UCX emulates puts
-with messages that the target's worker must progress; this backend does not progress targets,
-so use transports with real one-sided lanes (cma, cuda_ipc, rc/dc) — the defaults on one host.
+detects it (`TransportTimeoutError` naming the peer). The same holds for a cut network link
+under the tcp lane (tests/integration/test_netns.py runs ucx over a veth between two network
+namespaces, cuts it, and sees update 2 time out naming the engine); TCP's retransmissions
+carry the connection on once the link is back, so the next update succeeds without a reconnect.
 
-Not thread-safe (the UCX worker is single-threaded), like every `Transport`.
+Not thread-safe to drive from several threads, like every `Transport`; the backend's own
+progress thread is safe against the one driving thread.
 """
 
 from __future__ import annotations
@@ -44,12 +61,16 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import select
+import threading
 import time
+from typing import cast
 
 import msgpack
 import torch
 
 from backends.base import (
+    ConfigurationError,
     MemoryKind,
     PeerLostError,
     Region,
@@ -73,6 +94,10 @@ _PAGE_BYTES = 4096
 _CLOSE_TIMEOUT_S = 5.0
 _POLL_BUDGET_S = 0.004
 _POST_BUDGET_S = 0.0005
+_TARGET_PROGRESS = ("auto", "on", "off")
+_IDLE_WAIT_MS = 100
+"""Longest the target progress thread sleeps on the worker's event fd before it looks again."""
+_THREAD_JOIN_S = 2.0
 _CMA_DEFAULTS = (("CMA_SEG_SIZE", "4M"), ("CMA_TX_QUOTA", "16"))
 """cma copies at most SEG_SIZE per queued put and TX_QUOTA queued puts per progress call (UCX's
 defaults, 512K and 1, cost a progress call per 512 KiB and per small put); at most 64 MiB move
@@ -139,7 +164,7 @@ class _Batch:
 
 
 def _encode_payload(token: bytes, address: int, nbytes: int, rkey: bytes) -> bytes:
-    return msgpack.packb([token, address, nbytes, rkey], use_bin_type=True)
+    return cast(bytes, msgpack.packb([token, address, nbytes, rkey], use_bin_type=True))
 
 
 def _decode_payload(payload: bytes) -> tuple[bytes, int, int, bytes]:
@@ -172,7 +197,15 @@ class UcxTransport(Transport):
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
-        options = list(config.options)
+        own = {k: v for k, v in config.options if k == "target_progress"}
+        options = [(k, v) for k, v in config.options if k != "target_progress"]
+        self._target_progress = own.get("target_progress", "auto")
+        if self._target_progress not in _TARGET_PROGRESS:
+            raise ConfigurationError(
+                f"ucx option target_progress={self._target_progress!r}: expected one of "
+                f"{', '.join(_TARGET_PROGRESS)}"
+            )
+        threaded = self._target_progress != "off"
         keys = {k[4:] if k.startswith("UCX_") else k for k, _ in options}
         if "NET_DEVICES" not in keys and _is_loopback(config.listen_host):
             options.append(("NET_DEVICES", "lo"))
@@ -183,7 +216,11 @@ class UcxTransport(Transport):
             torch.cuda.set_device(config.device_index)
         try:
             self._worker = ucx_native.UcxWorker(
-                options, name=f"wt-{os.getpid()}", defaults=defaults
+                options,
+                name=f"wt-{os.getpid()}",
+                defaults=defaults,
+                wakeup=threaded,
+                threaded=threaded,
             )
         except ImportError as exc:
             raise TransportUnavailableError(
@@ -199,7 +236,63 @@ class UcxTransport(Transport):
         self._address = self._worker.address()
         self._region_state: dict[int, _RegionState] = {}
         self._by_peer: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        """Held around every call on `_worker` (the progress thread shares it)."""
+        self._stopping = False
+        """Set under `_lock` by close(); the progress thread touches the worker no more."""
+        self._progress_thread: threading.Thread | None = None
+        if self._target_progress == "on":
+            self._start_target_progress()
         logger.debug("ucx transport up: libucp %s, options %s", self._worker.lib.version(), options)
+
+    # -- target-side progress ----------------------------------------------------------------
+
+    def _start_target_progress(self) -> None:
+        if self._progress_thread is not None:
+            return
+        try:
+            fd = self._worker.efd()
+        except ucx_native.UcxError as exc:
+            raise TransportError(f"ucx: cannot start target-side progress: {exc}") from exc
+        thread = threading.Thread(
+            target=self._target_progress_loop, args=(fd,), name="ucx-target-progress", daemon=True
+        )
+        self._progress_thread = thread
+        thread.start()
+
+    def _target_progress_loop(self, fd: int) -> None:
+        """Progress the worker whenever it has events, so that puts UCX emulates with messages
+        (the tcp lane) land here; sleep on the worker's event fd otherwise."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        worker = self._worker
+        try:
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        return
+                    while worker.progress():
+                        pass
+                    armed = worker.arm()
+                if armed:
+                    poller.poll(_IDLE_WAIT_MS)
+        except ucx_native.UcxError as exc:
+            logger.error("ucx: target-side progress stopped: %s", exc)
+
+    def _stop_target_progress(self) -> None:
+        thread = self._progress_thread
+        if thread is None:
+            return
+        with self._lock:
+            self._stopping = True
+            try:
+                self._worker.signal()
+            except ucx_native.UcxError as exc:
+                logger.debug("ucx: waking the progress thread failed: %s", exc)
+        thread.join(_THREAD_JOIN_S)
+        if thread.is_alive():  # it cannot touch the worker any more (`_stopping`)
+            logger.warning("ucx: the target progress thread did not stop in %.1f s", _THREAD_JOIN_S)
+        self._progress_thread = None
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -213,14 +306,18 @@ class UcxTransport(Transport):
         kind = MemoryKind.of(flat)
         cuda = kind is MemoryKind.CUDA
         prefault(flat)
-        memh = self._worker.mem_map(flat.data_ptr(), flat.numel(), cuda=cuda)
+        with self._lock:
+            memh = self._worker.mem_map(flat.data_ptr(), flat.numel(), cuda=cuda)
         descriptor = None
         if role is RegionRole.TARGET:
-            try:
-                rkey = self._worker.rkey_pack(memh)
-            except ucx_native.UcxError:
-                self._worker.mem_unmap(memh)
-                raise
+            with self._lock:
+                try:
+                    rkey = self._worker.rkey_pack(memh)
+                except ucx_native.UcxError:
+                    self._worker.mem_unmap(memh)
+                    raise
+            if self._target_progress == "auto":
+                self._start_target_progress()
             descriptor = RegionDescriptor(
                 backend=self.name,
                 kind=kind,
@@ -234,10 +331,11 @@ class UcxTransport(Transport):
 
     def _deregister(self, region: Region) -> None:
         state = self._region_state.pop(region.region_id)
-        self._worker.mem_unmap(state.memh)
+        with self._lock:
+            self._worker.mem_unmap(state.memh)
 
     def _endpoint(self) -> bytes:
-        return msgpack.packb([self._token, self._address], use_bin_type=True)
+        return cast(bytes, msgpack.packb([self._token, self._address], use_bin_type=True))
 
     def _connect(self, peer: str, endpoint: bytes) -> None:
         try:
@@ -253,15 +351,21 @@ class UcxTransport(Transport):
             raise ValueError(f"ucx endpoint of peer {peer!r} is malformed")
         token, address = obj
         try:
-            ep = self._worker.ep_create(address)
+            with self._lock:
+                ep = self._worker.ep_create(address)
         except ucx_native.UcxError as exc:
             raise PeerLostError(f"ucx: cannot reach peer {peer!r}: {exc}") from exc
         self._by_peer[peer] = _Peer(name=peer, token=token, ep=ep)
 
     def _disconnect(self, peer: str) -> None:
-        self._drop_peer(self._by_peer.pop(peer))
+        with self._lock:
+            self._drop_peer(self._by_peer.pop(peer))
 
     def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
+        with self._lock:
+            self._post_locked(peer, ops, handle)
+
+    def _post_locked(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
         state = self._by_peer[peer]
         resolved: list[tuple[int, int, int, int, ctypes.Structure]] = []
         targets = state.targets
@@ -327,6 +431,10 @@ class UcxTransport(Transport):
                 return
 
     def _poll(self, handle: WriteHandle) -> bool:
+        with self._lock:
+            return self._poll_locked(handle)
+
+    def _poll_locked(self, handle: WriteHandle) -> bool:
         batch: _Batch = handle.state
         # UCX moves a large put in fragments, one per progress call, and cma copies each
         # fragment inline. Progress while there is work, for at most _POLL_BUDGET_S, so a poll
@@ -369,6 +477,11 @@ class UcxTransport(Transport):
             logger.warning("ucx: closing the endpoint to %r failed: %s", state.name, exc)
 
     def _close(self) -> None:
+        self._stop_target_progress()
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         try:
             for state in list(self._by_peer.values()):
                 self._drop_peer(state)

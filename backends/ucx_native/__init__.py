@@ -2,8 +2,11 @@
 
 This package is the only place that touches raw UCX handles; `backends.ucx` builds the
 `Transport` on top of it. Every UCX status that is not OK raises `UcxError` (a
-`TransportError`) carrying UCX's own text. Nothing here is thread-safe: the worker is created
-in `UCS_THREAD_MODE_SINGLE`, so one thread drives it.
+`TransportError`) carrying UCX's own text. Nothing here locks: a worker created with
+`threaded=True` is in `UCS_THREAD_MODE_SERIALIZED`, and the caller (`backends.ucx`) serialises
+every call on it with its own lock; otherwise (`UCS_THREAD_MODE_SINGLE`) one thread drives it.
+`sibling()` makes another worker on the same context (one per copy lane; the context is then
+created with `mt_workers_shared`), so one memory registration serves every lane.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ class UcxWorker:
         name: A name for UCX's logs.
         defaults: Like `options`, applied first; one this UCX does not know (a transport
             module it lacks) is skipped with a debug log instead of failing.
+        wakeup: Ask for `UCP_FEATURE_WAKEUP`, so `efd`/`arm`/`signal` work (a thread can sleep
+            until the worker has events).
+        threaded: Create the worker in `UCS_THREAD_MODE_SERIALIZED` (several threads, one at a
+            time: the caller locks) instead of `UCS_THREAD_MODE_SINGLE`.
+        workers_shared: Create the context with `mt_workers_shared`, so workers made by
+            `sibling()` may be driven by different threads at once.
 
     Raises:
         UcxError: UCX rejected an option or could not start.
@@ -62,11 +71,16 @@ class UcxWorker:
         options: Iterable[tuple[str, str]],
         name: str,
         defaults: Iterable[tuple[str, str]] = (),
+        *,
+        wakeup: bool = False,
+        threaded: bool = False,
+        workers_shared: bool = False,
     ) -> None:
         self.lib = L.load()
         self._context = L.ucp_context_h()
         self._worker = L.ucp_worker_h()
         self._name = name.encode()
+        self._owns_context = True
         config = L.ucp_config_p()
         self._check("ucp_config_read", self.lib.ucp_config_read(None, None, ctypes.byref(config)))
         try:
@@ -83,8 +97,11 @@ class UcxWorker:
                 )
             params = L.ucp_params_t()
             params.field_mask = L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME
-            params.features = L.UCP_FEATURE_RMA
+            params.features = L.UCP_FEATURE_RMA | (L.UCP_FEATURE_WAKEUP if wakeup else 0)
             params.name = self._name
+            if workers_shared:
+                params.field_mask |= L.UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                params.mt_workers_shared = 1
             self._check(
                 "ucp_init",
                 self.lib.ucp_init_version(
@@ -97,16 +114,39 @@ class UcxWorker:
             )
         finally:
             self.lib.ucp_config_release(config)
-        wparams = L.ucp_worker_params_t()
-        wparams.field_mask = L.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-        wparams.thread_mode = L.UCS_THREAD_MODE_SINGLE
-        status = self.lib.ucp_worker_create(
-            self._context, ctypes.byref(wparams), ctypes.byref(self._worker)
-        )
+        status = self._create_worker(threaded)
         if status != L.UCS_OK:
             self.lib.ucp_cleanup(self._context)
             self._context = L.ucp_context_h()
             self._check("ucp_worker_create", status)
+
+    def _create_worker(self, threaded: bool) -> int:
+        wparams = L.ucp_worker_params_t()
+        wparams.field_mask = L.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        wparams.thread_mode = L.UCS_THREAD_MODE_SERIALIZED if threaded else L.UCS_THREAD_MODE_SINGLE
+        return int(
+            self.lib.ucp_worker_create(
+                self._context, ctypes.byref(wparams), ctypes.byref(self._worker)
+            )
+        )
+
+    def sibling(self, threaded: bool = False) -> UcxWorker:
+        """Another worker on this worker's context (its registrations are valid there too).
+
+        Destroy it before this one. Driving it from another thread than this worker's needs a
+        context made with `workers_shared=True`.
+
+        Raises:
+            UcxError: UCX could not create the worker.
+        """
+        other = UcxWorker.__new__(UcxWorker)
+        other.lib = self.lib
+        other._context = self._context
+        other._worker = L.ucp_worker_h()
+        other._name = self._name
+        other._owns_context = False
+        other._check("ucp_worker_create", other._create_worker(threaded))
+        return other
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -140,6 +180,26 @@ class UcxWorker:
     def progress(self) -> int:
         """Drive communication once; returns how many events were processed."""
         return int(self.lib.ucp_worker_progress(self._worker))
+
+    def efd(self) -> int:
+        """The worker's event file descriptor (needs `wakeup=True`); UCX owns it."""
+        fd = ctypes.c_int(-1)
+        self._check(
+            "ucp_worker_get_efd", self.lib.ucp_worker_get_efd(self._worker, ctypes.byref(fd))
+        )
+        return fd.value
+
+    def arm(self) -> bool:
+        """Arm the event fd; False if events are pending (progress, then arm again)."""
+        status = int(self.lib.ucp_worker_arm(self._worker))
+        if status == L.UCS_ERR_BUSY:
+            return False
+        self._check("ucp_worker_arm", status)
+        return True
+
+    def signal(self) -> None:
+        """Make the event fd readable now (wakes a thread sleeping on it)."""
+        self._check("ucp_worker_signal", self.lib.ucp_worker_signal(self._worker))
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -344,10 +404,10 @@ class UcxWorker:
     # -- teardown -------------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Destroy the worker and the context. Idempotent."""
+        """Destroy the worker and (unless it is a `sibling`) the context. Idempotent."""
         if self._worker.value:
             self.lib.ucp_worker_destroy(self._worker)
             self._worker = L.ucp_worker_h()
-        if self._context.value:
+        if self._context.value and self._owns_context:
             self.lib.ucp_cleanup(self._context)
-            self._context = L.ucp_context_h()
+        self._context = L.ucp_context_h()

@@ -38,6 +38,7 @@ UCP_API_MINOR = 22
 UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_NO_RESOURCE = -2
+UCS_ERR_BUSY = -15
 UCS_ERR_CANCELED = -16
 UCS_ERR_LAST = -100
 
@@ -47,11 +48,15 @@ UCS_MEMORY_TYPE_CUDA = 1
 
 # -- ucs_thread_mode_t ---------------------------------------------------------------------------
 UCS_THREAD_MODE_SINGLE = 0
+UCS_THREAD_MODE_SERIALIZED = 1
+UCS_THREAD_MODE_MULTI = 2
 
 # -- ucp_params_field / ucp_feature --------------------------------------------------------------
 UCP_PARAM_FIELD_FEATURES = 1 << 0
+UCP_PARAM_FIELD_MT_WORKERS_SHARED = 1 << 5
 UCP_PARAM_FIELD_NAME = 1 << 8
 UCP_FEATURE_RMA = 1 << 1
+UCP_FEATURE_WAKEUP = 1 << 4
 
 # -- ucp_worker_params_field ---------------------------------------------------------------------
 UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
@@ -267,6 +272,11 @@ class LibUcp:
             ucp, "ucp_worker_release_address", None, [ucp_worker_h, ucp_address_p]
         )
         self.ucp_worker_progress = self._fn(ucp, "ucp_worker_progress", c_uint, [ucp_worker_h])
+        self.ucp_worker_get_efd = self._fn(
+            ucp, "ucp_worker_get_efd", ucs_status_t, [ucp_worker_h, p(c_int)]
+        )
+        self.ucp_worker_arm = self._fn(ucp, "ucp_worker_arm", ucs_status_t, [ucp_worker_h])
+        self.ucp_worker_signal = self._fn(ucp, "ucp_worker_signal", ucs_status_t, [ucp_worker_h])
         self.ucp_ep_create = self._fn(
             ucp, "ucp_ep_create", ucs_status_t, [ucp_worker_h, p(ucp_ep_params_t), p(ucp_ep_h)]
         )

@@ -6,10 +6,15 @@ every control message crosses the veth. Update 1 must verify bit-exactly; then t
 report the failure within the timeout naming the engine; the link comes back and update 3 must
 verify. Needs root (CI has it) to create namespaces; skipped with the reason elsewhere.
 
-Only `tcp` runs over the veth: the `ucx` backend's one-sided lanes are same-host (cma,
-cuda_ipc) or RDMA, and UCX's `tcp` lane emulates puts with messages that need target-side
-progress, which the backend does not run (see backends/ucx.py). Between namespaces of one host
-UCX would pick cma and bypass the link, so cutting it would prove nothing.
+Runs for the `tcp` backend and for `ucx`. For ucx both processes are forced onto UCX's `tcp`
+lane over the veth (`TLS=tcp`, `NET_DEVICES` = each namespace's veth): between namespaces of one
+host UCX would otherwise pick cma and bypass the link, and cutting it would prove nothing (with
+`TLS=tcp,cma` update 2 succeeds despite the cut and this test fails). UCX emulates puts on
+that lane with messages, so the engine's transport progresses them on its target-progress
+thread (backends/ucx.py, option `target_progress`). UCX's endpoints use no peer error
+handling, so a cut link shows only as the update timeout naming the engine; TCP's own
+retransmissions carry the same connection on once the link is back, so update 3 needs no
+reconnect.
 """
 
 from __future__ import annotations
@@ -22,15 +27,22 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.markers import requires_module
+
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
 SLACK_S = 15.0
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+_MNT_DETACH = 2
 NAMES = ("a.weight", "b.weight", "c.bias")
 
 
@@ -52,7 +64,11 @@ def _ip(*args: str) -> None:
 
 
 def _enter_netns(name: str) -> None:
-    """Move this (still single-threaded) process into namespace `name`."""
+    """Move this (still single-threaded) process into namespace `name`.
+
+    Like `ip netns exec`, it also remounts /sys in a private mount namespace: sysfs shows the
+    network devices of the namespace that mounted it, and UCX lists devices there.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
@@ -60,6 +76,13 @@ def _enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns({name}) failed")
     finally:
         os.close(fd)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
+        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
+    libc.umount2(b"/sys", _MNT_DETACH)  # may not be mounted separately; the mount below decides
+    if libc.mount(name.encode(), b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mounting sysfs failed")
 
 
 def _src(step: int) -> dict[str, torch.Tensor]:
@@ -80,10 +103,19 @@ def _control(host: str, port: int, token: str) -> Any:
     return ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
 
-def trainer_proc(ns: str, host: str, port: int, token: str, out: Any, paused: Any, resume: Any,
-                 link_up: Any, finish: Any) -> None:
+def _transport(backend: str, host: str, dev: str) -> Any:
+    from backends.base import TransportConfig
+
+    if backend == "ucx":
+        return TransportConfig(name="ucx", listen_host=host,
+                               options=(("TLS", "tcp"), ("NET_DEVICES", dev)))
+    return TransportConfig(name=backend, listen_host=host)
+
+
+def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: str, out: Any,
+                 paused: Any, resume: Any, link_up: Any, finish: Any) -> None:
     _enter_netns(ns)
-    from backends.base import TransportConfig, WeightTransferError
+    from backends.base import WeightTransferError
     from transfer.config import ControllerConfig, SenderConfig
     from transfer.controller import Controller
     from transfer.receiver import tensor_digest
@@ -93,7 +125,7 @@ def trainer_proc(ns: str, host: str, port: int, token: str, out: Any, paused: An
     src = _src(1)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), _control(host, port, token))
     tx = WeightSender(src, rank=0, world_size=1,
-                      transport=TransportConfig(name="tcp", listen_host=host),
+                      transport=_transport(backend, host, dev),
                       control=_control(host, port, token), controller=ctrl,
                       config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S))
     post = tx._transport.post_writes
@@ -126,16 +158,17 @@ def trainer_proc(ns: str, host: str, port: int, token: str, out: Any, paused: An
     tx.close()
 
 
-def engine_proc(ns: str, host: str, ctrl_host: str, port: int, token: str, out: Any) -> None:
+def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port: int, token: str,
+                out: Any) -> None:
     _enter_netns(ns)
-    from backends.base import TransportConfig, WeightTransferError
+    from backends.base import WeightTransferError
     from transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(77)
     tensors = {n: torch.randn(t.shape, generator=g) for n, t in _src(0).items()}
     rx = WeightReceiver(tensors, _recipes(), engine="e0",
-                        transport=TransportConfig(name="tcp", listen_host=host),
+                        transport=_transport(backend, host, dev),
                         control=_control(ctrl_host, port, token))
     try:
         for step in (1, 2, 3):
@@ -151,7 +184,7 @@ def engine_proc(ns: str, host: str, ctrl_host: str, port: int, token: str, out: 
 
 
 @pytest.fixture
-def two_hosts():
+def two_hosts() -> Iterator[dict[str, str]]:
     reason = _netns_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -170,23 +203,26 @@ def two_hosts():
             _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        yield {"a": a, "b": b, "va": va, "ip_a": ip_a, "ip_b": ip_b}
+        yield {"a": a, "b": b, "va": va, "vb": vb, "ip_a": ip_a, "ip_b": ip_b}
     finally:
         subprocess.run(["ip", "netns", "del", a], capture_output=True)
         subprocess.run(["ip", "netns", "del", b], capture_output=True)
 
 
 @pytest.mark.timeout(240)
-def test_tcp_across_namespaces_survives_a_cut_link(two_hosts: dict[str, str]) -> None:
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("ucx", marks=requires_module("libucx"))])
+def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str, str]) -> None:
     h = two_hosts
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
     paused, resume, link_up, finish = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(8)
     procs = {
-        "trainer": ctx.Process(target=trainer_proc, args=(h["a"], h["ip_a"], port, token, out,
-                                                          paused, resume, link_up, finish)),
-        "engine": ctx.Process(target=engine_proc, args=(h["b"], h["ip_b"], h["ip_a"], port, token, out)),
+        "trainer": ctx.Process(target=trainer_proc, args=(backend, h["a"], h["va"], h["ip_a"], port,
+                                                          token, out, paused, resume, link_up,
+                                                          finish)),
+        "engine": ctx.Process(target=engine_proc, args=(backend, h["b"], h["vb"], h["ip_b"], h["ip_a"],
+                                                        port, token, out)),
     }
     for p in procs.values():
         p.start()
