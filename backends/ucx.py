@@ -42,6 +42,22 @@ Progress: UCX moves data only inside `ucp_worker_progress`, which this backend c
 posted in one tight loop with reused parameters; their requests are checked once, after the
 flush posted behind them completed (a put's failure shows in its own request only).
 
+Copy lanes (option `lanes` = `auto` (default: 2 where the machine has 2 or more CPUs, else 1)
+or 1..16): one cma stream (process_vm_writev) is bounded by one CPU's copy speed, so an
+initiator with N > 1 lanes owns N more workers on its context (created with
+`mt_workers_shared`; one memory registration serves them all), one endpoint per (peer, lane)
+with the target's rkeys unpacked on each, and one daemon thread per lane. A batch whose
+sources are all host memory and that holds at least 4 MiB is cut into N contiguous shares of
+whole pages in op order (an op is cut where a share ends; every byte still goes from the same
+source address to the same target address); each lane thread posts its share's puts and a
+flush on its endpoint and progresses its worker until they complete (ctypes drops the GIL in
+`ucp_worker_progress`, so lanes copy in parallel), backing off up to 1 ms while nothing moves.
+The handle completes when every lane's flush and puts did; a lane's error fails the batch
+(`poll` raises `TransportError` naming the peer and the lane); `wait` sleeps on the batch's
+completion event. Smaller batches and batches from GPU memory (cuda_ipc is asynchronous
+already) take the single-worker path above. Lanes are made at the first `connect` (a process
+that is only a target makes none); `close()` stops and joins them (at most 2 s each).
+
 Failure model: endpoints use `UCP_ERR_HANDLING_MODE_NONE`, because asking UCX for peer error
 handling turns puts into slow software emulation. UCX therefore never reports a dead peer;
 a batch to a peer that died simply never completes, and `Transport.wait`'s timeout is what
@@ -56,11 +72,13 @@ progress thread is safe against the one driving thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import ipaddress
 import logging
 import os
+import queue
 import select
 import threading
 import time
@@ -95,9 +113,17 @@ _CLOSE_TIMEOUT_S = 5.0
 _POLL_BUDGET_S = 0.004
 _POST_BUDGET_S = 0.0005
 _TARGET_PROGRESS = ("auto", "on", "off")
+_OWN_OPTIONS = ("target_progress", "lanes")
+_DEFAULT_LANES = "auto"
 _IDLE_WAIT_MS = 100
 """Longest the target progress thread sleeps on the worker's event fd before it looks again."""
 _THREAD_JOIN_S = 2.0
+_MAX_LANES = 16
+_SPLIT_MIN_BYTES = 4 << 20
+"""Host batches of at least this many bytes are split over the copy lanes; smaller ones are
+posted inline on the main worker (a hand-off to lane threads costs more than it gains)."""
+_LANE_BURST_S = 0.002
+_LANE_IDLE_MAX_S = 0.001
 _CMA_DEFAULTS = (("CMA_SEG_SIZE", "4M"), ("CMA_TX_QUOTA", "16"))
 """cma copies at most SEG_SIZE per queued put and TX_QUOTA queued puts per progress call (UCX's
 defaults, 512K and 1, cost a progress call per 512 KiB and per small put); at most 64 MiB move
@@ -136,6 +162,8 @@ class _Target:
     base: int
     nbytes: int
     rkey: int
+    lane_rkeys: tuple[int, ...] = ()
+    """The rkey unpacked on each copy lane's endpoint (empty with one lane)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,6 +173,8 @@ class _Peer:
     ep: int
     targets: dict[bytes, _Target] = dataclasses.field(default_factory=dict)
     """This peer's regions with their unpacked rkeys, by descriptor payload."""
+    lane_eps: list[int] = dataclasses.field(default_factory=list)
+    """One endpoint per copy lane (empty with one lane)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,6 +191,81 @@ class _Batch:
     """Request pointers of puts UCX did not finish at once; settled after the flush."""
     flush: ucx_native.Request | None
     """The flush posted after the batch's puts; they are all complete once it is."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _LaneBatch:
+    """A host batch split over the copy lanes: complete once every lane's job is."""
+
+    remaining: int
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def finish(self, error: str | None) -> None:
+        with self.lock:
+            if error is not None:
+                self.errors.append(error)
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.event.set()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _LaneJob:
+    """One lane's contiguous share of a `_LaneBatch`: puts, then a flush, on the lane's ep."""
+
+    ep: int
+    puts: list[tuple[int, int, int, int, ctypes.Structure]]
+    batch: _LaneBatch
+    pending: list[int] = dataclasses.field(default_factory=list)
+    flush: ucx_native.Request | None = None
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Lane:
+    """A copy lane: its own UCX worker on the shared context, driven by its own thread."""
+
+    index: int
+    worker: ucx_native.UcxWorker
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    """Held around every call on `worker` (by the lane thread and by connect/close)."""
+    jobs: queue.SimpleQueue[_LaneJob | None] = dataclasses.field(default_factory=queue.SimpleQueue)
+    thread: threading.Thread | None = None
+    stopping: bool = False
+
+
+def _split_over_lanes(
+    resolved: list[tuple[int, int, int, _Target, ctypes.Structure]], total: int, lanes: int
+) -> list[list[tuple[int, int, int, int, ctypes.Structure]]]:
+    """Cut the batch's byte sequence (ops in order) into `lanes` contiguous shares of whole
+    pages, cutting ops where a share ends; each piece writes the same bytes to the same place
+    as the op it came from. Shares may be empty at the end."""
+    share = -(-total // lanes)
+    share = -(-share // _PAGE_BYTES) * _PAGE_BYTES
+    out: list[list[tuple[int, int, int, int, ctypes.Structure]]] = [[] for _ in range(lanes)]
+    lane, room = 0, share
+    for address, nbytes, remote, target, param in resolved:
+        while nbytes > 0:
+            take = nbytes if lane == lanes - 1 else min(nbytes, room)
+            out[lane].append((address, take, remote, target.lane_rkeys[lane], param))
+            address += take
+            remote += take
+            nbytes -= take
+            room -= take
+            if room == 0 and lane < lanes - 1:
+                lane, room = lane + 1, share
+    return out
+
+
+def _parse_lanes(value: str) -> int:
+    if value == "auto":
+        return min(2, os.cpu_count() or 1)
+    if not value.isdigit() or not 1 <= int(value) <= _MAX_LANES:
+        raise ConfigurationError(
+            f"ucx option lanes={value!r}: expected 'auto' or an integer from 1 to {_MAX_LANES}"
+        )
+    return int(value)
 
 
 def _encode_payload(token: bytes, address: int, nbytes: int, rkey: bytes) -> bytes:
@@ -197,9 +302,10 @@ class UcxTransport(Transport):
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
-        own = {k: v for k, v in config.options if k == "target_progress"}
-        options = [(k, v) for k, v in config.options if k != "target_progress"]
+        own = {k: v for k, v in config.options if k in _OWN_OPTIONS}
+        options = [(k, v) for k, v in config.options if k not in _OWN_OPTIONS]
         self._target_progress = own.get("target_progress", "auto")
+        self._num_lanes = _parse_lanes(own.get("lanes", _DEFAULT_LANES))
         if self._target_progress not in _TARGET_PROGRESS:
             raise ConfigurationError(
                 f"ucx option target_progress={self._target_progress!r}: expected one of "
@@ -221,6 +327,7 @@ class UcxTransport(Transport):
                 defaults=defaults,
                 wakeup=threaded,
                 threaded=threaded,
+                workers_shared=self._num_lanes > 1,
             )
         except ImportError as exc:
             raise TransportUnavailableError(
@@ -241,6 +348,8 @@ class UcxTransport(Transport):
         self._stopping = False
         """Set under `_lock` by close(); the progress thread touches the worker no more."""
         self._progress_thread: threading.Thread | None = None
+        self._lanes: list[_Lane] = []
+        """Copy lanes, made at the first connect when `lanes` > 1 (a target needs none)."""
         if self._target_progress == "on":
             self._start_target_progress()
         logger.debug("ucx transport up: libucp %s, options %s", self._worker.lib.version(), options)
@@ -350,12 +459,20 @@ class UcxTransport(Transport):
         ):
             raise ValueError(f"ucx endpoint of peer {peer!r} is malformed")
         token, address = obj
+        self._ensure_lanes()
+        state = _Peer(name=peer, token=token, ep=0)
         try:
             with self._lock:
-                ep = self._worker.ep_create(address)
+                state.ep = self._worker.ep_create(address)
+            for lane in self._lanes:
+                with lane.lock:
+                    state.lane_eps.append(lane.worker.ep_create(address))
         except ucx_native.UcxError as exc:
+            if state.ep:
+                with self._lock:
+                    self._drop_peer(state)
             raise PeerLostError(f"ucx: cannot reach peer {peer!r}: {exc}") from exc
-        self._by_peer[peer] = _Peer(name=peer, token=token, ep=ep)
+        self._by_peer[peer] = state
 
     def _disconnect(self, peer: str) -> None:
         with self._lock:
@@ -367,9 +484,10 @@ class UcxTransport(Transport):
 
     def _post_locked(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
         state = self._by_peer[peer]
-        resolved: list[tuple[int, int, int, int, ctypes.Structure]] = []
+        resolved: list[tuple[int, int, int, _Target, ctypes.Structure]] = []
         targets = state.targets
         region_state = self._region_state
+        host = True
         for i, op in enumerate(ops):  # resolve everything before posting anything
             target = targets.get(op.target.payload)
             if target is None:
@@ -382,18 +500,25 @@ class UcxTransport(Transport):
                     f"{op.target_offset + op.nbytes}) is outside the {target.nbytes} bytes the "
                     f"peer registered (the descriptor claims {op.target.nbytes})"
                 )
+            source = region_state[op.source.region_id]
+            host = host and not source.cuda
             resolved.append(
                 (
                     op.source.address + op.source_offset,
                     op.nbytes,
                     target.base + op.target_offset,
-                    target.rkey,
-                    region_state[op.source.region_id].param,
+                    target,
+                    source.param,
                 )
             )
+        if self._lanes and host and handle.nbytes >= _SPLIT_MIN_BYTES:
+            self._post_lanes(state, resolved, handle)
+            return
         puts: list[int] = []
         try:
-            puts = self._worker.put_many(state.ep, resolved)
+            puts = self._worker.put_many(
+                state.ep, [(a, n, r, t.rkey, p) for a, n, r, t, p in resolved]
+            )
             flush = self._worker.flush(state.ep)
         except ucx_native.UcxError as exc:
             self._worker.release_all(puts)
@@ -404,6 +529,19 @@ class UcxTransport(Transport):
         # segment (UCX_CMA_SEG_SIZE) each; a short first burst overlaps the caller's next work.
         self._progress(batch, _POST_BUDGET_S)
 
+    def _post_lanes(
+        self,
+        state: _Peer,
+        resolved: list[tuple[int, int, int, _Target, ctypes.Structure]],
+        handle: WriteHandle,
+    ) -> None:
+        shares = _split_over_lanes(resolved, handle.nbytes, len(self._lanes))
+        used = [(lane, puts) for lane, puts in zip(self._lanes, shares, strict=True) if puts]
+        batch = _LaneBatch(remaining=len(used))
+        handle.state = batch
+        for lane, puts in used:
+            lane.jobs.put(_LaneJob(ep=state.lane_eps[lane.index], puts=puts, batch=batch))
+
     def _unpack_target(self, state: _Peer, i: int, op: WriteOp) -> _Target:
         token, base, length, packed = _decode_payload(op.target.payload)
         if token != state.token:
@@ -411,13 +549,17 @@ class UcxTransport(Transport):
                 f"write {i} to {state.name!r}: the target region belongs to another ucx "
                 f"endpoint, not to peer {state.name!r}"
             )
+        lane_rkeys: list[int] = []
         try:
             rkey = self._worker.rkey_unpack(state.ep, packed)
+            for lane in self._lanes:
+                with lane.lock:
+                    lane_rkeys.append(lane.worker.rkey_unpack(state.lane_eps[lane.index], packed))
         except ucx_native.UcxError as exc:
             raise TransportError(
                 f"ucx: write {i} to {state.name!r}: cannot unpack the target's rkey: {exc}"
             ) from exc
-        target = _Target(base=base, nbytes=length, rkey=rkey)
+        target = _Target(base=base, nbytes=length, rkey=rkey, lane_rkeys=tuple(lane_rkeys))
         state.targets[op.target.payload] = target
         return target
 
@@ -431,8 +573,22 @@ class UcxTransport(Transport):
                 return
 
     def _poll(self, handle: WriteHandle) -> bool:
+        if isinstance(handle.state, _LaneBatch):
+            batch = handle.state
+            if not batch.event.is_set():
+                time.sleep(0)  # a caller polling in a loop lets the lane threads take the GIL
+                return False
+            if batch.errors:
+                raise TransportError(
+                    f"ucx: writes to peer {handle.peer!r} failed: {'; '.join(batch.errors)}"
+                )
+            return True
         with self._lock:
             return self._poll_locked(handle)
+
+    def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
+        # Split batches complete on the lane threads: `wait` sleeps, leaving the CPUs to them.
+        return handle.state.event if isinstance(handle.state, _LaneBatch) else None
 
     def _poll_locked(self, handle: WriteHandle) -> bool:
         batch: _Batch = handle.state
@@ -460,24 +616,152 @@ class UcxTransport(Transport):
             self._worker.release(batch.flush)
             batch.flush = None
 
+    # -- copy lanes -------------------------------------------------------------------------
+
+    def _ensure_lanes(self) -> None:
+        """Make the copy lanes' workers and threads (once, before the first endpoint)."""
+        if self._num_lanes < 2 or self._lanes:
+            return
+        try:
+            with self._lock:
+                for i in range(self._num_lanes):
+                    self._lanes.append(_Lane(index=i, worker=self._worker.sibling(threaded=True)))
+        except ucx_native.UcxError as exc:
+            for lane in self._lanes:
+                lane.worker.destroy()
+            self._lanes.clear()
+            raise TransportError(f"ucx: cannot create copy lane workers: {exc}") from exc
+        for lane in self._lanes:
+            lane.thread = threading.Thread(
+                target=self._lane_loop, args=(lane,), name=f"ucx-lane-{lane.index}", daemon=True
+            )
+            lane.thread.start()
+
+    def _lane_loop(self, lane: _Lane) -> None:
+        """Post the jobs handed to this lane and progress its worker until they complete."""
+        worker = lane.worker
+        active: list[_LaneJob] = []
+        idle = 0.0
+        while True:
+            new: list[_LaneJob | None] = [lane.jobs.get()] if not active else []
+            while True:
+                try:
+                    new.append(lane.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            with lane.lock:
+                if lane.stopping or None in new:
+                    for job in active + [j for j in new if j is not None]:
+                        self._lane_fail(lane, job, "the transport was closed")
+                    return
+                for posted in new:
+                    assert posted is not None
+                    try:
+                        posted.pending = worker.put_many(posted.ep, posted.puts)
+                        posted.flush = worker.flush(posted.ep)
+                    except ucx_native.UcxError as exc:
+                        self._lane_fail(lane, posted, str(exc))
+                        continue
+                    active.append(posted)
+                moved = 0
+                deadline = time.perf_counter() + _LANE_BURST_S
+                while active:
+                    n = worker.progress()
+                    moved += n
+                    if not n or time.perf_counter() >= deadline:
+                        break
+                still: list[_LaneJob] = []
+                for job in active:
+                    try:
+                        if job.flush is not None and worker.check(job.flush):
+                            job.flush = None
+                        if job.flush is None and job.pending:
+                            job.pending = worker.settle(job.pending)
+                    except ucx_native.UcxError as exc:
+                        job.pending = []  # settle released them
+                        self._lane_fail(lane, job, str(exc))
+                        continue
+                    if job.flush is None and not job.pending:
+                        job.batch.finish(None)
+                    else:
+                        still.append(job)
+                active = still
+            if active and not moved:
+                # Waiting on the peer (remote completions, the network): back off up to 1 ms.
+                idle = min(idle * 2 or 1e-5, _LANE_IDLE_MAX_S)
+                time.sleep(idle)
+            else:
+                idle = 0.0
+
+    @staticmethod
+    def _lane_fail(lane: _Lane, job: _LaneJob, why: str) -> None:
+        """Give up on a job (its lane's lock held) and report it on its batch."""
+        lane.worker.release_all(job.pending)
+        job.pending = []
+        if job.flush is not None:
+            lane.worker.release(job.flush)
+            job.flush = None
+        job.batch.finish(f"copy lane {lane.index}: {why}")
+
+    def _stop_lanes(self) -> None:
+        for lane in self._lanes:
+            with lane.lock:
+                lane.stopping = True
+            lane.jobs.put(None)
+        for lane in self._lanes:
+            if lane.thread is not None:
+                lane.thread.join(_THREAD_JOIN_S)
+                if lane.thread.is_alive():  # it cannot touch the worker any more (`stopping`)
+                    logger.warning("ucx: copy lane %d did not stop in %.1f s", lane.index,
+                                   _THREAD_JOIN_S)  # fmt: skip
+
+    # -- teardown ---------------------------------------------------------------------------
+
     def _drop_peer(self, state: _Peer) -> None:
+        """Release a peer's rkeys and endpoints (`_lock` held; takes each lane's lock).
+
+        Every endpoint's close is started first and all are then progressed together, so a
+        peer that no longer answers costs one close timeout, not one per lane.
+        """
         for target in state.targets.values():
             self._worker.rkey_destroy(target.rkey)
+            for lane, rkey in zip(self._lanes, target.lane_rkeys, strict=False):
+                with lane.lock:
+                    lane.worker.rkey_destroy(rkey)
         state.targets.clear()
-        try:
-            req = self._worker.ep_close(state.ep)
-            deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-            while not self._worker.check(req):
-                self._worker.progress()
-                if time.monotonic() > deadline:
-                    logger.warning("ucx: closing the endpoint to %r timed out", state.name)
-                    self._worker.release(req)
-                    break
-        except ucx_native.UcxError as exc:
-            logger.warning("ucx: closing the endpoint to %r failed: %s", state.name, exc)
+        closing: list[tuple[ucx_native.UcxWorker, threading.Lock | None, ucx_native.Request]] = []
+        eps: list[tuple[ucx_native.UcxWorker, threading.Lock | None, int]] = []
+        if state.ep:
+            eps.append((self._worker, None, state.ep))
+        for lane, ep in zip(self._lanes, state.lane_eps, strict=False):
+            eps.append((lane.worker, lane.lock, ep))
+        state.lane_eps.clear()
+        for worker, lock, ep in eps:
+            with lock or contextlib.nullcontext():
+                try:
+                    closing.append((worker, lock, worker.ep_close(ep)))
+                except ucx_native.UcxError as exc:
+                    logger.warning("ucx: closing an endpoint to %r failed: %s", state.name, exc)
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        while closing:
+            still = []
+            for worker, lock, req in closing:
+                with lock or contextlib.nullcontext():
+                    try:
+                        worker.progress()
+                        if not worker.check(req):
+                            if time.monotonic() <= deadline:
+                                still.append((worker, lock, req))
+                                continue
+                            logger.warning("ucx: closing an endpoint to %r timed out", state.name)
+                            worker.release(req)
+                    except ucx_native.UcxError as exc:
+                        logger.warning("ucx: closing an endpoint to %r failed: %s", state.name, exc)
+            closing = still
 
     def _close(self) -> None:
         self._stop_target_progress()
+        self._stop_lanes()
         with self._lock:
             self._close_locked()
 
@@ -486,6 +770,10 @@ class UcxTransport(Transport):
             for state in list(self._by_peer.values()):
                 self._drop_peer(state)
             self._by_peer.clear()
+            for lane in self._lanes:
+                with lane.lock:
+                    lane.worker.destroy()
+            self._lanes.clear()
             for region_state in self._region_state.values():
                 self._worker.mem_unmap(region_state.memh)
             self._region_state.clear()
