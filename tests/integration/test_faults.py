@@ -9,13 +9,19 @@ that the trainers' own weights are untouched. Faults:
 - a trainer rank (not the controller's) SIGKILLed after posting its first writes;
 - the controller (trainer rank 0's process) SIGKILLed after posting its first writes;
 - an engine that stops reading (SIGSTOP; tcp): the trainer's sends block, nothing is acked.
+
+The first three run on every backend that can notice them (loopback, tcp, ucx, nixl; loopback
+cannot notice a dead engine). Every child reports through its own pipe (`_Reporter`): a shared
+`multiprocessing.Queue` can be left locked by a child killed on purpose.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import secrets
 import signal
 import time
@@ -136,33 +142,89 @@ def engine_proc(index: int, engines: int, backend: str, port: int, token: str, b
 
 
 def _exit_now(out: Any) -> None:
-    """Flush the report queue, then exit without interpreter teardown.
+    """Close this process's report pipe, then exit without interpreter teardown.
 
     Everything the library opened is closed by then; what is left is torch's own teardown of
     stores and process groups whose peers were killed on purpose, which can block at exit.
     """
     out.close()
-    out.join_thread()
     os._exit(0)
+
+
+class _Reporter:
+    """A child's end of its own report pipe: JSON messages, no pickle, no lock shared with
+    other processes.
+
+    (A `multiprocessing.Queue` shared by all children is wrong here: its writers share one
+    lock, and a child SIGKILLed while its feeder thread held that lock blocks every other
+    child's reports forever. That was the intermittent "trainer rank 0 never returns" hang:
+    rank 0 had returned and reported; its report could not be written.)
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        self._conn.send_bytes(json.dumps(msg).encode())
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _Inbox:
+    """The parent's side: one pipe per child, read in arrival order."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._readers: list[Any] = []
+        self._writers: list[Any] = []
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
+
+    def reporter(self) -> _Reporter:
+        reader, writer = self._ctx.Pipe(duplex=False)
+        self._readers.append(reader)
+        self._writers.append(writer)
+        return _Reporter(writer)
+
+    def started(self) -> None:
+        """Call after the children started: drop the parent's copies of the write ends, so a
+        dead child's pipe reads EOF."""
+        for w in self._writers:
+            w.close()
+        self._writers = []
+
+    def get(self, timeout: float) -> tuple[Any, ...] | None:
+        """The next message, or None if none arrived within `timeout`."""
+        if not self._pending and self._readers:
+            for conn in mp_connection.wait(self._readers, timeout):
+                try:
+                    self._pending.append(tuple(json.loads(conn.recv_bytes())))
+                except (EOFError, OSError):  # that child exited or was killed
+                    self._readers.remove(conn)
+        elif not self._pending:
+            time.sleep(timeout)
+        return self._pending.popleft() if self._pending else None
 
 
 def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = False,
          kill_engine: int | None = None, stop_engine: int | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
+    inbox = _Inbox(ctx)
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
     port, token = free_port(), secrets.token_hex(8)
     procs: dict[str, Any] = {}
     for r in range(world):
         procs[f"trainer{r}"] = ctx.Process(
             target=trainer_proc,
-            args=(r, world, engines, backend, port, token, fault, big, out, paused, resume, finish),
+            args=(r, world, engines, backend, port, token, fault, big, inbox.reporter(), paused,
+                  resume, finish),
         )
     for e in range(engines):
         procs[f"e{e}"] = ctx.Process(target=engine_proc,
-                                     args=(e, engines, backend, port, token, big, out))
+                                     args=(e, engines, backend, port, token, big, inbox.reporter()))
     for p in procs.values():
         p.start()
+    inbox.started()
     reports: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
     expected_dead = set()
     if fault == "kill_trainer":
@@ -185,10 +247,7 @@ def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = Fals
                     os.kill(pids[stop_engine], signal.SIGSTOP)  # it stops reading its sockets
                     stopped = True
                 resume.set()
-            try:
-                msg = out.get(timeout=0.1)
-            except queue.Empty:
-                msg = None
+            msg = inbox.get(timeout=0.1)
             if msg is not None:
                 kind = msg[0]
                 if kind == "engine_ready":
@@ -241,7 +300,7 @@ def _check_common(rep: dict[str, Any], must_name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [backend_param(b) for b in ("tcp", "ucx")])
+@pytest.mark.parametrize("backend", [backend_param(b) for b in ("tcp", "ucx", "nixl")])
 def test_engine_killed_mid_update(backend: str) -> None:
     """(loopback cannot notice a dead target: see docs/faults.md.)"""
     rep = _run("kill_engine", backend, world=1, engines=2, kill_engine=1)
@@ -249,18 +308,10 @@ def test_engine_killed_mid_update(backend: str) -> None:
     assert set(rep["trainer"]) == {0} and set(rep["engine"]) == {0}
 
 
-_KNOWN_TCP_HANG = pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent hang (2 of 5 CI runs on 2026-11-30): with the tcp backend, "
-    "trainer rank 0 sometimes never returns from update() after rank 1 is killed mid-update; "
-    "not yet diagnosed, see docs/faults.md",
-)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "backend",
-    [backend_param("loopback"), pytest.param("tcp", marks=_KNOWN_TCP_HANG), backend_param("ucx")],
+    [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")],
 )
 def test_trainer_rank_killed_mid_update(backend: str) -> None:
     rep = _run("kill_trainer", backend, world=2, engines=2)
@@ -270,7 +321,7 @@ def test_trainer_rank_killed_mid_update(backend: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [backend_param(b) for b in ("loopback", "tcp")])
+@pytest.mark.parametrize("backend", [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")])
 def test_controller_killed_mid_update(backend: str) -> None:
     rep = _run("kill_controller", backend, world=2, engines=2)
     _check_common(rep, "lost the controller")
@@ -368,15 +419,16 @@ def fp8_engine_proc(port: int, token: str, out: Any) -> None:
 @pytest.mark.timeout(420)
 def test_trainer_rank_killed_inside_a_gather() -> None:
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
+    inbox = _Inbox(ctx)
     finish = ctx.Event()
     port, dist_port, token = free_port(), free_port(), secrets.token_hex(8)
     procs = {f"trainer{r}": ctx.Process(target=gather_trainer_proc,
-                                        args=(r, port, dist_port, token, out, finish))
+                                        args=(r, port, dist_port, token, inbox.reporter(), finish))
              for r in range(2)}
-    procs["e0"] = ctx.Process(target=fp8_engine_proc, args=(port, token, out))
+    procs["e0"] = ctx.Process(target=fp8_engine_proc, args=(port, token, inbox.reporter()))
     for p in procs.values():
         p.start()
+    inbox.started()
     rep: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
     # Generous: three spawned processes importing torch on a loaded 2-core CI machine can take
     # minutes to start; the bounds that matter (time from the failure to each report) are
@@ -384,9 +436,8 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and not (0 in rep["trainer"] and 0 in rep["engine"]):
-            try:
-                msg = out.get(timeout=0.2)
-            except queue.Empty:
+            msg = inbox.get(timeout=0.2)
+            if msg is None:
                 continue
             rep[msg[0]][msg[1]] = msg[2:] if msg[0] in ("trainer", "engine") else msg[2]
     finally:
