@@ -34,7 +34,7 @@ def backend_param(name: str):
     return pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
 
 
-BACKENDS = [backend_param(b) for b in ("loopback", "tcp", "ucx")]
+BACKENDS = [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")]
 
 
 def _control(timeout_s: float = 15.0) -> ControlPlaneConfig:

@@ -97,7 +97,7 @@ def _transports(sender: WeightSender, receivers: list[WeightReceiver]) -> list:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["loopback", "tcp"])
+@pytest.mark.parametrize("backend", ["loopback", "tcp", "ucx", "nixl"])
 def test_500_verified_updates_without_resource_growth(backend: str) -> None:
     reason = backend_unavailable_reason(backend)
     if reason:
