@@ -32,6 +32,8 @@ Options (`TransportConfig.options`):
   by UCX; its transfers never complete and `Transport.wait`'s timeout names the peer.
 - `ucx_devices` defaults to `lo` when `config.listen_host` is a loopback address (the
   default), so a default transport never leaves this host.
+- `lanes` (default 2 on a host-only transport, 1 when the transport has a CUDA device): how
+  many copy streams move one host segment at once. See Lanes below.
 - `segment_bytes` (default: 64 MiB for host sources, none for GPU sources; given, it applies to
   both) and `window` (default: no limit): see Writes above. Measured on 2 vCPUs with host
   memory, segment size hardly changes throughput (the copy is cma either way); on GPUs the old
@@ -44,6 +46,28 @@ Options (`TransportConfig.options`):
 The agent runs without NIXL's progress thread (`enable_prog_thread=False`): the thread that
 polls drives progress, which suits the two-core machines this runs on.
 Not thread-safe, like every `Transport`.
+
+Lanes (`lanes` > 1). One cma stream (`process_vm_writev`) copies ~5 GB/s on the 2-vCPU
+machines this is measured on, two concurrent ones ~1.5x that. NIXL 1.5.1 offers concurrency
+only inside its UCX plugin: with the plugin parameter `num_threads` = N > 0 the engine is a
+thread-pool engine (N threads, each with its own UCX worker) that cuts a transfer's descriptor
+list into chunks of `split_batch_size` descriptors and copies the chunks on its threads;
+`transfer()` then returns at once and the threads finish the transfer alone. Found by
+experiment (strace of which thread calls process_vm_writev), because the alternatives do not
+work: the pybind `transfer()`/`check_xfer_state()` keep the GIL (two Python threads posting on
+separate transfers, with `num_workers` 2 and `NIXL_THREAD_SYNC_STRICT`, copy no faster than
+one; with the default sync mode NONE they crash the process), and a transfer with fewer
+descriptors than `split_batch_size` is still copied inside `transfer()` by the caller.
+So with lanes N this backend creates the plugin with `num_threads` N and `split_batch_size` 1
+and gives each host segment up to N descriptors of equal bytes (a piece shorter than
+`_MIN_LANE_BYTES` per lane is not cut), listed in reverse address order: NIXL merges
+descriptors that are contiguous on both sides and adjacent in the list, which would turn the
+lanes back into one chunk. Consequences: the engine's N threads exist for the agent's life
+(they sleep when idle: no CPU measured); they also serve GPU transfers, which is why the
+default is 1 when the transport has a CUDA device (unmeasured there); and since the threads
+complete transfers alone, a laned transport is not `progress_driven` (its `wait` polls with
+a short sleep instead of spinning, leaving both cores to the copies). Closing the agent joins
+NIXL's threads (NIXL's destructor; a copy in flight is at most one lane of one segment).
 """
 
 from __future__ import annotations
@@ -83,11 +107,15 @@ logger = logging.getLogger(__name__)
 _INSTALL_HINT = "pip install 'weight-transfer[nixl]'"
 _ENDPOINT_TAG = "nixl"
 _PLUGIN_OPTIONS = ("ucx_error_handling_mode", "ucx_devices", "num_workers")
-_OWN_OPTIONS = ("segment_bytes", "window")
+_OWN_OPTIONS = ("segment_bytes", "window", "lanes")
 _DEFAULT_SEGMENT_BYTES = {"DRAM": 64 << 20, "VRAM": 0}
 """Segment size by source memory type when the option is not given; 0: one transfer per group."""
 _DEFAULT_WINDOW = 0
 """0: no limit on segments in flight."""
+_DEFAULT_LANES = {False: 2, True: 1}
+"""Copy streams per host segment by whether the transport has a CUDA device (see Lanes)."""
+_MIN_LANE_BYTES = 1 << 20
+"""A host segment is cut into at most one lane per this many bytes."""
 _START_BUDGET_S = 0.002
 """A post or poll starts further segments only while it has run for less than this."""
 _MAX_CACHED_BATCHES = 4096
@@ -126,6 +154,15 @@ def _positive_int_option(config: TransportConfig, key: str, default: int) -> int
     return value
 
 
+def _has_cuda(config: TransportConfig) -> bool:
+    return config.device_index is not None and torch.cuda.is_available()
+
+
+def _lanes_option(config: TransportConfig) -> int:
+    """The `lanes` option, checked; its default depends on whether there is a CUDA device."""
+    return _positive_int_option(config, "lanes", _DEFAULT_LANES[_has_cuda(config)])
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Target:
     """A peer's registered region, decoded from a descriptor payload."""
@@ -139,7 +176,7 @@ class _Target:
 
 
 def _encode_payload(target: _Target) -> bytes:
-    return msgpack.packb(
+    data: bytes = msgpack.packb(
         [
             target.agent,
             target.address,
@@ -150,6 +187,7 @@ def _encode_payload(target: _Target) -> bytes:
         ],
         use_bin_type=True,
     )
+    return data
 
 
 def _decode_payload(payload: bytes) -> _Target:
@@ -212,9 +250,17 @@ class NixlTransport(Transport):
     name = "nixl"
     progress_driven = True
 
+    def __new__(cls, config: TransportConfig) -> NixlTransport:
+        # With lanes NIXL's own threads complete host transfers: that transport is not
+        # progress-driven (a class attribute), so it is an instance of the subclass below.
+        if cls is NixlTransport and _lanes_option(config) > 1:
+            cls = _LanedNixlTransport
+        return super().__new__(cls)
+
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
         nixl = _import_nixl()
+        self._lanes = _lanes_option(config)
         init: dict[str, str] = {"ucx_error_handling_mode": "none"}
         if _is_loopback(config.listen_host):
             init["ucx_devices"] = "lo"
@@ -230,6 +276,9 @@ class NixlTransport(Transport):
                 raise ConfigurationError(
                     f"nixl: unknown option {key!r}; expected UCX_* or one of {_PLUGIN_OPTIONS}"
                 )
+        if self._lanes > 1:
+            init["num_threads"] = str(self._lanes)
+            init["split_batch_size"] = "1"
         given = config.option("segment_bytes") is not None
         segment = _positive_int_option(config, "segment_bytes", 1)
         self._segment_bytes = {
@@ -237,7 +286,7 @@ class NixlTransport(Transport):
         }
         window = _positive_int_option(config, "window", 1)
         self._window = window if config.option("window") is not None else _DEFAULT_WINDOW
-        self._cuda = config.device_index is not None and torch.cuda.is_available()
+        self._cuda = _has_cuda(config)
         if self._cuda:
             torch.cuda.set_device(config.device_index)
         self._agent_name = f"wt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -300,7 +349,10 @@ class NixlTransport(Transport):
 
     def _endpoint(self) -> bytes:
         metadata = bytes(self._agent.get_agent_metadata())
-        return msgpack.packb([_ENDPOINT_TAG, self._agent_name, metadata], use_bin_type=True)
+        data: bytes = msgpack.packb(
+            [_ENDPOINT_TAG, self._agent_name, metadata], use_bin_type=True
+        )
+        return data
 
     def _connect(self, peer: str, endpoint: bytes) -> None:
         try:
@@ -362,6 +414,8 @@ class NixlTransport(Transport):
         try:
             for (src_type, dst_type), pieces in groups.items():
                 for segment in self._segments(pieces, self._segment_bytes[src_type]):
+                    if src_type == "DRAM" and self._lanes > 1:
+                        segment = self._lane_order(segment, self._lanes)
                     batch.todo.append(
                         self._prepared_for(peer, state.agent, src_type, dst_type, segment)
                     )
@@ -451,6 +505,32 @@ class NixlTransport(Transport):
                 filled += n
                 done += n
         return segments
+
+    @staticmethod
+    def _lane_order(
+        segment: list[tuple[int, int, int, int, int, int]], lanes: int
+    ) -> list[tuple[int, int, int, int, int, int]]:
+        """Cut a segment into up to `lanes` runs of equal bytes (at least `_MIN_LANE_BYTES`
+        each), pieces split at the run boundaries, and list the runs last first: NIXL merges
+        list neighbours contiguous on both sides, which would join the lanes again."""
+        total = sum(piece[4] for piece in segment)
+        count = max(1, min(lanes, total // _MIN_LANE_BYTES))
+        if count == 1:
+            return segment
+        bounds = [total * k // count for k in range(1, count + 1)]
+        runs: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(count)]
+        lane = 0
+        at = 0  # bytes of the segment before the current piece
+        for src, src_dev, dst, dst_dev, nbytes, region_id in segment:
+            done = 0
+            while done < nbytes:
+                while at + done >= bounds[lane]:
+                    lane += 1
+                n = min(nbytes - done, bounds[lane] - at - done)
+                runs[lane].append((src + done, src_dev, dst + done, dst_dev, n, region_id))
+                done += n
+            at += nbytes
+        return [piece for run in reversed(runs) for piece in run]
 
     def _close(self) -> None:
         for prepared in self._prepared.values():
@@ -561,3 +641,10 @@ class NixlTransport(Transport):
                 dlist.release()
             except Exception as exc:  # nixlBind raises its own exception types
                 logger.warning("nixl: releasing a prepared descriptor list failed: %s", exc)
+
+
+class _LanedNixlTransport(NixlTransport):
+    """A `NixlTransport` with `lanes` > 1: NIXL's thread-pool engine completes transfers on its
+    own threads, so `wait` polls with a short sleep instead of spinning (see Lanes)."""
+
+    progress_driven = False

@@ -55,7 +55,7 @@ def test_segment_defaults_by_memory_type_and_override() -> None:
     )
     try:
         assert default._segment_bytes == {"DRAM": 64 << 20, "VRAM": 0}
-        assert default._window == 0 and default.progress_driven
+        assert default._window == 0
         assert given._segment_bytes == {"DRAM": 4096, "VRAM": 4096}
         assert given._window == 2
     finally:
@@ -71,7 +71,15 @@ def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @requires_module("nixl_cu13")
 @pytest.mark.parametrize(
-    "options", [(("no_such_option", "1"),), (("segment_bytes", "0"),), (("window", "x"),)]
+    "options",
+    [
+        (("no_such_option", "1"),),
+        (("segment_bytes", "0"),),
+        (("window", "x"),),
+        (("lanes", "0"),),
+        (("lanes", "-2"),),
+        (("lanes", "two"),),
+    ],
 )
 def test_bad_options_are_refused_by_name(options: tuple[tuple[str, str], ...]) -> None:
     with pytest.raises(ConfigurationError, match=options[0][0]):
@@ -108,6 +116,86 @@ def test_repeated_batches_reuse_prepared_lists_and_write_new_bytes() -> None:
         assert all(p.busy == 0 and len(p.idle) == 1 for p in tx._prepared.values())
         tx.deregister(src)
         assert len(tx._prepared) == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+@requires_module("nixl_cu13")
+def test_lanes_default_and_progress() -> None:
+    """Host-only: 2 lanes, NIXL's pool threads complete transfers (not progress-driven);
+    lanes 1: the caller copies inside `transfer()` (progress-driven), as before."""
+    default = NixlTransport(TransportConfig(name="nixl"))
+    one = NixlTransport(TransportConfig(name="nixl", options=(("lanes", "1"),)))
+    try:
+        assert default._lanes == 2 and not default.progress_driven
+        assert isinstance(default, NixlTransport) and default.name == "nixl"
+        assert one._lanes == 1 and one.progress_driven
+    finally:
+        default.close()
+        one.close()
+
+
+def test_lane_order_cuts_equal_runs_listed_last_first() -> None:
+    mib = 1 << 20
+    # one write of 3 MiB + 1 byte into 2 lanes: runs of 1.5 MiB and 1.5 MiB + 1, second first
+    one = [(10 * mib, 0, 50 * mib, 0, 3 * mib + 1, 7)]
+    runs = NixlTransport._lane_order(one, 2)
+    assert [(p[0] - 10 * mib, p[2] - 50 * mib, p[4]) for p in runs] == [
+        (3 * mib // 2, 3 * mib // 2, 3 * mib // 2 + 1),
+        (0, 0, 3 * mib // 2),
+    ]
+    # two writes, 3 lanes: the runs cover every byte exactly once, each write's pieces in
+    # place, and no two neighbours in the list are contiguous on both sides (NIXL would merge)
+    two = [(0, 0, 100 * mib, 0, 2 * mib, 1), (5 * mib, 0, 90 * mib, 0, mib + 5, 2)]
+    runs = NixlTransport._lane_order(two, 3)
+    assert sum(p[4] for p in runs) == 3 * mib + 5
+    covered = sorted((p[5], p[0], p[0] + p[4]) for p in runs)
+    for (r0, _, e0), (r1, s1, _) in zip(covered, covered[1:], strict=False):
+        assert r0 != r1 or e0 == s1
+    for p, q in zip(runs, runs[1:], strict=False):
+        assert not (p[0] + p[4] == q[0] and p[2] + p[4] == q[2])
+    # segments smaller than a lane's minimum are not cut
+    small = [(0, 0, 0, 0, mib + 3, 1)]
+    assert NixlTransport._lane_order(small, 2) == small
+
+
+@requires_module("nixl_cu13")
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_laned_writes_are_bit_exact(lanes: int) -> None:
+    """Segments cut into lanes (one of them not a multiple of the lane count, one of several
+    writes) land bit-exact; repeated posts reuse the prepared lists."""
+    opts = (("lanes", str(lanes)), ("segment_bytes", str(5 << 20)))
+    rx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    tx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    try:
+        gen = torch.Generator().manual_seed(1234 + lanes)
+        target = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=gen)
+        before = target.clone()
+        tx.connect("rx", rx.endpoint())
+        desc = rx.register(target, role=RegionRole.TARGET).descriptor
+        assert desc is not None
+        source = torch.empty(11 << 20, dtype=torch.uint8)
+        src = tx.register(source, role=RegionRole.SOURCE)
+        odd = (7 << 20) + 3 * lanes + 1  # not a multiple of the lane count
+        ops = [
+            WriteOp(src, 0, desc, 17, odd),
+            WriteOp(src, odd, desc, (12 << 20) - (3 << 20) - 5, 3 << 20),
+            WriteOp(src, odd + (3 << 20), desc, odd + 40, 12345),
+        ]
+        for step in range(2):
+            source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8, generator=gen))
+            tx.wait(tx.post_writes("rx", ops), timeout_s=30)
+            expected = before.clone()
+            for op in ops:
+                expected[op.target_offset : op.target_offset + op.nbytes] = source[
+                    op.source_offset : op.source_offset + op.nbytes
+                ]
+            assert torch.equal(target, expected), step
+            before = expected
+            if step == 0:
+                num_prepared = len(tx._prepared)
+        assert len(tx._prepared) == num_prepared
     finally:
         tx.close()
         rx.close()
