@@ -10,8 +10,7 @@ that the trainers' own weights are untouched. Faults:
 - the controller (trainer rank 0's process) SIGKILLed after posting its first writes;
 - an engine that stops reading (SIGSTOP; tcp): the trainer's sends block, nothing is acked.
 
-The first three run on every backend that can notice them (loopback, tcp, ucx, nixl; loopback
-cannot notice a dead engine). Every child reports through its own pipe (`_Reporter`): a shared
+The first three run on loopback, tcp, ucx and nixl. Every child reports through its own pipe (`_Reporter`): a shared
 `multiprocessing.Queue` can be left locked by a child killed on purpose.
 """
 
@@ -300,9 +299,8 @@ def _check_common(rep: dict[str, Any], must_name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [backend_param(b) for b in ("tcp", "ucx", "nixl")])
+@pytest.mark.parametrize("backend", [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")])
 def test_engine_killed_mid_update(backend: str) -> None:
-    """(loopback cannot notice a dead target: see docs/faults.md.)"""
     rep = _run("kill_engine", backend, world=1, engines=2, kill_engine=1)
     _check_common(rep, "e1")
     assert set(rep["trainer"]) == {0} and set(rep["engine"]) == {0}
