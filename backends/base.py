@@ -482,6 +482,16 @@ class Transport(ABC):
             raise
         return handle.done
 
+    def completion_event(self, handle: WriteHandle) -> threading.Event | None:
+        """An event a background thread sets when the batch finishes (then `poll` it), or None
+        when the batch is already settled or the backend completes it only inside `poll`.
+
+        Lets a caller that juggles many batches (the pipeline) sleep instead of spinning.
+        """
+        if handle.done or handle.error is not None:
+            return None
+        return self._completion_event(handle)
+
     def wait(self, handle: WriteHandle, timeout_s: float) -> None:
         """Block until the batch completes.
 

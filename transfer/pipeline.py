@@ -49,6 +49,9 @@ from transfer.manifest import torch_dtype
 log = logging.getLogger(__name__)
 
 _ALIGN = 256
+_EVENT_SLICE_S = 1e-4
+"""Longest the write loop sleeps on a batch's completion event before it looks for newly
+prepared tasks again."""
 
 
 class _NotGraphable(Exception):
@@ -384,9 +387,17 @@ class Executor:
                 if finished:
                     del in_flight[:finished]
                     progressed = True
-                if not progressed and (in_flight or waiting) and not self.transport.progress_driven:
-                    # Progress-driven transports (ucx, nixl) move data only while polled.
-                    time.sleep(2e-5)
+                if not progressed and (in_flight or waiting):
+                    # Sleep on the oldest unfinished batch's completion event when its backend
+                    # completes it on a thread (tcp, loopback host copies, ucx copy lanes), so
+                    # this loop does not take a core from those threads; else back off
+                    # briefly, except on progress-driven transports (ucx, nixl), whose data
+                    # moves only while polled.
+                    event = self._oldest_event(in_flight)
+                    if event is not None:
+                        event.wait(_EVENT_SLICE_S)
+                    elif not self.transport.progress_driven:
+                        time.sleep(2e-5)
         except BaseException:
             abort.set()
             worker.join(timeout=5.0)
@@ -405,6 +416,16 @@ class Executor:
             peak_scratch_bytes=self._scratch_peak,
             records=tuple(sorted(records, key=lambda r: r.task_id)),
         )
+
+    def _oldest_event(
+        self, in_flight: list[tuple[_Prepared, list[WriteHandle]]]
+    ) -> threading.Event | None:
+        if not in_flight:
+            return None
+        for h in in_flight[0][1]:
+            if not h.done:
+                return self.transport.completion_event(h)
+        return None
 
     def write_versions(self, step: int, timeout_s: float) -> None:
         """Write `step` into the version word of every engine this rank commits."""
