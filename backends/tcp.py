@@ -83,10 +83,12 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes | None:
 
 
 def _recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view`. `MSG_WAITALL` lets the kernel copy the whole payload in one call, as it
+    arrives, instead of returning to Python (and the GIL) for every chunk it has queued."""
     got = 0
     total = len(view)
     while got < total:
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {total} payload bytes")
         got += n
@@ -131,7 +133,7 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     i = 0
     while i < len(views):
         batch = views[i : i + _IOV_MAX]
-        got = sock.recvmsg_into(batch)[0]
+        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionError("connection closed inside a batch's payload")
         for view in batch:
