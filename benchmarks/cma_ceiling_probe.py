@@ -6,7 +6,7 @@ syscall directly, with one and two concurrent streams (threads; ctypes releases 
 `memmove` in one process with one and two threads, for a 64 MiB buffer. It bounds what `ucx` and
 `nixl` can reach in `weight-transfer bench transports` on the same machine.
 
-    python benchmarks/cma_ceiling_probe.py [--mib 64] [--repeats 25]
+    python benchmarks/cma_ceiling_probe.py [--mib 64] [--repeats 25] [--chunk-mib 4]
 
 Linux only. Prints median GB/s per case.
 """
@@ -71,8 +71,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--chunk-mib", type=int, default=4, help="bytes per process_vm_writev call")
     args = ap.parse_args()
     nbytes = args.mib << 20
+    chunk = args.chunk_mib << 20
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_target, args=(nbytes, out, done))
@@ -83,10 +85,17 @@ def main() -> None:
         _dst_map, dst = _buffer(nbytes)
 
         def cma(offset: int, n: int) -> None:
-            local, far = _IoVec(src + offset, n), _IoVec(remote + offset, n)
-            got = _LIBC.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0)
-            if got != n:
-                raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {n}")
+            # In calls of at most --chunk-mib, as UCX's cma does (CMA_SEG_SIZE, 4M here).
+            end = offset + n
+            while offset < end:
+                step = min(chunk, end - offset)
+                local, far = _IoVec(src + offset, step), _IoVec(remote + offset, step)
+                got = _LIBC.process_vm_writev(
+                    pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0
+                )
+                if got != step:
+                    raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {step}")
+                offset += step
 
         def copy(offset: int, n: int) -> None:
             ctypes.memmove(dst + offset, src + offset, n)
