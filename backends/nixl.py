@@ -32,8 +32,8 @@ Options (`TransportConfig.options`):
   by UCX; its transfers never complete and `Transport.wait`'s timeout names the peer.
 - `ucx_devices` defaults to `lo` when `config.listen_host` is a loopback address (the
   default), so a default transport never leaves this host.
-- `lanes` (default 2 on a host-only transport, 1 when the transport has a CUDA device): how
-  many copy streams move one host segment at once. See Lanes below.
+- `lanes` (default 1): how many copy streams move one host segment at once. See Lanes below,
+  including why more than one is not the default.
 - `segment_bytes` (default: 64 MiB for host sources, none for GPU sources; given, it applies to
   both) and `window` (default: no limit): see Writes above. Measured on 2 vCPUs with host
   memory, segment size hardly changes throughput (the copy is cma either way); on GPUs the old
@@ -68,6 +68,14 @@ default is 1 when the transport has a CUDA device (unmeasured there); and since 
 complete transfers alone, a laned transport is not `progress_driven` (its `wait` polls with
 a short sleep instead of spinning, leaving both cores to the copies). Closing the agent joins
 NIXL's threads (NIXL's destructor; a copy in flight is at most one lane of one segment).
+
+Why `lanes` defaults to 1: with the thread-pool engine, a process whose peer was SIGKILLed in
+the middle of a transfer can abort inside NIXL's bundled UCX while its agent is torn down
+(`arbiter.c:36 Assertion 'ucs_arbiter_group_is_empty(group)' failed`, SIGABRT), after the
+failure itself was reported correctly. `test_engine_killed_mid_update[nixl]` hit it in 2 of 5
+runs on a loaded 2-core machine with lanes 2, and in 0 of 6 with lanes 1. Two lanes copied
+host memory 1.5-1.9x faster on that machine (`benchmarks/results/transports_cpu-2core_202611.md`);
+use them where no peer dies mid-transfer, or where a crash on teardown is acceptable.
 """
 
 from __future__ import annotations
@@ -112,8 +120,9 @@ _DEFAULT_SEGMENT_BYTES = {"DRAM": 64 << 20, "VRAM": 0}
 """Segment size by source memory type when the option is not given; 0: one transfer per group."""
 _DEFAULT_WINDOW = 0
 """0: no limit on segments in flight."""
-_DEFAULT_LANES = {False: 2, True: 1}
-"""Copy streams per host segment by whether the transport has a CUDA device (see Lanes)."""
+_DEFAULT_LANES = {False: 1, True: 1}
+"""Copy streams per host segment by whether the transport has a CUDA device (see Lanes): one,
+until NIXL's thread-pool engine survives a lost peer (see Lanes)."""
 _MIN_LANE_BYTES = 1 << 20
 """A host segment is cut into at most one lane per this many bytes."""
 _START_BUDGET_S = 0.002

@@ -123,17 +123,17 @@ def test_repeated_batches_reuse_prepared_lists_and_write_new_bytes() -> None:
 
 @requires_module("nixl_cu13")
 def test_lanes_default_and_progress() -> None:
-    """Host-only: 2 lanes, NIXL's pool threads complete transfers (not progress-driven);
-    lanes 1: the caller copies inside `transfer()` (progress-driven), as before."""
+    """Default 1 lane: the caller copies inside `transfer()` (progress-driven); lanes 2: NIXL's
+    pool threads complete transfers (not progress-driven)."""
     default = NixlTransport(TransportConfig(name="nixl"))
-    one = NixlTransport(TransportConfig(name="nixl", options=(("lanes", "1"),)))
+    two = NixlTransport(TransportConfig(name="nixl", options=(("lanes", "2"),)))
     try:
-        assert default._lanes == 2 and not default.progress_driven
-        assert isinstance(default, NixlTransport) and default.name == "nixl"
-        assert one._lanes == 1 and one.progress_driven
+        assert default._lanes == 1 and default.progress_driven
+        assert two._lanes == 2 and not two.progress_driven
+        assert isinstance(two, NixlTransport) and two.name == "nixl"
     finally:
         default.close()
-        one.close()
+        two.close()
 
 
 def test_lane_order_cuts_equal_runs_listed_last_first() -> None:
