@@ -1,4 +1,4 @@
-"""Raw-address helpers shared by the simulated backends (loopback, tcp): views, copies, shm.
+"""Raw-address helpers shared by the backends: views, copies, shm, cutting byte runs.
 
 Everything here works on plain integer addresses of host memory. Callers own the memory and
 must keep it alive while a view or copy uses it; nothing here checks that.
@@ -11,9 +11,11 @@ import mmap
 import os
 import socket
 import threading
+from collections.abc import Sequence
 
 __all__ = [
     "ShmMapping",
+    "cut_at",
     "host_identity",
     "host_view",
     "memmove",
@@ -21,6 +23,29 @@ __all__ = [
 ]
 
 _SHM_DIR = "/dev/shm"
+
+
+def cut_at(lengths: Sequence[int], bounds: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+    """Cut a byte sequence made of pieces of `lengths` (in order) at the offsets `bounds`.
+
+    `bounds` increase and the last is at least the total. Share k gets the bytes in
+    [bounds[k-1], bounds[k]) as `(piece index, offset in the piece, bytes)`, in order; a piece
+    that straddles a bound is split there. Every byte lands in exactly one share; a share with
+    no bytes is empty.
+    """
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in bounds]
+    k = 0
+    at = 0  # bytes before the current piece
+    for i, n in enumerate(lengths):
+        done = 0
+        while done < n:
+            while at + done >= bounds[k]:
+                k += 1
+            take = min(n - done, bounds[k] - at - done)
+            shares[k].append((i, done, take))
+            done += take
+        at += n
+    return shares
 
 
 def host_view(address: int, nbytes: int) -> memoryview:

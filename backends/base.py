@@ -507,7 +507,7 @@ class Transport(ABC):
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         deadline = time.monotonic() + timeout_s
-        event = None if handle.done or handle.error else self._completion_event(handle)
+        event = self.completion_event(handle)
         backoff = 0.0
         while not self.poll(handle):
             remaining = deadline - time.monotonic()

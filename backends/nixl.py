@@ -92,6 +92,7 @@ from typing import Any
 import msgpack
 import torch
 
+from backends._memory import cut_at
 from backends.base import (
     ConfigurationError,
     MemoryKind,
@@ -170,6 +171,19 @@ def _has_cuda(config: TransportConfig) -> bool:
 def _lanes_option(config: TransportConfig) -> int:
     """The `lanes` option, checked; its default depends on whether there is a CUDA device."""
     return _positive_int_option(config, "lanes", _DEFAULT_LANES[_has_cuda(config)])
+
+
+def _cut(
+    pieces: list[tuple[int, int, int, int, int, int]], bounds: list[int]
+) -> list[list[tuple[int, int, int, int, int, int]]]:
+    """`cut_at` over (src, src_dev, dst, dst_dev, nbytes, region_id) pieces."""
+    return [
+        [
+            (pieces[i][0] + off, pieces[i][1], pieces[i][2] + off, pieces[i][3], n, pieces[i][5])
+            for i, off, n in share
+        ]
+        for share in cut_at([piece[4] for piece in pieces], bounds)
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -501,19 +515,9 @@ class NixlTransport(Transport):
         (`limit` 0: one segment)."""
         if not limit:
             return [pieces]
-        segments: list[list[tuple[int, int, int, int, int, int]]] = [[]]
-        filled = 0
-        for src, src_dev, dst, dst_dev, nbytes, region_id in pieces:
-            done = 0
-            while done < nbytes:
-                if filled == limit:
-                    segments.append([])
-                    filled = 0
-                n = min(nbytes - done, limit - filled)
-                segments[-1].append((src + done, src_dev, dst + done, dst_dev, n, region_id))
-                filled += n
-                done += n
-        return segments
+        total = sum(piece[4] for piece in pieces)
+        count = max(1, -(-total // limit))
+        return _cut(pieces, [min(limit * k, total) for k in range(1, count + 1)])
 
     @staticmethod
     def _lane_order(
@@ -526,19 +530,7 @@ class NixlTransport(Transport):
         count = max(1, min(lanes, total // _MIN_LANE_BYTES))
         if count == 1:
             return segment
-        bounds = [total * k // count for k in range(1, count + 1)]
-        runs: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in range(count)]
-        lane = 0
-        at = 0  # bytes of the segment before the current piece
-        for src, src_dev, dst, dst_dev, nbytes, region_id in segment:
-            done = 0
-            while done < nbytes:
-                while at + done >= bounds[lane]:
-                    lane += 1
-                n = min(nbytes - done, bounds[lane] - at - done)
-                runs[lane].append((src + done, src_dev, dst + done, dst_dev, n, region_id))
-                done += n
-            at += nbytes
+        runs = _cut(segment, [total * k // count for k in range(1, count + 1)])
         return [piece for run in reversed(runs) for piece in run]
 
     def _close(self) -> None:

@@ -87,6 +87,7 @@ from typing import cast
 import msgpack
 import torch
 
+from backends._memory import cut_at
 from backends.base import (
     ConfigurationError,
     MemoryKind,
@@ -193,6 +194,34 @@ class _Batch:
     """The flush posted after the batch's puts; they are all complete once it is."""
 
 
+def _settle(worker: ucx_native.UcxWorker, batch: _Batch) -> bool:
+    """True once the batch's flush and then every one of its puts completed.
+
+    Raises:
+        UcxError: the flush or a put failed (every request of the batch is released).
+    """
+    try:
+        if batch.flush is not None and worker.check(batch.flush):
+            batch.flush = None
+        if batch.flush is None and batch.puts:
+            # Each put's own status: a failed put (peer gone) shows there, not in the flush.
+            batch.puts = worker.settle(batch.puts)
+    except ucx_native.UcxError:
+        batch.puts = []  # settle released them
+        _release(worker, batch)
+        raise
+    return batch.flush is None and not batch.puts
+
+
+def _release(worker: ucx_native.UcxWorker, batch: _Batch) -> None:
+    """Give up on a batch's requests."""
+    worker.release_all(batch.puts)
+    batch.puts = []
+    if batch.flush is not None:
+        worker.release(batch.flush)
+        batch.flush = None
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class _LaneBatch:
     """A host batch split over the copy lanes: complete once every lane's job is."""
@@ -218,8 +247,8 @@ class _LaneJob:
     ep: int
     puts: list[tuple[int, int, int, int, ctypes.Structure]]
     batch: _LaneBatch
-    pending: list[int] = dataclasses.field(default_factory=list)
-    flush: ucx_native.Request | None = None
+    work: _Batch = dataclasses.field(default_factory=lambda: _Batch(puts=[], flush=None))
+    """The posted puts and flush, settled like an unsplit batch (`_settle`)."""
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -243,19 +272,15 @@ def _split_over_lanes(
     as the op it came from. Shares may be empty at the end."""
     share = -(-total // lanes)
     share = -(-share // _PAGE_BYTES) * _PAGE_BYTES
-    out: list[list[tuple[int, int, int, int, ctypes.Structure]]] = [[] for _ in range(lanes)]
-    lane, room = 0, share
-    for address, nbytes, remote, target, param in resolved:
-        while nbytes > 0:
-            take = nbytes if lane == lanes - 1 else min(nbytes, room)
-            out[lane].append((address, take, remote, target.lane_rkeys[lane], param))
-            address += take
-            remote += take
-            nbytes -= take
-            room -= take
-            if room == 0 and lane < lanes - 1:
-                lane, room = lane + 1, share
-    return out
+    bounds = [min(share * k, total) for k in range(1, lanes)] + [total]
+    return [
+        [
+            (resolved[i][0] + off, n, resolved[i][2] + off, resolved[i][3].lane_rkeys[lane],
+             resolved[i][4])  # fmt: skip
+            for i, off, n in pieces
+        ]
+        for lane, pieces in enumerate(cut_at([r[1] for r in resolved], bounds))
+    ]
 
 
 def _parse_lanes(value: str) -> int:
@@ -598,23 +623,9 @@ class UcxTransport(Transport):
         # (progress_driven).
         self._progress(batch, _POLL_BUDGET_S)
         try:
-            if batch.flush is not None and self._worker.check(batch.flush):
-                batch.flush = None
-            if batch.flush is None and batch.puts:
-                # Each put's own status: a failed put (peer gone) shows there, not in the flush.
-                batch.puts = self._worker.settle(batch.puts)
+            return _settle(self._worker, batch)
         except ucx_native.UcxError as exc:
-            batch.puts = []  # settle released them
-            self._release_batch(batch)
             raise TransportError(f"ucx: writes to peer {handle.peer!r} failed: {exc}") from exc
-        return batch.flush is None and not batch.puts
-
-    def _release_batch(self, batch: _Batch) -> None:
-        self._worker.release_all(batch.puts)
-        batch.puts = []
-        if batch.flush is not None:
-            self._worker.release(batch.flush)
-            batch.flush = None
 
     # -- copy lanes -------------------------------------------------------------------------
 
@@ -657,8 +668,8 @@ class UcxTransport(Transport):
                 for posted in new:
                     assert posted is not None
                     try:
-                        posted.pending = worker.put_many(posted.ep, posted.puts)
-                        posted.flush = worker.flush(posted.ep)
+                        posted.work.puts = worker.put_many(posted.ep, posted.puts)
+                        posted.work.flush = worker.flush(posted.ep)
                     except ucx_native.UcxError as exc:
                         self._lane_fail(lane, posted, str(exc))
                         continue
@@ -673,15 +684,11 @@ class UcxTransport(Transport):
                 still: list[_LaneJob] = []
                 for job in active:
                     try:
-                        if job.flush is not None and worker.check(job.flush):
-                            job.flush = None
-                        if job.flush is None and job.pending:
-                            job.pending = worker.settle(job.pending)
+                        done = _settle(worker, job.work)
                     except ucx_native.UcxError as exc:
-                        job.pending = []  # settle released them
                         self._lane_fail(lane, job, str(exc))
                         continue
-                    if job.flush is None and not job.pending:
+                    if done:
                         job.batch.finish(None)
                     else:
                         still.append(job)
@@ -696,11 +703,7 @@ class UcxTransport(Transport):
     @staticmethod
     def _lane_fail(lane: _Lane, job: _LaneJob, why: str) -> None:
         """Give up on a job (its lane's lock held) and report it on its batch."""
-        lane.worker.release_all(job.pending)
-        job.pending = []
-        if job.flush is not None:
-            lane.worker.release(job.flush)
-            job.flush = None
+        _release(lane.worker, job.work)
         job.batch.finish(f"copy lane {lane.index}: {why}")
 
     def _stop_lanes(self) -> None:
