@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from backends.base import TransportError
+from weight_transfer.backends.base import TransportError
 
 _IPC_HANDLE_BYTES = 64
 CUDA_MEMCPY_DEFAULT = 4

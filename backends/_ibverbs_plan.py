@@ -20,7 +20,7 @@ from typing import cast
 
 import msgpack
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     PeerLostError,
     TransportError,

@@ -53,48 +53,17 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# Errors: one hierarchy for the whole project.
-# ---------------------------------------------------------------------------------------------
-
-
-class WeightTransferError(RuntimeError):
-    """Base class of every error this project raises on purpose."""
-
-
-class ConfigurationError(WeightTransferError, ValueError):
-    """A configuration value or an argument is invalid."""
-
-
-class PlanMismatchError(WeightTransferError):
-    """Source and destination manifests cannot be reconciled; `problems` lists every cause."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        shown = "\n  ".join(self.problems[:50])
-        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
-        super().__init__(f"{len(self.problems)} plan problem(s):\n  {shown}{more}")
-
-
-class TransportError(WeightTransferError):
-    """A transport operation failed."""
-
-
-class TransportUnavailableError(TransportError):
-    """A backend cannot run here (package missing, no device); the message says how to fix it."""
-
-
-class PeerLostError(TransportError):
-    """A peer (named in the message) disconnected or stopped answering."""
-
-
-class TransportTimeoutError(WeightTransferError, TimeoutError):
-    """A wait ran past its timeout; the message says what was awaited and from whom."""
-
-
-class ControlPlaneAuthError(WeightTransferError):
-    """A control-plane message failed authentication (wrong token or tampered data)."""
-
+# Errors: re-exported from the neutral module `weight_transfer.errors`.
+from weight_transfer.errors import (  # noqa: E402,F401
+    ConfigurationError,
+    ControlPlaneAuthError,
+    PeerLostError,
+    PlanMismatchError,
+    TransportError,
+    TransportTimeoutError,
+    TransportUnavailableError,
+    WeightTransferError,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Value types.
@@ -601,11 +570,11 @@ class Transport(ABC):
 # ---------------------------------------------------------------------------------------------
 
 BACKENDS: dict[str, str] = {
-    "loopback": "backends.loopback:LoopbackTransport",
-    "tcp": "backends.tcp:TcpTransport",
-    "ucx": "backends.ucx:UcxTransport",
-    "nixl": "backends.nixl:NixlTransport",
-    "ibverbs": "backends.ibverbs:IbverbsTransport",
+    "loopback": "weight_transfer.backends.loopback:LoopbackTransport",
+    "tcp": "weight_transfer.backends.tcp:TcpTransport",
+    "ucx": "weight_transfer.backends.ucx:UcxTransport",
+    "nixl": "weight_transfer.backends.nixl:NixlTransport",
+    "ibverbs": "weight_transfer.backends.ibverbs:IbverbsTransport",
 }
 """Backend name -> "module:Class", imported on first use."""
 

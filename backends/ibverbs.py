@@ -41,8 +41,8 @@ from typing import Any, cast
 
 import torch
 
-from backends import _ibverbs_plan as plan
-from backends.base import (
+from weight_transfer.backends import _ibverbs_plan as plan
+from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
     PeerLostError,

@@ -35,9 +35,9 @@ from typing import Any
 import msgpack
 import torch
 
-from backends import _cudart
-from backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
-from backends.base import (
+from weight_transfer.backends import _cudart
+from weight_transfer.backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
+from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
     PeerLostError,

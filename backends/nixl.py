@@ -92,8 +92,8 @@ from typing import Any
 import msgpack
 import torch
 
-from backends._memory import cut_at
-from backends.base import (
+from weight_transfer.backends._memory import cut_at
+from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
     PeerLostError,

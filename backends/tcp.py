@@ -32,8 +32,8 @@ from typing import Any
 import msgpack
 import torch
 
-from backends._memory import host_view
-from backends.base import (
+from weight_transfer.backends._memory import host_view
+from weight_transfer.backends.base import (
     MemoryKind,
     PeerLostError,
     Region,

@@ -87,8 +87,8 @@ from typing import cast
 import msgpack
 import torch
 
-from backends._memory import cut_at
-from backends.base import (
+from weight_transfer.backends._memory import cut_at
+from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
     PeerLostError,
@@ -131,7 +131,7 @@ defaults, 512K and 1, cost a progress call per 512 KiB and per small put); at mo
 in one progress call."""
 
 try:  # the binding module itself imports only ctypes; libucp is loaded in the constructor
-    from backends import ucx_native
+    from weight_transfer.backends import ucx_native
 except ImportError as exc:  # pragma: no cover - the package ships with the project
     raise ImportError(f"backends.ucx_native is missing: {exc}") from exc
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.plan import PlannerConfig, plan  # noqa: E402
-from planner.presets.clusters import cluster_manifests, get_preset, model_bytes  # noqa: E402
-from planner.simulate import broadcast_baseline, simulate  # noqa: E402
+from weight_transfer.planner.plan import PlannerConfig, plan  # noqa: E402
+from weight_transfer.planner.presets.clusters import cluster_manifests, get_preset, model_bytes  # noqa: E402
+from weight_transfer.planner.simulate import broadcast_baseline, simulate  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

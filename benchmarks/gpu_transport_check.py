@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.base import (  # noqa: E402
+from weight_transfer.backends.base import (  # noqa: E402
     RegionDescriptor,
     RegionRole,
     TransportConfig,

@@ -33,9 +33,9 @@ from typing import Final, Literal
 
 import msgpack
 
-from backends.base import PlanMismatchError
-from planner import codec
-from planner.types import (
+from weight_transfer.errors import PlanMismatchError
+from weight_transfer.planner import codec
+from weight_transfer.planner.types import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
     Box,

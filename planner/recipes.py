@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from planner.fp8 import scale_shape
-from planner.reference import FP8_DTYPE, SCALE_DTYPE, check_coverage
-from planner.types import DTYPE_SIZES, Box, Fp8BlockQuant, Part, Range, Recipe
+from weight_transfer.planner.fp8 import scale_shape
+from weight_transfer.planner.reference import FP8_DTYPE, SCALE_DTYPE, check_coverage
+from weight_transfer.planner.types import DTYPE_SIZES, Box, Fp8BlockQuant, Part, Range, Recipe
 
 SCALE_SUFFIX = "_scale_inv"
 """Appended to an FP8 weight's name to name its scale tensor (``w13_weight_scale_inv``)."""

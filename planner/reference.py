@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from planner.fp8 import quantize_fp8_blockwise, scale_shape
-from planner.types import (
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape
+from weight_transfer.planner.types import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
     Box,

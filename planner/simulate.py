@@ -35,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from planner.types import (
+from weight_transfer.planner.types import (
     QuantWrite,
     Schedule,
     SliceWrite,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from backends.base import BACKENDS, TransportConfig, TransportError, load_backend
+from weight_transfer.backends.base import BACKENDS, TransportConfig, TransportError, load_backend
 
 __all__ = [
     "available_backends",

@@ -91,28 +91,28 @@ class ModelSpec:
     def recipes(self, rank: int, tp: int, fp8: bool) -> Any:
         """Recipes of engine rank `rank` of `tp`."""
         if self.preset == "deepseek-v3-slice":
-            from planner.presets.deepseek import mla_recipes
+            from weight_transfer.planner.presets.deepseek import mla_recipes
 
             return mla_recipes(_mla_slice(), tp_rank=rank, tp_size=tp, fp8=fp8)
-        from planner.presets.models import get_model_shape
-        from planner.presets.vllm import vllm_recipes
+        from weight_transfer.planner.presets.models import get_model_shape
+        from weight_transfer.planner.presets.vllm import vllm_recipes
 
         return vllm_recipes(get_model_shape(self.preset), rank, tp, fp8=fp8)
 
     def specs(self, rank: int, tp: int, fp8: bool) -> Any:
         """Engine tensors (name, shape, dtype) of that rank."""
-        from planner.recipes import engine_tensor_specs
+        from weight_transfer.planner.recipes import engine_tensor_specs
 
         extra: dict[str, str] = {}
         if self.preset == "deepseek-v3-slice":
-            from planner.presets.deepseek import mla_engine_dtypes
+            from weight_transfer.planner.presets.deepseek import mla_engine_dtypes
 
             extra = mla_engine_dtypes(_mla_slice())
         return engine_tensor_specs(self.recipes(rank, tp, fp8), param_dtype="bfloat16", dtypes=extra)
 
 
 def _mla_slice() -> Any:
-    from planner.presets.deepseek import MLA_SHAPES
+    from weight_transfer.planner.presets.deepseek import MLA_SHAPES
 
     # Two real DeepSeek-V3 layers: a dense one and a MoE one (256 experts, shared expert).
     return dataclasses.replace(MLA_SHAPES["deepseek-v3"], num_layers=2, first_k_dense=1)
@@ -121,11 +121,11 @@ def _mla_slice() -> Any:
 def model_spec(preset: str) -> ModelSpec:
     """Shapes of a model preset (`planner.presets.models`, or "deepseek-v3-slice")."""
     if preset == "deepseek-v3-slice":
-        from planner.presets.deepseek import mla_parameter_shapes, mla_source_dtypes
+        from weight_transfer.planner.presets.deepseek import mla_parameter_shapes, mla_source_dtypes
 
         shape = _mla_slice()
         return ModelSpec(mla_parameter_shapes(shape), mla_source_dtypes(shape), preset)
-    from planner.presets.models import get_model_shape, hf_parameter_shapes
+    from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
 
     return ModelSpec(hf_parameter_shapes(get_model_shape(preset)), {}, preset)
 
@@ -171,7 +171,7 @@ def _engine_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
 
 
 def _perturb(model: nn.Module, seed: int) -> None:
-    from transfer.manifest import local_part
+    from weight_transfer.transfer.manifest import local_part
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
@@ -204,13 +204,13 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from backends.base import TransportConfig
-    from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-    from transfer.controller import Controller
-    from transfer.manifest import torch_dtype
-    from transfer.protocol import Digests
-    from transfer.sender import WeightSender, full_tensor
-    from transfer.verify import expected_fingerprints
+    from weight_transfer.backends.base import TransportConfig
+    from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.transfer.protocol import Digests
+    from weight_transfer.transfer.sender import WeightSender, full_tensor
+    from weight_transfer.transfer.verify import expected_fingerprints
 
     gpu = _trainer_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
@@ -243,7 +243,7 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
         controller = None
         if rank == 0:
-            from planner.plan import PlannerConfig
+            from weight_transfer.planner.plan import PlannerConfig
 
             controller = Controller(
                 ControllerConfig(
@@ -359,7 +359,7 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
 
     store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=(rank == 0), timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     size = 1 + _n_engines(cfg)
-    from transfer.sender import full_tensor
+    from weight_transfer.transfer.sender import full_tensor
 
     names = list(shapes)
     params = dict(model.named_parameters())
@@ -401,12 +401,12 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
 def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token: str, out: Any) -> None:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
-    from backends.base import TransportConfig
-    from transfer.config import ControlPlaneConfig
-    from transfer.manifest import torch_dtype
-    from transfer.protocol import Digests
-    from transfer.receiver import WeightReceiver
-    from transfer.verify import fingerprint
+    from weight_transfer.backends.base import TransportConfig
+    from weight_transfer.transfer.config import ControlPlaneConfig
+    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.transfer.protocol import Digests
+    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.transfer.verify import fingerprint
 
     gpu = _engine_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
@@ -447,7 +447,7 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
 def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes: Any, specs: Any, tensors: dict[str, torch.Tensor], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from transfer.verify import build_engine_tensor
+    from weight_transfer.transfer.verify import build_engine_tensor
 
     store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     pg = _baseline_pg(store, 1 + rank, 1 + _n_engines(cfg))
@@ -461,7 +461,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
     spec_of = {s.name: s for s in specs}
     bucket = torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev)
     flag = torch.ones(1, dtype=torch.int64, device=dev)
-    from transfer.manifest import torch_dtype
+    from weight_transfer.transfer.manifest import torch_dtype
 
     for _ in range(cfg.repeats + 1):
         received: dict[str, torch.Tensor] = {}
@@ -481,7 +481,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
                     s = spec_of[r.dest]
                     built = build_engine_tensor(r, s.shape, torch_dtype(s.dtype), received) if r.quant is None else None
                     if r.quant is not None:
-                        from transfer.kernels.fp8_triton import quantize_fp8
+                        from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
 
                         # Assemble in float32 and quantize, one leading slice (expert) at a time.
                         lead = s.shape[0] if len(s.shape) > 2 else 1
@@ -535,7 +535,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
 
 def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from transfer.demo import free_port
+    from weight_transfer.transfer.demo import free_port
 
     ctx = mp.get_context("spawn")
     outq: Any = ctx.Queue()

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from backends.base import BACKENDS
+from weight_transfer.backends.base import BACKENDS
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
@@ -40,8 +40,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 @command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
-    from transfer.config import config_from_mapping, merge, read_toml
-    from transfer.demo import DemoConfig, UpdateReport, run_demo
+    from weight_transfer.transfer.config import config_from_mapping, merge, read_toml
+    from weight_transfer.transfer.demo import DemoConfig, UpdateReport, run_demo
 
     try:
         # The TOML file and the flags fill the same dataclass; flags win.
@@ -89,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     # Import the other command modules for their registrations. They register into the module
     # `transfer.cli`, which is not this one when run as `python -m transfer.cli`.
-    import transfer.cli as registry
-    from transfer import cli_commands  # noqa: F401
+    import weight_transfer.transfer.cli as registry
+    from weight_transfer.transfer import cli_commands  # noqa: F401
 
     commands = registry._COMMANDS
 

@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-from backends.base import BACKENDS
-from transfer.cli import command
+from weight_transfer.backends.base import BACKENDS
+from weight_transfer.transfer.cli import command
 
 _WHAT = ("transports", "update")
 
@@ -72,7 +72,7 @@ def _progress(line: str) -> None:
 
 
 def _transports(ns: argparse.Namespace) -> int:
-    from benchmarks import transport_harness as harness
+    from weight_transfer.transfer import transport_harness as harness
 
     try:
         if ns.sizes:
@@ -119,9 +119,9 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.what == "transports":
         return _transports(ns)
     try:
-        module = importlib.import_module("transfer.bench_update")
+        module = importlib.import_module("weight_transfer.transfer.bench_update")
     except ModuleNotFoundError as exc:
-        if exc.name != "transfer.bench_update":
+        if exc.name != "weight_transfer.transfer.bench_update":
             raise
         print("error: `bench update` is not available in this version", file=sys.stderr)
         return 2

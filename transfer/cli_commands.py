@@ -5,7 +5,7 @@ Each module decorates its handler with `transfer.cli.command(name, help)(add_arg
 
 from __future__ import annotations
 
-from transfer import (  # noqa: F401
+from weight_transfer.transfer import (  # noqa: F401
     cli_bench,
     cli_doctor,
     cli_plan,  # noqa: F401

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
-from transfer.cli import command
+from weight_transfer.backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
+from weight_transfer.transfer.cli import command
 
 _PACKAGES: dict[str, tuple[str, ...]] = {
     "ucx": ("libucx-cu13",),
@@ -103,7 +103,7 @@ def _try_construct(name: str, device_index: int | None) -> str | None:
 
 def _ibverbs_info() -> dict[str, Any]:
     try:
-        from backends import ibverbs
+        from weight_transfer.backends import ibverbs
     except ImportError as exc:
         return {"error": f"backends.ibverbs does not import: {exc}"}
     info: dict[str, Any] = ibverbs.doctor_info()

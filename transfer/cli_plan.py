@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transfer.cli import command
+from weight_transfer.transfer.cli import command
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    from planner.presets.clusters import PRESETS
+    from weight_transfer.planner.presets.clusters import PRESETS
 
     p.add_argument("--preset", default="kimi-k2", choices=sorted(PRESETS), help="cluster preset")
     g = p.add_argument_group("overrides of the preset")
@@ -35,7 +35,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _preset(ns: argparse.Namespace) -> Any:
-    from planner.presets.clusters import get_preset, with_overrides
+    from weight_transfer.planner.presets.clusters import get_preset, with_overrides
 
     mapping = {
         "trainer_gpus": "trainer.num_gpus", "dense_shard": "trainer.dense_shard_size",
@@ -69,8 +69,8 @@ def _gb(n: float) -> str:
 
 
 def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
-    from planner.plan import PlannerConfig, plan
-    from planner.presets.clusters import cluster_manifests
+    from weight_transfer.planner.plan import PlannerConfig, plan
+    from weight_transfer.planner.presets.clusters import cluster_manifests
 
     preset = _preset(ns)
     config = PlannerConfig(memory_budget_bytes=int(ns.memory_budget_gib * 2**30))
@@ -93,8 +93,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 @command("plan", "plan a described cluster from manifests alone and summarise the schedule")(_plan_args)
 def _plan(ns: argparse.Namespace) -> int:
-    from backends.base import WeightTransferError
-    from planner.plan import schedule_to_json
+    from weight_transfer.errors import WeightTransferError
+    from weight_transfer.planner.plan import schedule_to_json
 
     try:
         preset, config, sources, dests, schedule = _build(ns)
@@ -136,9 +136,9 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
 
 @command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast")(_simulate_args)
 def _simulate(ns: argparse.Namespace) -> int:
-    from backends.base import WeightTransferError
-    from planner.presets.clusters import model_bytes
-    from planner.simulate import broadcast_baseline, load_rates, simulate
+    from weight_transfer.errors import WeightTransferError
+    from weight_transfer.planner.presets.clusters import model_bytes
+    from weight_transfer.planner.simulate import broadcast_baseline, load_rates, simulate
 
     try:
         preset, config, sources, dests, schedule = _build(ns)

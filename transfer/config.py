@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from backends.base import BACKENDS, TransportConfig
-from planner.plan import PlannerConfig
+from weight_transfer.backends.base import BACKENDS, TransportConfig
+from weight_transfer.planner.plan import PlannerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

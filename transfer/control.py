@@ -28,15 +28,15 @@ import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ControlPlaneAuthError,
     PeerLostError,
     TransportTimeoutError,
     WeightTransferError,
 )
-from planner import codec
-from transfer.config import ControlPlaneConfig
-from transfer.protocol import Hello
+from weight_transfer.planner import codec
+from weight_transfer.transfer.config import ControlPlaneConfig
+from weight_transfer.transfer.protocol import Hello
 
 log = logging.getLogger(__name__)
 

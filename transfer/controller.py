@@ -20,17 +20,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     PlanMismatchError,
     TransportTimeoutError,
     WeightTransferError,
 )
-from planner.plan import plan
-from planner.types import DestManifest, Schedule, SourceManifest
-from transfer.config import ControllerConfig, ControlPlaneConfig
-from transfer.control import ControlPlane
-from transfer.protocol import (
+from weight_transfer.planner.plan import plan
+from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
+from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig
+from weight_transfer.transfer.control import ControlPlane
+from weight_transfer.transfer.protocol import (
     Decision,
     Digests,
     Done,
@@ -264,7 +264,7 @@ class Controller:
         Args:
             expected: engine name -> tensor name -> expected tensor.
         """
-        from transfer.receiver import tensor_digest
+        from weight_transfer.transfer.receiver import tensor_digest
 
         bad = []
         for engine, tensors in sorted(expected.items()):

@@ -139,7 +139,7 @@ def free_port() -> int:
 def _model_config(name: str) -> Any:
     from transformers import LlamaConfig
 
-    from planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.models import get_model_shape
 
     shape = get_model_shape(name)
     if shape.num_experts:
@@ -158,20 +158,20 @@ def _model_config(name: str) -> Any:
 
 
 def _control(cfg: DemoConfig, port: int, token: str) -> Any:
-    from transfer.config import ControlPlaneConfig
+    from weight_transfer.transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(host="127.0.0.1", port=port, token=token, timeout_s=cfg.timeout_s)
 
 
 def _transport(cfg: DemoConfig) -> Any:
-    from backends.base import TransportConfig
+    from weight_transfer.backends.base import TransportConfig
 
     return TransportConfig(name=cfg.backend, options=cfg.transport_options)
 
 
 def probe_tokens(cfg: DemoConfig) -> torch.Tensor:
     """Fixed random tokens on which engine and trainer logits are compared."""
-    from planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.models import get_model_shape
 
     g = torch.Generator().manual_seed(cfg.seed + 99)
     return torch.randint(0, get_model_shape(cfg.model).vocab_size, (2, 24), generator=g)
@@ -197,10 +197,10 @@ def _phi3(cfg: DemoConfig) -> Any:
 
 def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
     """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
-    from planner.presets.models import get_model_shape
-    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from transfer.manifest import torch_dtype
-    from transfer.receiver import WeightReceiver
+    from weight_transfer.planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     shape = get_model_shape(cfg.model)
@@ -252,13 +252,13 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from planner.presets.models import get_model_shape
-    from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from planner.reference import materialize
-    from transfer.config import ControllerConfig, SenderConfig
-    from transfer.controller import Controller
-    from transfer.manifest import torch_dtype
-    from transfer.sender import WeightSender
+    from weight_transfer.planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from weight_transfer.planner.reference import materialize
+    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

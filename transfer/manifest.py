@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.types import Box, SourceManifest, SourceTensor
+from weight_transfer.planner.types import Box, SourceManifest, SourceTensor
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor
@@ -136,3 +136,31 @@ def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStor
 def storage_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over a whole storage (registration covers storages, not views)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def allocate_engine_tensors(
+    specs: Iterable[Any],
+    *,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Allocate the tensors an engine rank holds, one per spec (`vllm_tensor_specs(...)`).
+
+    Args:
+        specs: `TensorSpec`s (name, shape, dtype), as the presets return them.
+        device: where to allocate.
+        seed: fill with seeded random values (so an unwritten byte or a wrong offset shows);
+            `None` leaves the memory uninitialised (`torch.empty`), as a real engine would.
+
+    Returns:
+        name -> tensor, ready for `WeightReceiver`.
+    """
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for s in specs:
+        dt = torch_dtype(s.dtype)
+        if g is None:
+            out[s.name] = torch.empty(s.shape, dtype=dt, device=device)
+        else:
+            out[s.name] = torch.randn(s.shape, generator=g).to(dtype=dt, device=device)
+    return out

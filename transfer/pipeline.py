@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     Region,
     RegionDescriptor,
     RegionRole,
@@ -34,7 +34,7 @@ from backends.base import (
     WriteHandle,
     WriteOp,
 )
-from planner.types import (
+from weight_transfer.planner.types import (
     Box,
     QuantWrite,
     RankSchedule,
@@ -44,7 +44,7 @@ from planner.types import (
     box_shape,
     numel,
 )
-from transfer.manifest import torch_dtype
+from weight_transfer.transfer.manifest import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,11 @@ def _slices(box: Box, origin: Sequence[int] | None = None) -> tuple[slice, ...]:
 def default_quantize(x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_s: torch.Tensor) -> None:
     """Quantize into `out_q`/`out_s` with the GPU kernel on CUDA, else the reference."""
     if x.is_cuda:
-        from transfer.kernels.fp8_triton import quantize_fp8
+        from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
 
         quantize_fp8(x, block, out_q=out_q, out_scale=out_s)
         return
-    from planner.fp8 import quantize_fp8_blockwise
+    from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
     q, s = quantize_fp8_blockwise(x, block)
     out_q.copy_(q)
@@ -670,7 +670,7 @@ class Executor:
 
     def _local(self, name: str) -> torch.Tensor:
         b = self.sources[name]
-        from transfer.manifest import local_part
+        from weight_transfer.transfer.manifest import local_part
 
         local = local_part(b.param)
         if b.region is not None and local.untyped_storage().data_ptr() != b.storage_ptr:

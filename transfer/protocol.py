@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.types import DestManifest, RankSchedule, SourceManifest
+from weight_transfer.planner.types import DestManifest, RankSchedule, SourceManifest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

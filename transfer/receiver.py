@@ -13,7 +13,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     Region,
     RegionRole,
@@ -23,11 +23,11 @@ from backends.base import (
     WeightTransferError,
     create_transport,
 )
-from planner.types import DestManifest, DestRegion, DestTensor, Recipe
-from transfer.config import ControlPlaneConfig, ReceiverConfig
-from transfer.control import ControlPlane
-from transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from transfer.protocol import Decision, Digests, EngineJoin
+from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
+from weight_transfer.transfer.config import ControlPlaneConfig, ReceiverConfig
+from weight_transfer.transfer.control import ControlPlane
+from weight_transfer.transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
+from weight_transfer.transfer.protocol import Decision, Digests, EngineJoin
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.base import (
+from weight_transfer.backends.base import (
     RegionDescriptor,
     RegionRole,
     Transport,
@@ -20,13 +20,13 @@ from backends.base import (
     WeightTransferError,
     create_transport,
 )
-from planner.types import SliceWrite
-from transfer.config import ControlPlaneConfig, SenderConfig
-from transfer.control import ControlPlane
-from transfer.controller import Controller, plan_key
-from transfer.manifest import local_part, named_tensors, source_manifest, storage_view
-from transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
-from transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
+from weight_transfer.planner.types import SliceWrite
+from weight_transfer.transfer.config import ControlPlaneConfig, SenderConfig
+from weight_transfer.transfer.control import ControlPlane
+from weight_transfer.transfer.controller import Controller, plan_key
+from weight_transfer.transfer.manifest import local_part, named_tensors, source_manifest, storage_view
+from weight_transfer.transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
+from weight_transfer.transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
 
 log = logging.getLogger(__name__)
 

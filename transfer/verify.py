@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from planner.fp8 import quantize_fp8_blockwise
-from planner.types import Recipe
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.types import Recipe
 
 _CHUNK = 1 << 26
 

@@ -15,7 +15,7 @@ import ctypes
 import logging
 from collections.abc import Iterable
 
-from backends.base import TransportError
+from weight_transfer.backends.base import TransportError
 
 from . import _libucp as L
 

@@ -32,9 +32,9 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from backends.base import ConfigurationError
-from planner.fp8 import scale_shape
-from planner.presets.deepseek import (
+from weight_transfer.errors import ConfigurationError
+from weight_transfer.planner.fp8 import scale_shape
+from weight_transfer.planner.presets.deepseek import (
     MLA_SHAPES,
     MlaShape,
     mla_engine_dtypes,
@@ -42,11 +42,11 @@ from planner.presets.deepseek import (
     mla_recipes,
     mla_source_dtypes,
 )
-from planner.presets.models import MODEL_SHAPES, ModelShape, hf_parameter_shapes
-from planner.presets.vllm import vllm_recipes
-from planner.reference import FP8_DTYPE
-from planner.simulate import Rates
-from planner.types import (
+from weight_transfer.planner.presets.models import MODEL_SHAPES, ModelShape, hf_parameter_shapes
+from weight_transfer.planner.presets.vllm import vllm_recipes
+from weight_transfer.planner.reference import FP8_DTYPE
+from weight_transfer.planner.simulate import Rates
+from weight_transfer.planner.types import (
     Box,
     DestManifest,
     DestRegion,

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from backends.base import ConfigurationError
-from planner.presets.vllm import vocab_rows
-from planner.recipes import (
+from weight_transfer.errors import ConfigurationError
+from weight_transfer.planner.presets.vllm import vocab_rows
+from weight_transfer.planner.recipes import (
     column_shard,
     concat_rows,
     even_bounds,
@@ -51,7 +51,7 @@ from planner.recipes import (
     split_bounds,
     with_fp8,
 )
-from planner.types import Range, Recipe
+from weight_transfer.planner.types import Range, Recipe
 
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 """Per-layer float32 router bias of DeepSeek-V3-style routing (``noaux_tc``)."""

@@ -39,9 +39,9 @@ pre-quantized checkpoints refuses such partitions.
 
 from __future__ import annotations
 
-from backends.base import ConfigurationError
-from planner.presets.models import MOE_LAYOUTS, ModelShape, MoeLayout
-from planner.recipes import (
+from weight_transfer.errors import ConfigurationError
+from weight_transfer.planner.presets.models import MOE_LAYOUTS, ModelShape, MoeLayout
+from weight_transfer.planner.recipes import (
     TensorSpec,
     column_shard,
     engine_tensor_specs,
@@ -57,7 +57,7 @@ from planner.recipes import (
     row_shard,
     with_fp8,
 )
-from planner.types import Range, Recipe
+from weight_transfer.planner.types import Range, Recipe
 
 VLLM_VERSION = "0.33.0"
 """The vLLM release whose conventions this preset reproduces."""

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     RegionDescriptor,
     RegionRole,
     Transport,

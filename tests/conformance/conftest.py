@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from backends.base import Transport
+from weight_transfer.backends.base import Transport
 from tests.conformance._support import BACKEND_NAMES, make_transport
 from tests.markers import backend_unavailable_reason, requires_rdma_device
 

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     PeerLostError,
     RegionDescriptor,
@@ -18,7 +18,7 @@ from backends.base import (
     TransportConfig,
     WriteOp,
 )
-from backends.loopback import LoopbackTransport
+from weight_transfer.backends.loopback import LoopbackTransport
 from tests.conformance._support import Receiver, join_all, seeded_bytes
 
 

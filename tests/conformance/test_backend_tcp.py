@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     PeerLostError,
     RegionDescriptor,
     RegionRole,
@@ -17,7 +17,7 @@ from backends.base import (
     TransportError,
     WriteOp,
 )
-from backends.tcp import TcpTransport
+from weight_transfer.backends.tcp import TcpTransport
 from tests.conformance._support import Receiver, join_all, seeded_bytes
 
 

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     MemoryKind,
     PeerLostError,
     RegionDescriptor,

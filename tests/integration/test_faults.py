@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
-from transfer.demo import free_port
+from weight_transfer.transfer.demo import free_port
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 20.0
@@ -52,7 +52,7 @@ def _trainer_tensors(big: bool) -> dict[str, torch.Tensor]:
 
 
 def _recipes(engine: int, num_engines: int, big: bool) -> tuple[Any, ...]:
-    from planner.recipes import column_shard
+    from weight_transfer.planner.recipes import column_shard
 
     rows = ROWS * 256 if big else ROWS
     return tuple(
@@ -62,7 +62,7 @@ def _recipes(engine: int, num_engines: int, big: bool) -> tuple[Any, ...]:
 
 
 def _control(port: int, token: str) -> Any:
-    from transfer.config import ControlPlaneConfig
+    from weight_transfer.transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
@@ -70,10 +70,10 @@ def _control(port: int, token: str) -> Any:
 def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, token: str,
                  fault: str, big: bool, out: Any, paused: Any, resume: Any, finish: Any) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
-    from backends.base import TransportConfig, WeightTransferError
-    from transfer.config import ControllerConfig, SenderConfig
-    from transfer.controller import Controller
-    from transfer.sender import WeightSender
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _trainer_tensors(big)
@@ -118,8 +118,8 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
 def engine_proc(index: int, engines: int, backend: str, port: int, token: str, big: bool,
                 out: Any) -> None:
     """An engine rank: register random-filled tensors, wait for update 1, report."""
-    from backends.base import TransportConfig, WeightTransferError
-    from transfer.receiver import WeightReceiver
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(100 + index)
@@ -350,10 +350,10 @@ def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: A
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from backends.base import TransportConfig, WeightTransferError
-    from transfer.config import ControllerConfig, SenderConfig
-    from transfer.controller import Controller
-    from transfer.sender import WeightSender
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
@@ -393,9 +393,9 @@ def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: A
 
 
 def fp8_engine_proc(port: int, token: str, out: Any) -> None:
-    from backends.base import TransportConfig, WeightTransferError
-    from planner.recipes import identity, scale_name, with_fp8
-    from transfer.receiver import WeightReceiver
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.planner.recipes import identity, scale_name, with_fp8
+    from weight_transfer.transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(9)

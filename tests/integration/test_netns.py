@@ -92,19 +92,19 @@ def _src(step: int) -> dict[str, torch.Tensor]:
 
 
 def _recipes() -> tuple[Any, ...]:
-    from planner.recipes import identity
+    from weight_transfer.planner.recipes import identity
 
     return tuple(identity(n, n, tuple(_src(0)[n].shape)) for n in NAMES)
 
 
 def _control(host: str, port: int, token: str) -> Any:
-    from transfer.config import ControlPlaneConfig
+    from weight_transfer.transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
 
 def _transport(backend: str, host: str, dev: str) -> Any:
-    from backends.base import TransportConfig
+    from weight_transfer.backends.base import TransportConfig
 
     if backend == "ucx":
         return TransportConfig(name="ucx", listen_host=host,
@@ -115,11 +115,11 @@ def _transport(backend: str, host: str, dev: str) -> Any:
 def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: str, out: Any,
                  paused: Any, resume: Any, link_up: Any, finish: Any) -> None:
     _enter_netns(ns)
-    from backends.base import WeightTransferError
-    from transfer.config import ControllerConfig, SenderConfig
-    from transfer.controller import Controller
-    from transfer.receiver import tensor_digest
-    from transfer.sender import WeightSender
+    from weight_transfer.backends.base import WeightTransferError
+    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.receiver import tensor_digest
+    from weight_transfer.transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _src(1)
@@ -161,8 +161,8 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
 def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port: int, token: str,
                 out: Any) -> None:
     _enter_netns(ns)
-    from backends.base import WeightTransferError
-    from transfer.receiver import WeightReceiver
+    from weight_transfer.backends.base import WeightTransferError
+    from weight_transfer.transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(77)

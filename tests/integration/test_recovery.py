@@ -12,19 +12,19 @@ import secrets
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     TransportConfig,
     TransportTimeoutError,
     WeightTransferError,
 )
-from planner.recipes import column_shard, identity
+from weight_transfer.planner.recipes import column_shard, identity
 from tests.markers import backend_unavailable_reason
-from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from transfer.controller import Controller
-from transfer.demo import free_port
-from transfer.receiver import WeightReceiver
-from transfer.sender import WeightSender
+from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.transfer.controller import Controller
+from weight_transfer.transfer.demo import free_port
+from weight_transfer.transfer.receiver import WeightReceiver
+from weight_transfer.transfer.sender import WeightSender
 
 SHAPE = (40, 24)
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from backends.base import BACKENDS, TransportUnavailableError
-from transfer import cli_doctor
-from transfer.cli import main
+from weight_transfer.backends.base import BACKENDS, TransportUnavailableError
+from weight_transfer.transfer import cli_doctor
+from weight_transfer.transfer.cli import main
 
 
 def test_report_covers_every_backend_with_reasons() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import ConfigurationError
-from planner.presets.clusters import (
+from weight_transfer.backends.base import ConfigurationError
+from weight_transfer.planner.presets.clusters import (
     PRESETS,
     chunk_bounds,
     cluster_manifests,
@@ -14,9 +14,9 @@ from planner.presets.clusters import (
     get_shape,
     with_overrides,
 )
-from planner.presets.deepseek import MLA_SHAPES, local_experts, mla_parameter_shapes, mla_recipes
-from planner.recipes import engine_tensor_specs
-from planner.types import box_shape, numel
+from weight_transfer.planner.presets.deepseek import MLA_SHAPES, local_experts, mla_parameter_shapes, mla_recipes
+from weight_transfer.planner.recipes import engine_tensor_specs
+from weight_transfer.planner.types import box_shape, numel
 
 
 @pytest.mark.parametrize("size,k", [(10, 4), (5, 4), (3, 8), (128, 8), (0, 2)])
@@ -93,8 +93,8 @@ def test_overrides_and_bad_layouts() -> None:
 
 
 def test_h200x2_presets_share_one_host_and_plan() -> None:
-    from planner.plan import PlannerConfig, plan
-    from planner.presets.clusters import H200X2_RATES
+    from weight_transfer.planner.plan import PlannerConfig, plan
+    from weight_transfer.planner.presets.clusters import H200X2_RATES
 
     p = get_preset("h200x2-llama8b-colocated")
     assert p.rates == H200X2_RATES

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.plan import PlannerConfig
-from transfer.config import (
+from weight_transfer.planner.plan import PlannerConfig
+from weight_transfer.transfer.config import (
     ControlPlaneConfig,
     SenderConfig,
     TransferConfig,

@@ -15,16 +15,16 @@ import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from backends.base import ControlPlaneAuthError, TransportConfig
-from planner import codec
-from planner.recipes import identity
-from transfer.config import ControllerConfig, ControlPlaneConfig
-from transfer.control import ControlPlane, derive_key
-from transfer.controller import Controller
-from transfer.demo import free_port
-from transfer.protocol import Decision
-from transfer.receiver import WeightReceiver
-from transfer.sender import WeightSender
+from weight_transfer.backends.base import ControlPlaneAuthError, TransportConfig
+from weight_transfer.planner import codec
+from weight_transfer.planner.recipes import identity
+from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig
+from weight_transfer.transfer.control import ControlPlane, derive_key
+from weight_transfer.transfer.controller import Controller
+from weight_transfer.transfer.demo import free_port
+from weight_transfer.transfer.protocol import Decision
+from weight_transfer.transfer.receiver import WeightReceiver
+from weight_transfer.transfer.sender import WeightSender
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ControlPlaneAuthError,
     RegionDescriptor,
     RegionRole,
@@ -28,12 +28,12 @@ from backends.base import (
     WriteOp,
     create_transport,
 )
-from planner import codec
-from planner.types import DestManifest, Recipe, Schedule, SourceManifest
-from transfer import protocol
-from transfer.config import ControlPlaneConfig
-from transfer.control import ControlPlane
-from transfer.demo import free_port
+from weight_transfer.planner import codec
+from weight_transfer.planner.types import DestManifest, Recipe, Schedule, SourceManifest
+from weight_transfer.transfer import protocol
+from weight_transfer.transfer.config import ControlPlaneConfig
+from weight_transfer.transfer.control import ControlPlane
+from weight_transfer.transfer.demo import free_port
 
 MESSAGES = [
     c for c in vars(protocol).values()

@@ -30,8 +30,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends import _ibverbs_plan as plan
-from backends.base import (
+from weight_transfer.backends import _ibverbs_plan as plan
+from weight_transfer.backends.base import (
     ConfigurationError,
     PeerLostError,
     RegionDescriptor,
@@ -447,7 +447,7 @@ def test_wc_status_decoding_names_the_peer() -> None:
 
 
 def test_bootstrap_server_round_trip_and_bad_client() -> None:
-    from backends.ibverbs import BootstrapServer, bootstrap_request
+    from weight_transfer.backends.ibverbs import BootstrapServer, bootstrap_request
 
     seen: list[bytes] = []
 
@@ -468,7 +468,7 @@ def test_bootstrap_server_round_trip_and_bad_client() -> None:
 
 
 def test_bootstrap_request_times_out_on_a_silent_listener() -> None:
-    from backends.ibverbs import bootstrap_request
+    from weight_transfer.backends.ibverbs import bootstrap_request
 
     with socket.create_server(("127.0.0.1", 0)) as silent:
         port = silent.getsockname()[1]
@@ -620,7 +620,7 @@ class FakeDevice:
         return out
 
     def register_host(self, address: int, length: int) -> Any:
-        from backends.ibverbs import MemoryRegistration
+        from weight_transfer.backends.ibverbs import MemoryRegistration
 
         key = next(self.fabric.keys)
         self.fabric.mrs[key] = (address, length)
@@ -639,7 +639,7 @@ class FakeDevice:
 
 
 def _port_info(name: str, max_qp_wr: int) -> Any:
-    from backends.ibverbs import PortInfo
+    from weight_transfer.backends.ibverbs import PortInfo
 
     return PortInfo(
         device=name, port=1, link_layer=plan.LINK_LAYER_ETHERNET, lid=0, gid=V4, gid_index=3,
@@ -648,7 +648,7 @@ def _port_info(name: str, max_qp_wr: int) -> Any:
 
 
 def _transport(fabric: Fabric, *options: tuple[str, str], timeout_s: float = 10.0) -> Any:
-    from backends.ibverbs import IbverbsTransport
+    from weight_transfer.backends.ibverbs import IbverbsTransport
 
     config = TransportConfig(name="ibverbs", options=tuple(options), connect_timeout_s=timeout_s)
     return IbverbsTransport(config, device=FakeDevice(fabric))
@@ -797,7 +797,7 @@ def test_close_releases_qps_then_mrs_then_cqs_then_pd_and_context() -> None:
 
 
 def test_construction_failure_leaves_nothing_open() -> None:
-    from backends.ibverbs import IbverbsTransport
+    from weight_transfer.backends.ibverbs import IbverbsTransport
 
     fabric = Fabric()
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -817,8 +817,8 @@ def test_construction_failure_leaves_nothing_open() -> None:
 def test_missing_pyverbs_raises_unavailable_with_install_hint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from backends.base import create_transport
-    from backends.ibverbs import doctor_info
+    from weight_transfer.backends.base import create_transport
+    from weight_transfer.backends.ibverbs import doctor_info
 
     monkeypatch.setitem(sys.modules, "pyverbs", None)  # makes `import pyverbs...` fail
     with pytest.raises(TransportUnavailableError, match="python3-pyverbs.*cython<3.1"):
@@ -856,8 +856,8 @@ def _fake_pyverbs(monkeypatch: pytest.MonkeyPatch, get_device_list: Any) -> None
 def test_zero_devices_raise_unavailable_and_open_nothing(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    from backends.base import create_transport
-    from backends.ibverbs import NO_DEVICE_MESSAGE, doctor_info
+    from weight_transfer.backends.base import create_transport
+    from weight_transfer.backends.ibverbs import NO_DEVICE_MESSAGE, doctor_info
 
     def listing(err: type[Exception]) -> list[Any]:
         if kind == "NULL list":  # what pyverbs 44 does when /sys/class/infiniband is absent
@@ -902,9 +902,9 @@ requires_extracted_pyverbs = pytest.mark.skipif(
 
 _REAL_PYVERBS_SCRIPT = r"""
 import threading
-from backends import _ibverbs_plan as plan
-from backends.base import TransportConfig, TransportUnavailableError, create_transport
-from backends.ibverbs import build_send_chain, doctor_info, import_pyverbs, to_pyverbs_qp_attr
+from weight_transfer.backends import _ibverbs_plan as plan
+from weight_transfer.backends.base import TransportConfig, TransportUnavailableError, create_transport
+from weight_transfer.backends.ibverbs import build_send_chain, doctor_info, import_pyverbs, to_pyverbs_qp_attr
 
 pv = import_pyverbs()
 e = pv.enums

@@ -11,14 +11,14 @@ import msgpack
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
     TransportConfig,
     TransportUnavailableError,
     WriteOp,
 )
-from backends.nixl import NixlTransport, _decode_payload, _encode_payload, _Target
+from weight_transfer.backends.nixl import NixlTransport, _decode_payload, _encode_payload, _Target
 from tests.markers import requires_module
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from backends.base import PlanMismatchError
-from planner.plan import (
+from weight_transfer.backends.base import PlanMismatchError
+from weight_transfer.planner.plan import (
     PlannerConfig,
     dest_runs,
     is_contiguous_box,
@@ -16,11 +16,11 @@ from planner.plan import (
     schedule_from_json,
     schedule_to_json,
 )
-from planner.presets.models import get_model_shape, hf_parameter_shapes
-from planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-from planner.recipes import split_bounds
-from planner.reference import materialize
-from planner.types import (
+from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
+from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+from weight_transfer.planner.recipes import split_bounds
+from weight_transfer.planner.reference import materialize
+from weight_transfer.planner.types import (
     DestManifest,
     DestRegion,
     DestTensor,
@@ -76,7 +76,7 @@ def tiny_setup(world=3, tp=2, fp8=False, dtype="bfloat16"):
 
 def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -> dict[str, bytearray]:
     """Execute a schedule on byte arrays (an executor independent of the runtime)."""
-    from planner.fp8 import quantize_fp8_blockwise
+    from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
     mems = {d.engine: bytearray(d.regions[0].nbytes) for d in dests}
     written = {d.engine: bytearray(d.regions[0].nbytes) for d in dests}
@@ -189,7 +189,7 @@ def test_mesh_groups_for_disjoint_meshes():
         ts = tuple(st(n, m, r) for n, m in sorted(layout.items()) if r in m)
         sources.append(SourceManifest(rank=r, world_size=4, host="h", tensors=ts))
     recipes, specs = [], []
-    from planner.recipes import TensorSpec, with_fp8
+    from weight_transfer.planner.recipes import TensorSpec, with_fp8
 
     for n in layout:
         recipes.append(with_fp8(Recipe(n, (Part(n, ((0, 256), (0, 128)), ((0, 256), (0, 128))),))))

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from planner.fp8 import quantize_fp8_blockwise
-from planner.plan import plan
-from planner.presets.clusters import _engine_recipes, cluster_manifests, get_preset, get_shape
-from planner.presets.deepseek import mla_engine_dtypes, mla_parameter_shapes, mla_source_dtypes
-from planner.recipes import engine_tensor_specs
-from planner.reference import materialize
-from planner.simulate import simulate
-from planner.types import QuantWrite, SliceWrite, box_shape, dtype_size, numel
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.plan import plan
+from weight_transfer.planner.presets.clusters import _engine_recipes, cluster_manifests, get_preset, get_shape
+from weight_transfer.planner.presets.deepseek import mla_engine_dtypes, mla_parameter_shapes, mla_source_dtypes
+from weight_transfer.planner.recipes import engine_tensor_specs
+from weight_transfer.planner.reference import materialize
+from weight_transfer.planner.simulate import simulate
+from weight_transfer.planner.types import QuantWrite, SliceWrite, box_shape, dtype_size, numel
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -107,7 +107,7 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
 def test_local_units_spread_over_the_ranks_that_hold_them() -> None:
     # Shared-expert slices of the engine's tp ranks are whole trainer shards, held by one rank of
     # each of the 4 replica meshes: their quant units must not all land on the lowest such rank.
-    from planner.presets.clusters import with_overrides
+    from weight_transfer.planner.presets.clusters import with_overrides
 
     preset = with_overrides(get_preset("kimi-k2-mini"), **{"engine.tp": 8})
     sources, dests = cluster_manifests(preset)

@@ -9,23 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from backends.base import ConfigurationError
-from planner.presets.models import (
+from weight_transfer.backends.base import ConfigurationError
+from weight_transfer.planner.presets.models import (
     ModelShape,
     from_hf_config,
     get_model_shape,
     hf_parameter_shapes,
     num_parameters,
 )
-from planner.presets.vllm import (
+from weight_transfer.planner.presets.vllm import (
     DEFAULT_MOE_PREFIX,
     VLLM_VERSION,
     vllm_recipes,
     vllm_tensor_specs,
     vocab_rows,
 )
-from planner.recipes import recipe_shape
-from planner.types import Recipe, box_in, full_box
+from weight_transfer.planner.recipes import recipe_shape
+from weight_transfer.planner.types import Recipe, box_in, full_box
 
 ORACLE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_layouts.txt"
 LAYER = "model.layers.0."

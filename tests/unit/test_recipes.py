@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.recipes import (
+from weight_transfer.planner.recipes import (
     TensorSpec,
     column_shard,
     concat_rows,
@@ -28,8 +28,8 @@ from planner.recipes import (
     split_bounds,
     with_fp8,
 )
-from planner.reference import materialize
-from planner.types import Fp8BlockQuant, Part, Recipe
+from weight_transfer.planner.reference import materialize
+from weight_transfer.planner.types import Fp8BlockQuant, Part, Recipe
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
-from planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes, vllm_tensor_specs
-from planner.recipes import TensorSpec, identity
-from planner.reference import check_coverage, materialize
-from planner.types import Part, Recipe
+from weight_transfer.planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
+from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes, vllm_tensor_specs
+from weight_transfer.planner.recipes import TensorSpec, identity
+from weight_transfer.planner.reference import check_coverage, materialize
+from weight_transfer.planner.types import Part, Recipe
 
 
 def hf_tensors(

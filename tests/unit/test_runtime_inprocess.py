@@ -7,7 +7,7 @@ import secrets
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     ControlPlaneAuthError,
     PlanMismatchError,
@@ -15,12 +15,12 @@ from backends.base import (
     TransportTimeoutError,
     WeightTransferError,
 )
-from planner.recipes import column_shard, identity
-from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from transfer.controller import Controller
-from transfer.demo import free_port
-from transfer.receiver import WeightReceiver
-from transfer.sender import WeightSender
+from weight_transfer.planner.recipes import column_shard, identity
+from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.transfer.controller import Controller
+from weight_transfer.transfer.demo import free_port
+from weight_transfer.transfer.receiver import WeightReceiver
+from weight_transfer.transfer.sender import WeightSender
 
 
 def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
@@ -197,9 +197,9 @@ def test_weight_transfer_error_hierarchy() -> None:
 def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     """Both quantization paths: per part straight from the source (parts on 128-row block
     boundaries) and through a float32 assembly (a block straddles gate and up)."""
-    from planner.recipes import engine_tensor_specs, fused_gate_up, with_fp8
-    from planner.reference import materialize
-    from transfer.manifest import torch_dtype
+    from weight_transfer.planner.recipes import engine_tensor_specs, fused_gate_up, with_fp8
+    from weight_transfer.planner.reference import materialize
+    from weight_transfer.transfer.manifest import torch_dtype
 
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)

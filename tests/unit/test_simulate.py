@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from planner.simulate import GB, Rates, broadcast_baseline, load_rates, simulate
-from planner.types import (
+from weight_transfer.planner.simulate import GB, Rates, broadcast_baseline, load_rates, simulate
+from weight_transfer.planner.types import (
     Part,
     QuantWrite,
     RankSchedule,

@@ -18,14 +18,14 @@ import time
 import pytest
 import torch
 
-from backends.base import TransportConfig
-from planner.recipes import column_shard, identity
+from weight_transfer.backends.base import TransportConfig
+from weight_transfer.planner.recipes import column_shard, identity
 from tests.markers import backend_unavailable_reason
-from transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from transfer.controller import Controller
-from transfer.demo import free_port
-from transfer.receiver import WeightReceiver
-from transfer.sender import WeightSender
+from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.transfer.controller import Controller
+from weight_transfer.transfer.demo import free_port
+from weight_transfer.transfer.receiver import WeightReceiver
+from weight_transfer.transfer.sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def test_verification_reports_corrupted_tensor_by_name_and_its_cost() -> None:
 @pytest.mark.timeout(120)
 def test_verification_cost_is_measured() -> None:
     """Digest cost on 64 MiB: documented in docs/faults.md; asserted only to be finite."""
-    from transfer.receiver import tensor_digest
+    from weight_transfer.transfer.receiver import tensor_digest
 
     t = torch.randn(16 << 20, generator=torch.Generator().manual_seed(3))  # 64 MiB float32
     tensor_digest(t)

@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import torch
 
-from backends.base import RegionRole, TransportConfig, TransportUnavailableError, WriteOp
-from backends.ucx_native import _libucp as L
+from weight_transfer.backends.base import RegionRole, TransportConfig, TransportUnavailableError, WriteOp
+from weight_transfer.backends.ucx_native import _libucp as L
 from tests.markers import requires_module
 
 # sizeof / offsetof as gcc reports them for libucx-cu13 1.22.0's headers on x86_64
@@ -108,7 +108,7 @@ def test_status_pointer_decoding() -> None:
 
 
 def test_payload_codec_rejects_garbage() -> None:
-    from backends.ucx import _decode_payload, _encode_payload
+    from weight_transfer.backends.ucx import _decode_payload, _encode_payload
 
     assert _decode_payload(_encode_payload(b"t" * 16, 4096, 100, b"rk")) == (
         b"t" * 16,
@@ -122,7 +122,7 @@ def test_payload_codec_rejects_garbage() -> None:
 
 
 def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from backends import ucx
+    from weight_transfer.backends import ucx
 
     def no_wheel() -> None:
         raise ImportError("No module named 'libucx'")
@@ -139,7 +139,7 @@ def test_loaded_library_is_the_bound_version() -> None:
 
 @requires_module("libucx")
 def test_bad_ucx_option_is_refused_by_name() -> None:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     with pytest.raises(TransportUnavailableError, match="NO_SUCH_KNOB"):
         UcxTransport(TransportConfig(name="ucx", options=(("UCX_NO_SUCH_KNOB", "1"),)))
@@ -147,7 +147,7 @@ def test_bad_ucx_option_is_refused_by_name() -> None:
 
 @requires_module("libucx")
 def test_defaults_that_ucx_lacks_are_skipped_but_options_are_not() -> None:
-    from backends import ucx_native
+    from weight_transfer.backends import ucx_native
 
     worker = ucx_native.UcxWorker([], name="t", defaults=[("NO_SUCH_KNOB", "1")])
     worker.destroy()
@@ -159,7 +159,7 @@ def test_defaults_that_ucx_lacks_are_skipped_but_options_are_not() -> None:
 def test_many_small_puts_complete_on_the_flush_bit_exact() -> None:
     """2048 puts of 4 KiB through the fast path (`UcxWorker.put_many`, requests settled after
     the flush): every byte lands, and no request is left behind."""
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     rx = UcxTransport(TransportConfig(name="ucx"))
     tx = UcxTransport(TransportConfig(name="ucx", options=(("lanes", "1"),)))  # one worker
@@ -187,7 +187,7 @@ def test_many_small_puts_complete_on_the_flush_bit_exact() -> None:
 @requires_module("libucx")
 def test_repeated_batches_reuse_rkeys_and_write_new_bytes() -> None:
     """Same layout twice (as every update does), new bytes each time; the rkey is unpacked once."""
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     opts = (("TLS", "sm,cma,tcp"),)
     rx = UcxTransport(TransportConfig(name="ucx", options=opts))

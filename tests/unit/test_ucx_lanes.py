@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
     TransportConfig,
@@ -19,7 +19,7 @@ from tests.markers import requires_module
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "17", "1.5", ""])
 def test_bad_lanes_are_refused_by_name(value: str) -> None:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     with pytest.raises(ConfigurationError, match="lanes"):
         UcxTransport(TransportConfig(name="ucx", options=(("lanes", value),)))
@@ -27,7 +27,7 @@ def test_bad_lanes_are_refused_by_name(value: str) -> None:
 
 def test_split_keeps_every_byte_in_place() -> None:
     """Pieces of the shares, laid end to end, are the ops' (source, target) byte ranges."""
-    from backends.ucx import _PAGE_BYTES, _split_over_lanes, _Target
+    from weight_transfer.backends.ucx import _PAGE_BYTES, _split_over_lanes, _Target
 
     gen = torch.Generator().manual_seed(5)
     for lanes in (2, 3, 4):
@@ -60,7 +60,7 @@ def test_split_keeps_every_byte_in_place() -> None:
 
 
 def _pair(lanes: int) -> tuple[object, object]:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     rx = UcxTransport(TransportConfig(name="ucx", options=(("lanes", "1"),)))
     tx = UcxTransport(TransportConfig(name="ucx", options=(("lanes", str(lanes)),)))
@@ -70,7 +70,7 @@ def _pair(lanes: int) -> tuple[object, object]:
 @requires_module("libucx")
 @pytest.mark.parametrize("lanes", [2, 3])
 def test_split_batches_land_bit_exact(lanes: int) -> None:
-    from backends.ucx import UcxTransport, _LaneBatch
+    from weight_transfer.backends.ucx import UcxTransport, _LaneBatch
 
     rx, tx = _pair(lanes)
     assert isinstance(rx, UcxTransport) and isinstance(tx, UcxTransport)
@@ -111,8 +111,8 @@ def test_split_batches_land_bit_exact(lanes: int) -> None:
 
 @requires_module("libucx")
 def test_a_failing_lane_fails_the_batch_naming_the_peer() -> None:
-    from backends import ucx_native
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends import ucx_native
+    from weight_transfer.backends.ucx import UcxTransport
 
     rx, tx = _pair(2)
     assert isinstance(rx, UcxTransport) and isinstance(tx, UcxTransport)

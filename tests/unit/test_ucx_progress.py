@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
     TransportConfig,
@@ -23,14 +23,14 @@ TCP_ONLY = (("TLS", "tcp"), ("NET_DEVICES", "lo"))
 
 
 def _ucx(*options: tuple[str, str]) -> object:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     return UcxTransport(TransportConfig(name="ucx", options=tuple(options)))
 
 
 @pytest.mark.parametrize("value", ["", "yes", "AUTO", "1"])
 def test_bad_target_progress_is_refused_by_name(value: str) -> None:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     with pytest.raises(ConfigurationError, match="target_progress"):
         UcxTransport(TransportConfig(name="ucx", options=(("target_progress", value),)))
@@ -38,7 +38,7 @@ def test_bad_target_progress_is_refused_by_name(value: str) -> None:
 
 @requires_module("libucx")
 def test_thread_starts_with_a_target_region_and_stops_on_close() -> None:
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     auto = UcxTransport(TransportConfig(name="ucx"))
     off = UcxTransport(TransportConfig(name="ucx", options=(("target_progress", "off"),)))
@@ -64,7 +64,7 @@ def test_thread_starts_with_a_target_region_and_stops_on_close() -> None:
 
 def _tcp_pair_write(target_progress: str, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Write 3 MiB + 5 in odd pieces from one tcp-only ucx transport into another."""
-    from backends.ucx import UcxTransport
+    from weight_transfer.backends.ucx import UcxTransport
 
     opts = (*TCP_ONLY, ("target_progress", target_progress))
     rx = UcxTransport(TransportConfig(name="ucx", listen_host="127.0.0.1", options=opts))

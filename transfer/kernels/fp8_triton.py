@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from backends.base import ConfigurationError, WeightTransferError
-from planner.fp8 import AMAX_FLOOR, FP8_MAX, quantize_fp8_blockwise, scale_shape
+from weight_transfer.errors import ConfigurationError, WeightTransferError
+from weight_transfer.planner.fp8 import AMAX_FLOOR, FP8_MAX, quantize_fp8_blockwise, scale_shape
 
 __all__ = [
     "SUPPORTED_INPUT_DTYPES",
@@ -55,7 +55,7 @@ SUPPORTED_INPUT_DTYPES: tuple[torch.dtype, ...] = (
 _MAX_TILE_ELEMENTS = 128 * 256
 """Largest power-of-two-padded block one program holds in registers."""
 
-_JIT_MODULE = "transfer.kernels._fp8_triton_jit"
+_JIT_MODULE = "weight_transfer.transfer.kernels._fp8_triton_jit"
 
 
 def triton_available() -> bool:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from backends.base import (
+from weight_transfer.backends.base import (
     BACKENDS,
     Region,
     RegionDescriptor,
