@@ -36,6 +36,7 @@ __all__ = [
     "MemoryKind",
     "PeerLostError",
     "PlanMismatchError",
+    "PreparedWrites",
     "Region",
     "RegionDescriptor",
     "RegionRole",
@@ -226,6 +227,20 @@ class WriteHandle:
     """Backend-private completion state."""
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class PreparedWrites:
+    """A batch of writes to one peer, checked once by `Transport.prepare_writes` and posted any
+    number of times with `Transport.post_prepared` (the same batch every update)."""
+
+    peer: str
+    ops: tuple[WriteOp, ...]
+    nbytes: int
+    sources: tuple[Region, ...]
+    """The distinct source regions (each must still be registered when posted)."""
+    state: Any = None
+    """Backend-private precomputed form."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TransportConfig:
     """Settings every backend understands; backend-specific ones live in `options`."""
@@ -393,6 +408,52 @@ class Transport(ABC):
         """
         self._check_open()
         self._check_peer(peer)
+        total = self._check_ops(peer, ops)
+        handle = self._new_handle(peer, len(ops), total)
+        if not ops:
+            handle.done = True
+            return handle
+        self._post_writes(peer, list(ops), handle)
+        return handle
+
+    def prepare_writes(self, peer: str, ops: Sequence[WriteOp]) -> PreparedWrites:
+        """Check a batch that will be posted many times (every update) once, and let the
+        backend precompute what posting it needs (loopback: a device copy table).
+
+        Raises the same errors as `post_writes`, for the same reasons.
+        """
+        self._check_open()
+        self._check_peer(peer)
+        total = self._check_ops(peer, ops)
+        sources = tuple({id(op.source): op.source for op in ops}.values())
+        prepared = PreparedWrites(peer=peer, ops=tuple(ops), nbytes=total, sources=sources)
+        self._prepare_writes(prepared)
+        return prepared
+
+    def post_prepared(self, prepared: PreparedWrites) -> WriteHandle:
+        """Post a batch made by `prepare_writes`, as `post_writes(prepared.peer, prepared.ops)`
+        would, without checking every op again.
+
+        Raises:
+            ValueError: a source region of the batch was deregistered since it was prepared.
+            PeerLostError: the peer is not connected, or is already known to be dead.
+        """
+        self._check_open()
+        self._check_peer(prepared.peer)
+        for r in prepared.sources:
+            if self._regions.get(r.region_id) is not r:
+                raise ValueError(
+                    f"prepared writes to {prepared.peer!r}: source region {r.region_id} was "
+                    "deregistered since the batch was prepared"
+                )
+        handle = self._new_handle(prepared.peer, len(prepared.ops), prepared.nbytes)
+        if not prepared.ops:
+            handle.done = True
+            return handle
+        self._post_prepared(prepared, handle)
+        return handle
+
+    def _check_ops(self, peer: str, ops: Sequence[WriteOp]) -> int:
         total = 0
         for i, op in enumerate(ops):
             if op.nbytes <= 0:
@@ -420,18 +481,16 @@ class Transport(ABC):
                     f"{op.target.nbytes} bytes"
                 )
             total += op.nbytes
-        handle = WriteHandle(
+        return total
+
+    def _new_handle(self, peer: str, num_ops: int, nbytes: int) -> WriteHandle:
+        return WriteHandle(
             handle_id=next(self._handle_ids),
             peer=peer,
-            num_ops=len(ops),
-            nbytes=total,
+            num_ops=num_ops,
+            nbytes=nbytes,
             posted_at=time.monotonic(),
         )
-        if not ops:
-            handle.done = True
-            return handle
-        self._post_writes(peer, list(ops), handle)
-        return handle
 
     def poll(self, handle: WriteHandle) -> bool:
         """True once every write of the batch is complete. Never blocks.
@@ -546,6 +605,14 @@ class Transport(ABC):
     @abstractmethod
     def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
         """Queue already-checked ops; keep completion state in `handle.state`."""
+
+    def _prepare_writes(self, prepared: PreparedWrites) -> None:
+        """Precompute `prepared.state` for `_post_prepared` (default: nothing to keep)."""
+        prepared.state = None
+
+    def _post_prepared(self, prepared: PreparedWrites, handle: WriteHandle) -> None:
+        """Post a prepared batch (default: as a fresh batch of the same ops)."""
+        self._post_writes(prepared.peer, list(prepared.ops), handle)
 
     @abstractmethod
     def _poll(self, handle: WriteHandle) -> bool:

@@ -30,17 +30,19 @@ import queue
 import secrets
 import select
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import torch
 
-from weight_transfer.backends import _cudart
+from weight_transfer.backends import _cudart, _table_copy
 from weight_transfer.backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
 from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
     PeerLostError,
+    PreparedWrites,
     Region,
     RegionDescriptor,
     RegionRole,
@@ -155,6 +157,20 @@ class _BatchState:
 
 _STOP = object()
 
+_TABLE_MIN_COPIES = 2
+"""A CUDA IPC batch of at least this many copies (after coalescing) runs as table-kernel
+launches instead of one cudaMemcpyAsync per copy."""
+
+
+@dataclasses.dataclass(slots=True)
+class _RawPlan:
+    """What posting a prepared all-IPC batch needs, per writing device (PreparedWrites.state)."""
+
+    generation: int
+    """The peer's connection generation the IPC pointers belong to."""
+    per_device: list[tuple[int, _table_copy.DeviceTable | None, tuple[_table_copy.Copy, ...]]]
+    """(device, table or None, copies issued as plain cudaMemcpyAsync)."""
+
 
 class _PeerProcess:
     """Liveness of a peer's process: a pidfd polled without blocking, else `os.kill(pid, 0)`."""
@@ -230,6 +246,14 @@ class LoopbackTransport(Transport):
         self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
         self._local_cuda_handles: dict[int, bytes] = {}  # region id -> IPC handle
         self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream
+        self._generation: dict[str, int] = {}  # peer -> bumped at every connect
+        self._next_generation = 0
+        mode = config.option("copy_kernel", "auto")
+        if mode not in ("auto", "off"):
+            raise ConfigurationError(
+                f"loopback: option copy_kernel={mode!r}: expected 'auto' or 'off'"
+            )
+        self._copy_kernel = mode == "auto" and torch.cuda.is_available() and _table_copy.available()
         kinds = {MemoryKind.HOST}
         if torch.cuda.is_available():
             kinds.add(MemoryKind.CUDA)
@@ -360,6 +384,8 @@ class LoopbackTransport(Transport):
                 "the loopback backend only connects processes of one host (use tcp, ucx or nixl)"
             )
         self._peer_ids[peer] = (pid, owner)
+        self._next_generation += 1
+        self._generation[peer] = self._next_generation
         self._mappings[peer] = {}
         if pid != self._pid:
             self._peer_procs[peer] = _PeerProcess(pid)
@@ -373,6 +399,7 @@ class LoopbackTransport(Transport):
 
     def _disconnect(self, peer: str) -> None:
         self._peer_ids.pop(peer, None)
+        self._generation.pop(peer, None)
         proc = self._peer_procs.pop(peer, None)
         if proc is not None:
             proc.close()
@@ -575,20 +602,94 @@ class LoopbackTransport(Transport):
     def _post_raw(
         self, device: int, copies: list[tuple[int, int, int, torch.Tensor]], state: _BatchState
     ) -> None:
-        """cudaMemcpyAsync on the writer's stream into IPC mappings opened on that device."""
+        """The copies on the writer's stream into IPC mappings opened on that device: coalesced
+        and run as table-kernel launches when there are several, else cudaMemcpyAsync each."""
+        plain = _table_copy.coalesce([_table_copy.Copy(d, s, n) for d, s, n, _ in copies])
+        table = None
+        if self._copy_kernel and len(plain) >= _TABLE_MIN_COPIES:
+            chunked = _table_copy.chunk_table(plain)
+            plain = list(chunked.plain)
+            table = chunked
+        self._launch_raw(device, table, plain, state)
+        state.keepalive.extend(c[3] for c in copies)
+
+    def _launch_raw(
+        self,
+        device: int,
+        table: _table_copy.ChunkTable | _table_copy.DeviceTable | None,
+        plain: Sequence[_table_copy.Copy],
+        state: _BatchState,
+    ) -> None:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         producer = torch.cuda.current_stream(device)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            # The sources may still be being produced on the caller's current stream.
             stream.wait_stream(producer)
+            if isinstance(table, _table_copy.ChunkTable):
+                # Built for this batch only: upload through pinned memory on this stream.
+                table = _table_copy.DeviceTable(
+                    torch.from_numpy(table.chunks).pin_memory().to(stream.device, non_blocking=True),
+                    torch.from_numpy(table.tails).pin_memory().to(stream.device, non_blocking=True),
+                    table.plain, table.nbytes, 0,
+                )
+            if table is not None:
+                _table_copy.launch(table)
+                state.keepalive.append(table)
             handle = stream.cuda_stream
-            for dst, src, nbytes, _ in copies:
-                _cudart.memcpy_async(dst, src, nbytes, handle)
+            for c in plain:
+                _cudart.memcpy_async(c.dst, c.src, c.nbytes, handle)
             event = torch.cuda.Event()
             event.record(stream)
         state.events.append(event)
-        state.keepalive.extend(c[3] for c in copies)
+
+    def _prepare_writes(self, prepared: PreparedWrites) -> None:
+        """A batch whose every write goes from CUDA memory into a peer's IPC mapping keeps its
+        coalesced copy table on the device, so posting it is a launch or two and nothing per
+        write. Other batches post as usual."""
+        prepared.state = None
+        peer = prepared.peer
+        decoded = self._decoded.setdefault(peer, {})
+        per_device: dict[int, list[_table_copy.Copy]] = {}
+        for i, op in enumerate(prepared.ops):
+            target = decoded.get(op.target.payload)
+            if target is None:
+                target = decoded[op.target.payload] = self._check_target(peer, i, op.target)
+            if op.source.kind is not MemoryKind.CUDA or target.ipc is None or self._is_local_ipc(target):
+                return
+            device = self._writer_device(op)
+            dst = self._open_ipc_ptr(peer, target.ipc, device)
+            dst += int(target.ipc[3]) + target.offset + op.target_offset
+            per_device.setdefault(device, []).append(
+                _table_copy.Copy(dst, op.source.address + op.source_offset, op.nbytes)
+            )
+        plan = _RawPlan(self._generation.get(peer, 0), [])
+        for device, copies in per_device.items():
+            merged = _table_copy.coalesce(copies)
+            if self._copy_kernel and len(merged) >= _TABLE_MIN_COPIES:
+                chunked = _table_copy.chunk_table(merged)
+                table = _table_copy.to_device(chunked, torch.device("cuda", device), len(merged))
+                plan.per_device.append((device, table, chunked.plain))
+            else:
+                plan.per_device.append((device, None, tuple(merged)))
+        prepared.state = plan
+
+    def _post_prepared(self, prepared: PreparedWrites, handle: WriteHandle) -> None:
+        peer = prepared.peer
+        self._check_alive(peer)
+        plan = prepared.state
+        if not isinstance(plan, _RawPlan) or plan.generation != self._generation.get(peer, 0):
+            self._prepare_writes(prepared)  # first post, or the peer reconnected since
+            plan = prepared.state
+        if not isinstance(plan, _RawPlan):
+            self._post_writes(peer, list(prepared.ops), handle)
+            return
+        state = _BatchState()
+        for device, table, plain in plan.per_device:
+            self._launch_raw(device, table, plain, state)
+        state.host_done.set()
+        handle.state = state
 
     def _post_cuda(
         self, copies: list[tuple[torch.Tensor, torch.Tensor]], state: _BatchState

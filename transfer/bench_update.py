@@ -1,20 +1,29 @@
 """`weight-transfer bench update`: whole updates on GPUs beside the ceiling and today's baseline.
 
-Layouts (2 GPUs):
-- "split": one trainer rank (FSDP2, world 1) on GPU0 writes into one engine rank (tp=1) on GPU1,
-  in another process.
-- "colocated": FSDP2 over both GPUs (2 trainer processes) into an engine with tp=2 over both GPUs
-  (2 more processes); every trainer rank sends.
+Layouts:
+- "split" (2 GPUs): one trainer rank (FSDP2, world 1) on GPU0 writes into one engine rank
+  (tp=1) on GPU1, in another process.
+- "colocated" (2 GPUs): FSDP2 over both GPUs (2 trainer processes) into an engine with tp=2 over
+  both GPUs (2 more processes); every trainer rank sends.
+- "one-gpu" (1 GPU): a trainer process (FSDP2, world 1) and an engine process on the same GPU,
+  loopback over CUDA IPC: the colocated "hybrid engine" layout of verl and OpenRLHF.
 
 Measured in one run, on the same weights:
-- ours: `WeightSender.update` wall time on trainer rank 0 (includes the control-plane commit);
-- ceiling: an in-process peer copy GPU0->GPU1 of the same number of bytes (split layout);
-- baseline: what RL frameworks do today: trainer rank 0 packs HF tensors into 1 GiB buckets and
-  NCCL-broadcasts them to a temporary buffer on each engine rank, which then copies (fuses,
-  quantizes with the same GPU kernel) into its own parameters;
-After the timed updates the weights are perturbed once more, updated, and every engine tensor's
-fingerprint (`transfer.verify`) is compared with the reference recipes applied to the trainer's
-full weights. Results go to JSON; a Perfetto trace and a PNG timeline show one update's stages.
+- ours: the whole `WeightSender.update()` call on trainer rank 0 (prepare, writes, done,
+  commit, version words), timed on the host after a synchronize; the executor's own time
+  (`UpdateStats.seconds`, which ends before the commit) is the second column;
+- ceiling: an in-process copy of the same bytes (split: GPU0 -> GPU1; one-gpu: GPU0 -> GPU0).
+  For FP8 the ceiling counts the trainer bytes read S and the bytes written W at the copy's
+  rate: t_copy(W) * (S + W) / (2 W) (a copy of W bytes reads W and writes W);
+- offload: pinned host -> device of the same bytes;
+- baseline (split only): what RL frameworks do today: trainer rank 0 packs HF tensors into 1 GiB
+  buckets and NCCL-broadcasts them to a temporary buffer on each engine rank, which then copies
+  (fuses, quantizes with the same GPU kernel) into its own parameters.
+Every update (warm-ups and timed ones) runs on freshly perturbed weights and is verified: the
+engine digests every tensor with `transfer.verify.keyed_digest` under a secret key the trainer
+draws after the update, and the trainer compares with the same digest of the reference recipes
+applied to its weights. Results go to JSON with min/median/max and the machine; a Perfetto
+trace and a PNG timeline show the last update's stages.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+LAYOUTS = ("split", "colocated", "one-gpu")
+_SLEEP_CYCLES = 400_000_000
+
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -51,9 +63,18 @@ class BenchUpdateConfig:
     offload: bool = False
     """Trainer parameters live in pinned host memory (FSDP2 CPUOffloadPolicy)."""
     layout: str = "split"
-    """"split" (GPU0 -> GPU1) or "colocated" (FSDP2 and tp=2 over both GPUs)."""
+    """"split" (GPU0 -> GPU1), "colocated" (FSDP2 and tp=2 over both GPUs) or "one-gpu"
+    (a trainer process and an engine process on GPU0, loopback over CUDA IPC)."""
     repeats: int = 5
-    """Timed updates (after one warm-up)."""
+    """Timed updates (after the warm-ups)."""
+    warmups: int = 1
+    """Untimed updates first (each verified too)."""
+    layers: int = 0
+    """Decoder layers of the preset to use (0: all); to fit two copies on one GPU."""
+    no_sync: bool = False
+    """Change the weights behind a long GPU kernel on the current stream and call `update()`
+    at once, with no synchronize: checks that updates order themselves after the caller's
+    stream (the times then include that kernel)."""
     memory_budget_bytes: int = 4 << 30
     """Per-rank temporary memory budget of our sender."""
     bucket_bytes: int = 1 << 30
@@ -73,8 +94,8 @@ class BenchUpdateConfig:
     """Backend options."""
 
     def __post_init__(self) -> None:
-        if self.layout not in ("split", "colocated"):
-            raise ValueError("layout must be 'split' or 'colocated'")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}")
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
 
@@ -87,6 +108,7 @@ class ModelSpec:
     dtypes: dict[str, str]
     """Trainer tensors that are not bfloat16."""
     preset: str
+    layers: int = 0
 
     def recipes(self, rank: int, tp: int, fp8: bool) -> Any:
         """Recipes of engine rank `rank` of `tp`."""
@@ -94,10 +116,9 @@ class ModelSpec:
             from weight_transfer.planner.presets.deepseek import mla_recipes
 
             return mla_recipes(_mla_slice(), tp_rank=rank, tp_size=tp, fp8=fp8)
-        from weight_transfer.planner.presets.models import get_model_shape
         from weight_transfer.planner.presets.vllm import vllm_recipes
 
-        return vllm_recipes(get_model_shape(self.preset), rank, tp, fp8=fp8)
+        return vllm_recipes(_shape(self.preset, self.layers), rank, tp, fp8=fp8)
 
     def specs(self, rank: int, tp: int, fp8: bool) -> Any:
         """Engine tensors (name, shape, dtype) of that rank."""
@@ -118,16 +139,24 @@ def _mla_slice() -> Any:
     return dataclasses.replace(MLA_SHAPES["deepseek-v3"], num_layers=2, first_k_dense=1)
 
 
-def model_spec(preset: str) -> ModelSpec:
-    """Shapes of a model preset (`planner.presets.models`, or "deepseek-v3-slice")."""
+def _shape(preset: str, layers: int) -> Any:
+    from weight_transfer.planner.presets.models import get_model_shape
+
+    shape = get_model_shape(preset)
+    return dataclasses.replace(shape, num_layers=layers) if layers else shape
+
+
+def model_spec(preset: str, layers: int = 0) -> ModelSpec:
+    """Shapes of a model preset (`planner.presets.models`, or "deepseek-v3-slice"), with only
+    its first `layers` decoder layers when that is not 0."""
     if preset == "deepseek-v3-slice":
         from weight_transfer.planner.presets.deepseek import mla_parameter_shapes, mla_source_dtypes
 
         shape = _mla_slice()
         return ModelSpec(mla_parameter_shapes(shape), mla_source_dtypes(shape), preset)
-    from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
+    from weight_transfer.planner.presets.models import hf_parameter_shapes
 
-    return ModelSpec(hf_parameter_shapes(get_model_shape(preset)), {}, preset)
+    return ModelSpec(hf_parameter_shapes(_shape(preset, layers)), {}, preset, layers)
 
 
 def param_module(
@@ -155,11 +184,11 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _n_trainers(cfg: BenchUpdateConfig) -> int:
-    return 1 if cfg.layout == "split" else 2
+    return 2 if cfg.layout == "colocated" else 1
 
 
 def _n_engines(cfg: BenchUpdateConfig) -> int:
-    return 1 if cfg.layout == "split" else 2
+    return 2 if cfg.layout == "colocated" else 1
 
 
 def _trainer_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
@@ -167,7 +196,7 @@ def _trainer_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
 
 
 def _engine_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
-    return 1 if cfg.layout == "split" else rank
+    return {"split": 1, "one-gpu": 0}.get(cfg.layout, rank)
 
 
 def _perturb(model: nn.Module, seed: int) -> None:
@@ -203,14 +232,10 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     from weight_transfer.backends.base import TransportConfig
     from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
     from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.protocol import Digests
-    from weight_transfer.transfer.sender import WeightSender, full_tensor
-    from weight_transfer.transfer.verify import expected_fingerprints
+    from weight_transfer.transfer.sender import WeightSender
 
     gpu = _trainer_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
@@ -221,7 +246,7 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
                             timeout=datetime.timedelta(seconds=cfg.timeout_s))
     res: dict[str, Any] = {"rank": rank}
     try:
-        spec = model_spec(cfg.preset)
+        spec = model_spec(cfg.preset, cfg.layers)
         shapes = spec.shapes
         mesh = init_device_mesh("cuda", (world,))
         # Build on the GPU (fast random init), then let FSDP2 shard (and offload) it.
@@ -264,56 +289,58 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
             res["bytes_per_rank"] = list(controller.schedule.bytes_per_rank)
             res["bytes_per_engine"] = list(controller.schedule.bytes_per_engine)
             res["num_tasks"] = [len(r.tasks) for r in controller.schedule.ranks]
-        times = []
+        update_s: list[float] = []
+        executor_s: list[float] = []
+        host: list[dict[str, float]] = []
+        mismatches: list[str] = []
+        res["verified_updates"] = 0
         step = 0
-        for i in range(cfg.repeats + 1):
+        for i in range(cfg.warmups + cfg.repeats):
             step += 1
-            dist.barrier()
-            torch.cuda.synchronize()
+            if cfg.no_sync:
+                dist.barrier()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(_SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # about 0.2 s
+                _perturb(model, 1000 + step)  # queued behind it; update() must wait for it
+            else:
+                _perturb(model, 1000 + step)  # new weights for every update, off the clock
+                dist.barrier()
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
             stats = sender.update(step)
-            if i > 0:
-                times.append(stats.seconds)
-            res.setdefault("wall_s", []).append(stats.seconds)
+            wall = time.perf_counter() - t0
+            if i >= cfg.warmups:
+                update_s.append(wall)
+                executor_s.append(stats.seconds)
+                host.append(_host_cost(stats))
             res["update_bytes"] = stats.nbytes
-        res["ours_s"] = times
+            bad = _verify_update(cfg, spec, model, sender, rank, step, dev)
+            mismatches += [f"step {step}: {m}" for m in bad]
+            res["verified_updates"] += int(not bad)
+        res["update_s"] = update_s
+        res["executor_s"] = executor_s
+        res["host"] = host
+        res["num_writes"] = stats.num_writes
+        res["mismatches"] = mismatches[:50]
         res["peak_extra_gpu_bytes"] = torch.cuda.max_memory_allocated(dev) - base_mem
         res["peak_staging_bytes"] = stats.peak_staging_bytes
         res["peak_scratch_bytes"] = stats.peak_scratch_bytes
         if cfg.trace_path and rank == 0:
             sender.write_trace(cfg.trace_path)
             res["records"] = [dataclasses.asdict(r) for r in stats.records]
-        # Verification: change the weights, update, compare every engine tensor.
-        _perturb(model, 777)
-        step += 1
-        sender.update(step)
-        with torch.no_grad():
-            full = {n: full_tensor(p, dev) for n, p in model.named_parameters()}
-        if rank == 0:
-            mismatches = []
-            tp = _n_engines(cfg)
-            for e in range(tp):
-                recipes = spec.recipes(e, tp, cfg.fp8)
-                specs = spec.specs(e, tp, cfg.fp8)
-                want = expected_fingerprints(recipes, {s.name: (s.shape, torch_dtype(s.dtype)) for s in specs}, full)
-                got = dict(sender._control.get(f"digest/{step}/engine{e}", Digests, cfg.timeout_s).digests)
-                mismatches += [f"engine{e}:{n}" for n, v in want.items() if got.get(n) != str(v)]
-                res.setdefault("verified_tensors", 0)
-                res["verified_tensors"] += len(want)
-            res["mismatches"] = mismatches
-            res["verify_step"] = step
-        del full
         torch.cuda.empty_cache()
         dist.barrier()
-        # Ceiling: in-process peer copy of the same bytes (split layout: GPU0 -> GPU1).
-        if rank == 0 and cfg.layout == "split":
+        # Ceiling: in-process copy of the same bytes (split: GPU0 -> GPU1; one-gpu: GPU0 -> GPU0).
+        if rank == 0 and cfg.layout in ("split", "one-gpu"):
             nb = res["update_bytes"]
             chunk = min(nb, 4 << 30)
+            peer = 1 if cfg.layout == "split" else 0
             a = torch.empty(chunk, dtype=torch.uint8, device=dev).random_()
-            b = torch.empty(chunk, dtype=torch.uint8, device="cuda:1")
+            b = torch.empty(chunk, dtype=torch.uint8, device=f"cuda:{peer}")
             ts = []
-            for _ in range(4):
+            for _ in range(6):
                 torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+                torch.cuda.synchronize(peer)
                 t0 = time.perf_counter()
                 left = nb
                 while left > 0:
@@ -321,13 +348,15 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
                     b[:n].copy_(a[:n], non_blocking=True)
                     left -= n
                 torch.cuda.synchronize(0)
-                torch.cuda.synchronize(1)
+                torch.cuda.synchronize(peer)
                 ts.append(time.perf_counter() - t0)
-            res["ceiling_s"] = ts[1:]
+            res["copy_s"] = ts[1:]
+            # Bytes the update must read from the trainer (the FP8 ceiling counts them too).
+            res["source_bytes"] = _source_bytes(spec, cfg)
             # Pinned host -> device rate of the same bytes (the offload ceiling).
             h = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
             ts = []
-            for _ in range(3):
+            for _ in range(4):
                 torch.cuda.synchronize(0)
                 t0 = time.perf_counter()
                 left = nb
@@ -351,6 +380,59 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _host_cost(stats: Any) -> dict[str, float]:
+    """Host seconds of one update: posting (write stage) and issuing preparation (prepare
+    stage), in total, per task and per write."""
+    prep = sum(max(0.0, r.prepare_end - r.prepare_start) for r in stats.records)
+    total = stats.post_seconds + prep
+    return {
+        "post_s": stats.post_seconds, "prepare_host_s": prep, "host_s": total,
+        "per_task_us": total / max(1, stats.num_tasks) * 1e6,
+        "per_write_us": total / max(1, stats.num_writes) * 1e6,
+        "num_tasks": stats.num_tasks, "num_writes": stats.num_writes,
+    }
+
+
+def _source_bytes(spec: ModelSpec, cfg: BenchUpdateConfig) -> int:
+    """Bytes of the trainer tensors the engine recipes read (each read once)."""
+    used = {p.source for e in range(_n_engines(cfg)) for r in spec.recipes(e, _n_engines(cfg), cfg.fp8) for p in r.parts}
+    total = 0
+    for n in used:
+        dt = getattr(torch, spec.dtypes.get(n, "bfloat16"))
+        total += int(torch.Size(spec.shapes[n]).numel()) * dt.itemsize
+    return total
+
+
+def _verify_update(cfg: BenchUpdateConfig, spec: ModelSpec, model: nn.Module, sender: Any, rank: int, step: int, dev: torch.device) -> list[str]:
+    """Compare every engine tensor after update `step` with the reference recipes applied to
+    the trainer's weights, by a keyed digest under a fresh secret key (transfer.verify)."""
+    from weight_transfer.transfer.manifest import local_part, torch_dtype
+    from weight_transfer.transfer.protocol import Digests
+    from weight_transfer.transfer.sender import full_tensor
+    from weight_transfer.transfer.verify import expected_digests
+
+    world = _n_trainers(cfg)
+    with torch.no_grad():
+        if world == 1:
+            full = {n: local_part(p).to(dev) for n, p in model.named_parameters()}
+        else:
+            full = {n: full_tensor(p, dev) for n, p in model.named_parameters()}
+    bad: list[str] = []
+    if rank == 0:
+        key = secrets.randbits(62)
+        sender._control.put(f"vkey/{step}", Digests(engine="key", step=step, version=0, digests=(("key", str(key)),)))
+        tp = _n_engines(cfg)
+        for e in range(tp):
+            specs = spec.specs(e, tp, cfg.fp8)
+            want = expected_digests(spec.recipes(e, tp, cfg.fp8), {s.name: (s.shape, torch_dtype(s.dtype)) for s in specs}, full, key)
+            got = dict(sender._control.get(f"digest/{step}/engine{e}", Digests, cfg.timeout_s).digests)
+            bad += [f"engine{e}:{n}" for n, v in want.items() if got.get(n) != f"{v[0]}:{v[1]}"]
+            if len(want) != len(got):
+                bad.append(f"engine{e}: {len(got)} tensors digested, {len(want)} expected")
+    del full
+    return bad
 
 
 def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shapes: dict[str, tuple[int, ...]], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
@@ -406,13 +488,13 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
     from weight_transfer.transfer.manifest import torch_dtype
     from weight_transfer.transfer.protocol import Digests
     from weight_transfer.transfer.receiver import WeightReceiver
-    from weight_transfer.transfer.verify import fingerprint
+    from weight_transfer.transfer.verify import engine_digests
 
     gpu = _engine_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
     dev = torch.device("cuda", gpu)
     try:
-        spec = model_spec(cfg.preset)
+        spec = model_spec(cfg.preset, cfg.layers)
         tp = _n_engines(cfg)
         recipes = spec.recipes(rank, tp, cfg.fp8)
         specs = spec.specs(rank, tp, cfg.fp8)
@@ -427,11 +509,14 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         rx = WeightReceiver(tensors, recipes, engine=f"engine{rank}",
                             transport=TransportConfig(name=cfg.backend, device_index=gpu, options=cfg.transport_options),
                             control=control)
-        verify_step = cfg.repeats + 2
-        rx.wait_for_version(verify_step, cfg.timeout_s)
-        torch.cuda.synchronize()
-        fp = {n: str(fingerprint(t)) for n, t in tensors.items()}
-        rx._control.put(f"digest/{verify_step}/engine{rank}", Digests(engine=f"engine{rank}", step=verify_step, version=rx.version, digests=tuple(sorted(fp.items()))))
+        for step in range(1, cfg.warmups + cfg.repeats + 1):
+            # Every update is checked: digest every tensor under the key the trainer draws
+            # after the update, once this step's version is committed.
+            rx.wait_for_version(step, cfg.timeout_s)
+            key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
+            torch.cuda.synchronize()
+            got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
+            rx._control.put(f"digest/{step}/engine{rank}", Digests(engine=f"engine{rank}", step=step, version=rx.version, digests=tuple(sorted(got.items()))))
         res: dict[str, Any] = {"rank": rank, "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
         if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
@@ -548,7 +633,7 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
         procs[f"engine{e}"] = ctx.Process(target=engine_main, args=(e, cfg, ports, token, outq))
     for p in procs.values():
         p.start()
-    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "errors": []}
+    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "errors": [], "machine": _machine()}
     deadline = time.monotonic() + cfg.timeout_s + 60
     expected = len(procs)
     got = 0
@@ -579,36 +664,68 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     return results
 
 
+def _machine() -> dict[str, Any]:
+    import platform
+
+    out: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _spread(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
 def _summarize(res: dict[str, Any], cfg: BenchUpdateConfig) -> None:
+    """Headline: the whole `sender.update()` call (executor time beside it); ratios to the
+    ceiling of the same run. Ceiling (same GPU or peer copy, D2D rate r = 2B/t_copy(B)):
+    t_ceiling = (S + W) / r = t_copy(W) * (S + W) / (2 W), with W the bytes written to the
+    engine and S the trainer bytes read; for BF16 S = W, so it is t_copy(W)."""
     t0 = res.get("trainer0", {})
-    ours = _median(t0.get("ours_s", []))
+    ours = _median(t0.get("update_s", []))
     nbytes = t0.get("update_bytes", 0)
-    s = {
-        "ours_median_s": ours,
-        "ours_spread_s": [min(t0.get("ours_s", [0])), max(t0.get("ours_s", [0]))],
+    s: dict[str, Any] = {
+        "machine": res.get("machine"),
+        "update_s": _spread(t0.get("update_s", [])),
+        "executor_s": _spread(t0.get("executor_s", [])),
         "bytes_written": nbytes,
-        "ours_gbps": nbytes / ours / 1e9 if ours == ours and ours > 0 else None,
+        "update_gbps": nbytes / ours / 1e9 if ours == ours and ours > 0 else None,
     }
-    if "ceiling_s" in t0:
-        c = _median(t0["ceiling_s"])
-        s["ceiling_median_s"] = c
-        s["ceiling_gbps"] = nbytes / c / 1e9
-        s["ratio_to_ceiling"] = ours / c
+    if "copy_s" in t0 and nbytes:
+        copy = _spread(t0["copy_s"])
+        src = t0.get("source_bytes", nbytes)
+        factor = (src + nbytes) / (2 * nbytes) if cfg.fp8 else 1.0
+        s["copy_s"] = copy
+        s["source_bytes"] = src
+        s["ceiling_formula"] = "t_copy(W) * (S + W) / (2 W)" if cfg.fp8 else "t_copy(W)"
+        s["ceiling_s"] = copy["median"] * factor
+        s["ratio_to_ceiling"] = ours / s["ceiling_s"]
+        s["ratio_to_ceiling_executor"] = _median(t0.get("executor_s", [])) / s["ceiling_s"]
     if "h2d_s" in t0:
-        h = _median(t0["h2d_s"])
-        s["h2d_median_s"] = h
-        s["ratio_to_h2d"] = ours / h
+        h = _spread(t0["h2d_s"])
+        s["h2d_s"] = h
+        s["ratio_to_h2d"] = ours / h["median"]
     if "baseline_s" in t0:
-        b = _median(t0["baseline_s"])
-        s["baseline_median_s"] = b
-        s["speedup_vs_baseline"] = b / ours
+        b = _spread(t0["baseline_s"])
+        s["baseline_s"] = b
+        s["speedup_vs_baseline"] = b["median"] / ours
+    hosts = t0.get("host", [])
+    if hosts:
+        s["host"] = {k: statistics.median(h[k] for h in hosts) for k in hosts[0]}
     s["peak_extra_gpu_bytes"] = t0.get("peak_extra_gpu_bytes")
     s["memory_budget_bytes"] = cfg.memory_budget_bytes
-    s["verified"] = (not t0.get("mismatches")) and t0.get("verified_tensors", 0) > 0 and not res["errors"]
+    s["verified_updates"] = t0.get("verified_updates", 0)
+    s["updates"] = cfg.warmups + cfg.repeats
+    s["verified"] = (
+        not t0.get("mismatches") and s["verified_updates"] == s["updates"] and not res["errors"]
+    )
     s["mismatches"] = (t0.get("mismatches") or [])[:20]
     res["summary"] = s
 
@@ -639,8 +756,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--backend", default="loopback")
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--offload", action="store_true")
-    p.add_argument("--layout", default="split", choices=["split", "colocated"])
+    p.add_argument("--layout", default="split", choices=list(LAYOUTS))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmups", type=int, default=1)
+    p.add_argument("--layers", type=int, default=0, help="decoder layers of the preset (0: all)")
+    p.add_argument("--no-sync", action="store_true", help="update right after a long kernel changed the weights")
     p.add_argument("--memory-budget-bytes", type=int, default=4 << 30)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--timeout-s", type=float, default=500.0)
@@ -655,7 +775,7 @@ def main(ns: argparse.Namespace) -> int:
     """Entry point for `weight-transfer bench update` (namespace from `build_parser`)."""
     cfg = BenchUpdateConfig(
         preset=ns.preset, backend=ns.backend, fp8=ns.fp8, offload=ns.offload, layout=ns.layout,
-        repeats=ns.repeats, memory_budget_bytes=ns.memory_budget_bytes, baseline=not ns.no_baseline,
+        repeats=ns.repeats, warmups=ns.warmups, layers=ns.layers, no_sync=ns.no_sync, memory_budget_bytes=ns.memory_budget_bytes, baseline=not ns.no_baseline,
         timeout_s=ns.timeout_s, json_path=ns.json, trace_path=ns.trace, plot_path=ns.plot,
         transport_options=tuple(tuple(o.split("=", 1)) for o in ns.option),
     )

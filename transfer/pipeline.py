@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backends.base import (
+    PreparedWrites,
     Region,
     RegionDescriptor,
     RegionRole,
@@ -154,6 +155,85 @@ class _Prepared:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _StaticTask:
+    """A task that sends straight from registered shards: the same writes every update."""
+
+    sources: tuple[str, ...]
+    """Parameters it reads (checked for reallocation before each update)."""
+    ops: dict[str, list[WriteOp]]
+
+
+@dataclasses.dataclass(slots=True)
+class _StaticBatch:
+    """Consecutive static tasks' writes to one engine, posted as one prepared batch."""
+
+    peer: str
+    task_ids: tuple[int, ...]
+    ops: list[WriteOp]
+    prepared: PreparedWrites | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _QuantCall:
+    """One quantize call captured in a group's CUDA graph."""
+
+    src: torch.Tensor
+    block: tuple[int, int]
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclasses.dataclass(slots=True)
+class _GraphGroup:
+    """Consecutive local-quantization tasks replayed as one CUDA graph into one ring slice."""
+
+    graph: Any
+    """torch.cuda.CUDAGraph."""
+    ops: dict[str, list[WriteOp]]
+    start: int
+    end: int
+    """The group's slice [start, end) of the staging arena."""
+    sources: tuple[str, ...]
+    nbytes: int
+    prepared: dict[str, PreparedWrites] = dataclasses.field(default_factory=dict)
+    """Its write batches, prepared on first post."""
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    """Posted batches of one prepared task (or of a group of static tasks)."""
+
+    prepared: _Prepared
+    handles: list[WriteHandle]
+    records: list[TaskRecord]
+    """Every task record these batches complete."""
+
+
+@dataclasses.dataclass(slots=True)
+class _RunState:
+    """What one update's write loop tracks."""
+
+    step: int
+    t0: float
+    deadline: float
+    timeout_s: float
+    ready: queue.Queue[_Prepared | BaseException | None]
+    abort: threading.Event
+    records: list[TaskRecord] = dataclasses.field(default_factory=list)
+    in_flight: list[_InFlight] = dataclasses.field(default_factory=list)
+    waiting: list[_Prepared] = dataclasses.field(default_factory=list)
+    finished_preparing: bool = False
+    total: int = 0
+    num_writes: int = 0
+    post_seconds: float = 0.0
+    """Host time spent in the transport's post calls."""
+
+
+_STATIC_BATCH_BYTES = 1 << 30
+"""Static tasks' writes to one engine are posted in prepared batches of about this size."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class UpdateStats:
     """What one update did on one rank."""
 
@@ -164,6 +244,10 @@ class UpdateStats:
     peak_staging_bytes: int
     peak_scratch_bytes: int
     records: tuple[TaskRecord, ...]
+    num_writes: int = 0
+    """Write ops posted (before any coalescing by the transport)."""
+    post_seconds: float = 0.0
+    """Host time the write stage spent posting (the prepare stage's host time is in records)."""
 
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
@@ -219,6 +303,7 @@ class Executor:
         self.gather = gather
         self.barrier = barrier
         self.quantize = quantize
+        self._task_by_id = {t.task_id: t for t in schedule.tasks}
         arena_bytes = memory_budget_bytes // 2
         self.scratch_budget = memory_budget_bytes - arena_bytes
         too_big = [t for t in schedule.tasks if t.staging_bytes > arena_bytes]
@@ -240,17 +325,19 @@ class Executor:
             torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             if device.type == "cuda" else None
         )
-        self._static: dict[int, tuple[tuple[str, ...], dict[str, list[WriteOp]]]] = {}
+        self._static: dict[int, _StaticTask] = {}
         for t in schedule.tasks:
             ops = self._static_ops(t)
             if ops is not None:
-                self._static[t.task_id] = (tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)})), ops)
-        self._static_sources = sorted({n for names, _ in self._static.values() for n in names})
+                names = tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)}))
+                self._static[t.task_id] = _StaticTask(names, ops)
+        self._static_sources = sorted({n for st in self._static.values() for n in st.sources})
+        self._static_batches = _static_batches(schedule.tasks, self._static)
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
         # and released in order) and its kernels are captured once as a CUDA graph, so an
         # update replays one graph per task instead of re-issuing every launch from Python.
-        self._graphs: dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...], int]] = {}
+        self._graphs: dict[int, _GraphGroup] = {}
         self._graph_skip: set[int] = set()  # tasks replayed by the graph of an earlier task
         self._ring_busy: list[tuple[int, int, int]] = []  # (task_id, start, end) in flight
         self._ring_cond = threading.Condition()
@@ -272,157 +359,223 @@ class Executor:
     def run(self, step: int, timeout_s: float) -> UpdateStats:
         """Replay the schedule once. Blocks until every write completed.
 
+        Everything it reads is ordered after the work queued so far on the caller's current
+        CUDA stream (the optimizer's last step, with no synchronize needed): the prepare stream
+        waits on that stream, and writes straight from the parameters are posted only once an
+        event recorded on it at the start has completed.
+
         Raises:
             TransportTimeoutError: the update ran past `timeout_s`.
             WeightTransferError: a stage failed (the message names the task and peer).
         """
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
-        if self._stream is not None:
-            # Preparation reads parameters the caller's stream (the optimizer) last wrote.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        st = _RunState(
+            step=step, t0=time.perf_counter(), deadline=time.monotonic() + timeout_s,
+            timeout_s=timeout_s, ready=queue.Queue(), abort=threading.Event(),
+        )
+        caller_done = self._order_after_caller()
         self.arena.peak = self.arena.in_use
         self._scratch_peak = self._scratch_in_use
-        ready: queue.Queue[_Prepared | BaseException | None] = queue.Queue()
-        abort = threading.Event()
-        records: list[TaskRecord] = []
-
-        def prepare_loop() -> None:
-            try:
-                group = 0
-                for task in self.schedule.tasks:
-                    if abort.is_set():
-                        return
-                    if task.task_id in self._static or task.task_id in self._graph_skip:
-                        continue  # posted at the start, or part of an earlier task's graph
-                    # Every rank enters every group's barrier, also groups it has no task in.
-                    while group < task.mesh_group:
-                        group += 1
-                        self.barrier(group)
-                    rec = TaskRecord(task.task_id, task.kind, task.nbytes)
-                    if task.task_id in self._graphs:
-                        prepared = self._replay(task, rec, t0, deadline, abort)
-                    else:
-                        prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
-                    if prepared is None:
-                        return
-                    ready.put(prepared)
-                    # Let the write stage take the GIL now rather than at the next switch
-                    # interval (5 ms), so writes start as soon as their task is ready.
-                    time.sleep(0)
-                while group < self.schedule.num_mesh_groups - 1:
-                    group += 1
-                    self.barrier(group)
-                ready.put(None)
-            except BaseException as exc:  # handed to the write stage, which raises it
-                ready.put(exc)
-
-        in_flight: list[tuple[_Prepared, list[WriteHandle]]] = []
-        waiting: list[_Prepared] = []
-        finished_preparing = False
-        total = 0
-        # Tasks that send straight from registered shards need no preparation: check once that
-        # no parameter moved, then post their prepared write lists before anything else.
-        for name in self._static_sources:
-            self._local(name)
-        for task in self.schedule.tasks:
-            static = self._static.get(task.task_id)
-            if static is None:
-                continue
-            now = time.perf_counter() - t0
-            rec = TaskRecord(task.task_id, task.kind, task.nbytes, now, now, now, now)
-            handles = [self.transport.post_writes(peer, ops) for peer, ops in static[1].items()]
-            in_flight.append((_Prepared(task, rec, static[1], [], 0, None), handles))
-        worker = threading.Thread(target=prepare_loop, name=f"wt-prepare-r{self.rank}", daemon=True)
+        worker = threading.Thread(
+            target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}", daemon=True
+        )
         worker.start()
         try:
-            while not finished_preparing or waiting or in_flight:
-                if time.monotonic() > deadline:
-                    stuck = sorted({peer for p, _ in in_flight for peer in p.ops})
-                    raise TransportTimeoutError(
-                        f"trainer rank {self.rank}: update {step} not complete after "
-                        f"{timeout_s:.1f} s ({len(in_flight)} task(s) in flight"
-                        + (f", waiting on peer(s) {stuck})" if stuck else ")")
-                    )
-                progressed = False
-                if not finished_preparing:
-                    try:
-                        item = ready.get(timeout=0 if (in_flight or waiting) else 0.05)
-                    except queue.Empty:
-                        pass
-                    else:
-                        if item is None:
-                            finished_preparing = True
-                        elif isinstance(item, BaseException):
-                            raise item
-                        else:
-                            waiting.append(item)
-                            progressed = True
-                # Post tasks whose device work is done, in order.
-                while waiting and (waiting[0].event is None or waiting[0].event.query()):
-                    p = waiting.pop(0)
-                    p.record.write_start = time.perf_counter() - t0
-                    handles = [
-                        self.transport.post_writes(peer, ops) for peer, ops in p.ops.items()
-                    ]
-                    in_flight.append((p, handles))
-                    progressed = True
-                # Batches mostly complete in posting order: poll from the oldest and stop at
-                # the first unfinished one, so a long queue costs one poll per pass, not many.
-                finished = 0
-                for p, handles in in_flight:
-                    try:
-                        done = all([self.transport.poll(h) for h in handles])
-                    except WeightTransferError as exc:
-                        raise WeightTransferError(
-                            f"trainer rank {self.rank}: writes of task {p.task.task_id} failed: {exc}"
-                        ) from exc
-                    if not done:
-                        break
-                    p.record.write_end = time.perf_counter() - t0
-                    self._release(p)
-                    records.append(p.record)
-                    total += p.record.nbytes
-                    finished += 1
-                if finished:
-                    del in_flight[:finished]
-                    progressed = True
-                if not progressed and (in_flight or waiting):
-                    # Sleep on the oldest unfinished batch's completion event when its backend
-                    # completes it on a thread (tcp, loopback host copies, ucx copy lanes), so
-                    # this loop does not take a core from those threads; else back off
-                    # briefly, except on progress-driven transports (ucx, nixl), whose data
-                    # moves only while polled.
-                    event = self._oldest_event(in_flight)
-                    if event is not None:
-                        event.wait(_EVENT_SLICE_S)
-                    elif not self.transport.progress_driven:
-                        time.sleep(2e-5)
+            self._post_static(st, caller_done)
+            while not st.finished_preparing or st.waiting or st.in_flight:
+                self._check_deadline(st)
+                progressed = self._take_ready(st)
+                progressed |= self._post_waiting(st)
+                progressed |= self._reap(st)
+                if not progressed and (st.in_flight or st.waiting):
+                    self._idle(st)
         except BaseException:
-            abort.set()
+            st.abort.set()
             worker.join(timeout=5.0)
-            for p, _ in in_flight:
-                self._release(p)
-            for p in waiting:
+            for f in st.in_flight:
+                self._release(f.prepared)
+            for p in st.waiting:
                 self._release(p)
             raise
-        worker.join(timeout=max(0.1, deadline - time.monotonic()))
+        worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
         return UpdateStats(
             step=step,
-            seconds=time.perf_counter() - t0,
-            nbytes=total,
-            num_tasks=len(records),
+            seconds=time.perf_counter() - st.t0,
+            nbytes=st.total,
+            num_tasks=len(st.records),
             peak_staging_bytes=self.arena.peak,
             peak_scratch_bytes=self._scratch_peak,
-            records=tuple(sorted(records, key=lambda r: r.task_id)),
+            records=tuple(sorted(st.records, key=lambda r: r.task_id)),
+            num_writes=st.num_writes,
+            post_seconds=st.post_seconds,
         )
 
-    def _oldest_event(
-        self, in_flight: list[tuple[_Prepared, list[WriteHandle]]]
-    ) -> threading.Event | None:
+    def _order_after_caller(self) -> Any:
+        """Order this update after the caller's current stream: the prepare stream waits on it
+        on the device; the returned event (None off CUDA) gates the zero-copy posts."""
+        if self._stream is None:
+            return None
+        caller = torch.cuda.current_stream(self.device)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+        event.record(caller)
+        # Preparation reads parameters the caller's stream (the optimizer) last wrote.
+        self._stream.wait_event(event)
+        return event
+
+    def _wait_caller(self, st: _RunState, event: Any) -> None:
+        """Host-wait (bounded by the deadline) for the caller's work queued before `run`."""
+        while not event.query():
+            if time.monotonic() > st.deadline:
+                raise TransportTimeoutError(
+                    f"trainer rank {self.rank}: update {st.step}: the work queued on the "
+                    f"caller's CUDA stream did not finish within {st.timeout_s:.1f} s"
+                )
+            time.sleep(2e-5)
+
+    def _prepare_loop(self, st: _RunState) -> None:
+        """The prepare stage (its own thread): tasks in order, handed to the write stage."""
+        try:
+            group = 0
+            for task in self.schedule.tasks:
+                if st.abort.is_set():
+                    return
+                if task.task_id in self._static or task.task_id in self._graph_skip:
+                    continue  # posted at the start, or part of an earlier task's graph
+                # Every rank enters every group's barrier, also groups it has no task in.
+                while group < task.mesh_group:
+                    group += 1
+                    self.barrier(group)
+                rec = TaskRecord(task.task_id, task.kind, task.nbytes)
+                if task.task_id in self._graphs:
+                    prepared = self._replay(task, rec, st.t0, st.deadline, st.abort)
+                else:
+                    prepared = self._admit_and_prepare(task, rec, st.t0, st.deadline, st.abort)
+                if prepared is None:
+                    return
+                st.ready.put(prepared)
+                # Let the write stage take the GIL now rather than at the next switch
+                # interval (5 ms), so writes start as soon as their task is ready.
+                time.sleep(0)
+            while group < self.schedule.num_mesh_groups - 1:
+                group += 1
+                self.barrier(group)
+            st.ready.put(None)
+        except BaseException as exc:  # handed to the write stage, which raises it
+            st.ready.put(exc)
+
+    def _post_static(self, st: _RunState, caller_done: Any) -> None:
+        """Tasks that send straight from registered shards need no preparation: check once
+        that no parameter moved, then post their prepared batches before anything else."""
+        if not self._static_batches:
+            return
+        for name in self._static_sources:
+            self._local(name)
+        if caller_done is not None:
+            self._wait_caller(st, caller_done)
+        now = time.perf_counter() - st.t0
+        for batch in self._static_batches:
+            if batch.prepared is None:
+                batch.prepared = self.transport.prepare_writes(batch.peer, batch.ops)
+            recs = []
+            for tid in batch.task_ids:
+                task = self._task_by_id[tid]
+                recs.append(TaskRecord(tid, task.kind, task.nbytes, now, now, now, now))
+            t_post = time.perf_counter()
+            handle = self.transport.post_prepared(batch.prepared)
+            st.post_seconds += time.perf_counter() - t_post
+            st.num_writes += len(batch.ops)
+            first = self._task_by_id[batch.task_ids[0]] if batch.task_ids else self.schedule.tasks[0]
+            rec = recs[0] if recs else TaskRecord(first.task_id, first.kind, 0)
+            p = _Prepared(first, rec, {batch.peer: batch.ops}, [], 0, None)
+            st.in_flight.append(_InFlight(p, [handle], recs))
+
+    def _check_deadline(self, st: _RunState) -> None:
+        if time.monotonic() > st.deadline:
+            stuck = sorted({peer for f in st.in_flight for peer in f.prepared.ops})
+            raise TransportTimeoutError(
+                f"trainer rank {self.rank}: update {st.step} not complete after "
+                f"{st.timeout_s:.1f} s ({len(st.in_flight)} task(s) in flight"
+                + (f", waiting on peer(s) {stuck})" if stuck else ")")
+            )
+
+    def _take_ready(self, st: _RunState) -> bool:
+        """Move one prepared task from the prepare stage into `waiting` (True if one came)."""
+        if st.finished_preparing:
+            return False
+        try:
+            item = st.ready.get(timeout=0 if (st.in_flight or st.waiting) else 0.05)
+        except queue.Empty:
+            return False
+        if item is None:
+            st.finished_preparing = True
+            return False
+        if isinstance(item, BaseException):
+            raise item
+        st.waiting.append(item)
+        return True
+
+    def _post_waiting(self, st: _RunState) -> bool:
+        """Post tasks whose device work is done, in order."""
+        posted = False
+        while st.waiting and (st.waiting[0].event is None or st.waiting[0].event.query()):
+            p = st.waiting.pop(0)
+            t_post = time.perf_counter()
+            p.record.write_start = t_post - st.t0
+            group = self._graphs.get(p.task.task_id)
+            if group is not None:
+                handles = []
+                for peer, ops in p.ops.items():
+                    prepared = group.prepared.get(peer)
+                    if prepared is None:
+                        prepared = group.prepared[peer] = self.transport.prepare_writes(peer, ops)
+                    handles.append(self.transport.post_prepared(prepared))
+            else:
+                handles = [self.transport.post_writes(peer, ops) for peer, ops in p.ops.items()]
+            st.post_seconds += time.perf_counter() - t_post
+            st.num_writes += sum(len(ops) for ops in p.ops.values())
+            st.in_flight.append(_InFlight(p, handles, [p.record]))
+            posted = True
+        return posted
+
+    def _reap(self, st: _RunState) -> bool:
+        """Finish completed batches. They mostly complete in posting order: poll from the
+        oldest and stop at the first unfinished one, so a long queue costs one poll a pass."""
+        finished = 0
+        for f in st.in_flight:
+            try:
+                done = all([self.transport.poll(h) for h in f.handles])
+            except WeightTransferError as exc:
+                raise WeightTransferError(
+                    f"trainer rank {self.rank}: writes of task {f.prepared.task.task_id} "
+                    f"failed: {exc}"
+                ) from exc
+            if not done:
+                break
+            end = time.perf_counter() - st.t0
+            self._release(f.prepared)
+            for rec in f.records:
+                rec.write_end = end
+                st.records.append(rec)
+                st.total += rec.nbytes
+            finished += 1
+        if finished:
+            del st.in_flight[:finished]
+        return finished > 0
+
+    def _idle(self, st: _RunState) -> None:
+        """Nothing moved this pass. Sleep on the oldest unfinished batch's completion event
+        when its backend completes it on a thread (tcp, loopback host copies, ucx copy
+        lanes), so this loop does not take a core from those threads; else back off briefly,
+        except on progress-driven transports (ucx, nixl), whose data moves only while polled."""
+        event = self._oldest_event(st.in_flight)
+        if event is not None:
+            event.wait(_EVENT_SLICE_S)
+        elif not self.transport.progress_driven:
+            time.sleep(2e-5)
+
+    def _oldest_event(self, in_flight: list[_InFlight]) -> threading.Event | None:
         if not in_flight:
             return None
-        for h in in_flight[0][1]:
+        for h in in_flight[0].handles:
             if not h.done:
                 return self.transport.completion_event(h)
         return None
@@ -532,7 +685,7 @@ class Executor:
         del fulls
         return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
 
-    def _capture_graphs(self) -> dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...], int]]:
+    def _capture_graphs(self) -> dict[int, _GraphGroup]:
         todo = [t for t in self.schedule.tasks if t.task_id not in self._static]
         if not todo:
             raise _NotGraphable("no task needs preparation")
@@ -578,7 +731,7 @@ class Executor:
             pos += size
         graphs = {}
         for members, start, size in plans:
-            calls = []
+            calls: list[_QuantCall] = []
             ops: dict[str, list[WriteOp]] = defaultdict(list)
             flat = []
             base = start
@@ -593,22 +746,24 @@ class Executor:
                 b0, b1 = w.block
                 for p, (r0, r1, c0, c1) in aligned:
                     src = self._local(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
-                    calls.append((src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]))
+                    calls.append(_QuantCall(
+                        src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]
+                    ))
                 self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, start + woff, ops)
                 self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, start + soff, ops)
             assert self._stream is not None
             with torch.cuda.stream(self._stream):
-                for src, block, q, sc in calls:  # compile and warm up outside the capture
-                    self.quantize(src, block, q, sc)
+                for c in calls:  # compile and warm up outside the capture
+                    self.quantize(c.src, c.block, c.q, c.scale)
             self._stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
-                for src, block, q, sc in calls:
-                    self.quantize(src, block, q, sc)
+                for c in calls:
+                    self.quantize(c.src, c.block, c.q, c.scale)
             first = members[0][0]
             names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
             nbytes = sum(t.nbytes for t, _, _ in members)
-            graphs[first.task_id] = (graph, dict(ops), start, start + size, names, nbytes)
+            graphs[first.task_id] = _GraphGroup(graph, dict(ops), start, start + size, names, nbytes)
             for t, _, _ in members[1:]:
                 self._graph_skip.add(t.task_id)
         return graphs
@@ -616,8 +771,9 @@ class Executor:
     def _replay(
         self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event
     ) -> _Prepared | None:
-        graph, ops, start, end, names, nbytes = self._graphs[task.task_id]
-        rec.nbytes = nbytes
+        group = self._graphs[task.task_id]
+        start, end = group.start, group.end
+        rec.nbytes = group.nbytes
         rec.admit = time.perf_counter() - t0
         with self._ring_cond:
             # Wait until no task in flight still owns bytes of this task's slice of the ring.
@@ -630,16 +786,16 @@ class Executor:
                     )
                 self._ring_cond.wait(0.01)
             self._ring_busy.append((task.task_id, start, end))
-        for n in names:
+        for n in group.sources:
             self._local(n)  # raises if a parameter was reallocated since the capture
         rec.prepare_start = time.perf_counter() - t0
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
-            graph.replay()
+            group.graph.replay()
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record(self._stream)
         rec.prepare_end = time.perf_counter() - t0
-        return _Prepared(task, rec, ops, [], 0, event)
+        return _Prepared(task, rec, group.ops, [], 0, event)
 
     def _release(self, p: _Prepared) -> None:
         if p.task.task_id in self._graphs:
@@ -770,6 +926,31 @@ class Executor:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):
                 pass
+
+
+def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) -> list[_StaticBatch]:
+    """Static tasks' writes grouped per engine, in task order, into batches of about
+    `_STATIC_BATCH_BYTES` (one prepared batch each instead of one post per task)."""
+    open_: dict[str, _StaticBatch] = {}
+    sizes: dict[str, int] = {}
+    out: list[_StaticBatch] = []
+    owned: set[int] = set()  # each task's record goes with the first batch holding its writes
+    for t in tasks:
+        st = static.get(t.task_id)
+        if st is None:
+            continue
+        for peer, ops in st.ops.items():
+            batch = open_.get(peer)
+            if batch is None or sizes[peer] >= _STATIC_BATCH_BYTES:
+                batch = open_[peer] = _StaticBatch(peer, (), [])
+                sizes[peer] = 0
+                out.append(batch)
+            if t.task_id not in owned:
+                owned.add(t.task_id)
+                batch.task_ids += (t.task_id,)
+            batch.ops.extend(ops)
+            sizes[peer] += sum(op.nbytes for op in ops)
+    return out
 
 
 def _block_aligned_parts(

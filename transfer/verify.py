@@ -1,5 +1,12 @@
 """Cheap exact fingerprints of tensors, computed where the tensors live (GPU or CPU).
 
+`keyed_digest` is the check the update benchmark applies to every timed update: a keyed
+universal hash (two sums over the tensor's 32-bit words times pseudo-random 62-bit keys drawn
+from a fresh secret per check with Philox on the tensor's device). It cannot miss a permutation
+or any other change except with probability at most 2**-60 per tensor for content that does not
+know the key. It is not a cryptographic hash (linear in the data), which is why the key is fresh
+and secret for every check. `fingerprint` below is the older, unkeyed index-weighted sum.
+
 A fingerprint is the sum over the tensor's 32-bit words of word * (index mod 1021 + 1), modulo
 2**64: bit-exact (any changed, moved or missing byte changes it except with negligible
 probability on random data) and fast on a GPU, so a benchmark can verify gigabytes of engine
@@ -33,6 +40,51 @@ def fingerprint(t: torch.Tensor) -> int:
         idx = torch.arange(start, start + w.numel(), device=b.device, dtype=torch.int64)
         total += (w * (idx % 1021 + 1)).sum()
     return int(total.item()) & ((1 << 64) - 1)
+
+
+def keyed_digest(t: torch.Tensor, key: int) -> tuple[int, int]:
+    """Two keyed sums mod 2**64 of the tensor's bytes as 32-bit words (see the module doc)."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat([b, torch.zeros(pad, dtype=torch.uint8, device=b.device)])
+    words = b.view(torch.int32)
+    g = torch.Generator(device=b.device)
+    sums = [torch.zeros((), dtype=torch.int64, device=b.device) for _ in range(2)]
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        for i, acc in enumerate(sums):
+            g.manual_seed((key * 2654435761 + start * 2 + i) & ((1 << 63) - 1))
+            k = torch.randint(0, 1 << 62, (w.numel(),), generator=g, device=b.device, dtype=torch.int64)
+            acc += (w * k).sum()
+    mask = (1 << 64) - 1
+    return int(sums[0].item()) & mask, int(sums[1].item()) & mask
+
+
+def expected_digests(
+    recipes: Iterable[Recipe],
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    full: Mapping[str, torch.Tensor],
+    key: int,
+) -> dict[str, tuple[int, int]]:
+    """`keyed_digest` of every engine tensor the recipes build from `full` trainer tensors."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in recipes:
+        shape, dtype = shapes[r.dest]
+        for name, t in build_engine_tensor(r, shape, dtype, full).items():
+            out[name] = keyed_digest(t, key ^ _name_key(name))
+    return out
+
+
+def _name_key(name: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def engine_digests(tensors: Mapping[str, torch.Tensor], key: int) -> dict[str, tuple[int, int]]:
+    """`keyed_digest` of each engine tensor, keyed per name as `expected_digests` does."""
+    return {n: keyed_digest(t, key ^ _name_key(n)) for n, t in tensors.items()}
 
 
 def build_engine_tensor(
