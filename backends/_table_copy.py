@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -35,6 +36,24 @@ import torch
 
 CHUNK_BYTES = 64 << 10
 """Bytes one program of `_copy_chunks` copies."""
+BLOCK_WORDS = 1024
+"""8-byte words one loop step of a program moves."""
+NUM_WARPS = 4
+"""Warps per program."""
+
+
+def _tuned() -> None:
+    """WT_TABLE_COPY="CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS" overrides the three (benchmarks)."""
+    global CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS
+    value = os.environ.get("WT_TABLE_COPY", "")
+    if value:
+        try:
+            CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS = (int(x) for x in value.split(","))
+        except ValueError as exc:
+            raise ValueError(f"WT_TABLE_COPY={value!r}: expected CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS") from exc
+
+
+_tuned()
 
 ALIGN = 16
 """Copies whose source, destination and length are multiples of this use the kernels."""
@@ -79,8 +98,9 @@ class ChunkTable:
     """Every byte of the batch."""
 
 
-def chunk_table(copies: Sequence[Copy], chunk_bytes: int = CHUNK_BYTES) -> ChunkTable:
+def chunk_table(copies: Sequence[Copy], chunk_bytes: int | None = None) -> ChunkTable:
     """Cut coalesced copies into full chunks and tails; unaligned copies go to `plain`."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     aligned = [c for c in copies if not (c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)]
     plain = tuple(c for c in copies if c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)
     if aligned:
@@ -133,12 +153,16 @@ def to_device(table: ChunkTable, device: torch.device, num_copies: int) -> Devic
     )
 
 
-def launch(table: DeviceTable, chunk_bytes: int = CHUNK_BYTES) -> None:
+def launch(
+    table: DeviceTable, chunk_bytes: int | None = None, block_words: int | None = None,
+    num_warps: int | None = None,
+) -> None:
     """Run the table's copies on the current stream of the table's device (no plain copies:
-    the caller issues `table.plain` itself)."""
+    the caller issues `table.plain` itself). The table must have been cut with `chunk_bytes`."""
     mod = jit()
     assert mod is not None, "launch() without triton; check jit() first"
-    mod.run(table.chunks, table.tails, chunk_bytes)
+    mod.run(table.chunks, table.tails, chunk_bytes or CHUNK_BYTES, block_words or BLOCK_WORDS,
+            num_warps or NUM_WARPS)
 
 
 def available() -> bool:

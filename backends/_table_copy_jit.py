@@ -36,13 +36,16 @@ def _copy_tails(table_ptr, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(dst + i + offs, tl.load(src + i + offs, mask=m), mask=m)
 
 
-def run(chunks: torch.Tensor, tails: torch.Tensor, chunk_bytes: int) -> None:
+def run(
+    chunks: torch.Tensor, tails: torch.Tensor, chunk_bytes: int,
+    block_words: int = _BLOCK, num_warps: int = 4,
+) -> None:
     """Launch both kernels on the current stream (empty parts launch nothing)."""
     words = chunk_bytes // 8
-    block = min(_BLOCK, words)
+    block = min(block_words, words)
     if words % block or block & (block - 1):
         raise ValueError(f"chunk_bytes {chunk_bytes} must be a power of two of at least 16")
     if chunks.shape[0]:
-        _copy_chunks[(chunks.shape[0],)](chunks, CHUNK_WORDS=words, BLOCK=block, num_warps=4)
+        _copy_chunks[(chunks.shape[0],)](chunks, CHUNK_WORDS=words, BLOCK=block, num_warps=num_warps)
     if tails.shape[0]:
-        _copy_tails[(tails.shape[0],)](tails, CHUNK_WORDS=words, BLOCK=block, num_warps=4)
+        _copy_tails[(tails.shape[0],)](tails, CHUNK_WORDS=words, BLOCK=block, num_warps=num_warps)

@@ -453,6 +453,34 @@ class Transport(ABC):
         self._post_prepared(prepared, handle)
         return handle
 
+    def direct_view(
+        self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """A uint8 tensor over `nbytes` of `target` at `offset` that kernels on `device` may
+        write straight into (a peer's memory on the same GPU, mapped over CUDA IPC), or None
+        where the backend cannot offer one (the default). Writing through it is a one-sided
+        write whose completion is the writing kernel's: the caller orders its commit after it.
+
+        Raises:
+            ValueError: the range is outside the descriptor, or the descriptor is not this
+                backend's.
+        """
+        self._check_open()
+        self._check_peer(peer)
+        if target.backend != self.name:
+            raise ValueError(f"direct view into {peer!r}: descriptor is for {target.backend!r}")
+        if offset < 0 or nbytes <= 0 or offset + nbytes > target.nbytes:
+            raise ValueError(
+                f"direct view into {peer!r}: range [{offset}, {offset + nbytes}) is outside "
+                f"the remote region of {target.nbytes} bytes"
+            )
+        return self._direct_view(peer, target, offset, nbytes, device)
+
+    def _direct_view(
+        self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
+    ) -> torch.Tensor | None:
+        return None
+
     def _check_ops(self, peer: str, ops: Sequence[WriteOp]) -> int:
         total = 0
         for i, op in enumerate(ops):

@@ -158,8 +158,12 @@ class _BatchState:
 _STOP = object()
 
 _TABLE_MIN_COPIES = 2
-"""A CUDA IPC batch of at least this many copies (after coalescing) runs as table-kernel
-launches instead of one cudaMemcpyAsync per copy."""
+"""A prepared CUDA IPC batch of at least this many copies (after coalescing) runs as
+table-kernel launches instead of one cudaMemcpyAsync per copy."""
+_TABLE_MIN_COPIES_UNPREPARED = 32
+"""The same for a batch posted once: its table must be uploaded first, a host-to-device copy
+that queues behind the copy engine's other work (CPU-offloaded staging copies), so only large
+batches are worth it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -606,7 +610,7 @@ class LoopbackTransport(Transport):
         and run as table-kernel launches when there are several, else cudaMemcpyAsync each."""
         plain = _table_copy.coalesce([_table_copy.Copy(d, s, n) for d, s, n, _ in copies])
         table = None
-        if self._copy_kernel and len(plain) >= _TABLE_MIN_COPIES:
+        if self._copy_kernel and len(plain) >= _TABLE_MIN_COPIES_UNPREPARED:
             chunked = _table_copy.chunk_table(plain)
             plain = list(chunked.plain)
             table = chunked
@@ -674,6 +678,24 @@ class LoopbackTransport(Transport):
             else:
                 plan.per_device.append((device, None, tuple(merged)))
         prepared.state = plan
+
+    def _direct_view(
+        self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The target bytes as a tensor on `device` when the peer's memory is on that very GPU
+        (the one-GPU colocated layout): kernels then write into it at the memory's rate. On
+        another GPU None: torch's IPC mapping would be the slow exporter-context one."""
+        if device.type != "cuda" or target.kind is not MemoryKind.CUDA:
+            return None
+        decoded = self._decoded.setdefault(peer, {})
+        t = decoded.get(target.payload)
+        if t is None:
+            t = decoded[target.payload] = self._check_target(peer, 0, target)
+        if t.ipc is None or int(t.ipc[0]) != device.index:
+            return None
+        whole = self._open_ipc(peer, t.ipc)
+        begin = t.offset + offset
+        return whole[begin : begin + nbytes]
 
     def _post_prepared(self, prepared: PreparedWrites, handle: WriteHandle) -> None:
         peer = prepared.peer

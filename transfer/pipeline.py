@@ -197,6 +197,8 @@ class _GraphGroup:
     nbytes: int
     prepared: dict[str, PreparedWrites] = dataclasses.field(default_factory=dict)
     """Its write batches, prepared on first post."""
+    direct: tuple[torch.Tensor, ...] = ()
+    """Engine memory its graph writes straight into (kept mapped while the graph lives)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -292,6 +294,7 @@ class Executor:
         gather: GatherFn,
         barrier: BarrierFn,
         quantize: QuantFn = default_quantize,
+        direct_writes: bool = True,
     ) -> None:
         self.rank = rank
         self.schedule = schedule
@@ -304,6 +307,7 @@ class Executor:
         self.barrier = barrier
         self.quantize = quantize
         self._task_by_id = {t.task_id: t for t in schedule.tasks}
+        self._direct = direct_writes
         arena_bytes = memory_budget_bytes // 2
         self.scratch_budget = memory_budget_bytes - arena_bytes
         too_big = [t for t in schedule.tasks if t.staging_bytes > arena_bytes]
@@ -732,6 +736,7 @@ class Executor:
         graphs = {}
         for members, start, size in plans:
             calls: list[_QuantCall] = []
+            keep: list[torch.Tensor] = []
             ops: dict[str, list[WriteOp]] = defaultdict(list)
             flat = []
             base = start
@@ -741,14 +746,21 @@ class Executor:
             for w, aligned, woff, soff in flat:
                 shape = box_shape(w.dest_box)
                 sshape = box_shape(w.scale_box)
-                q = self.arena.view(start + woff, numel(shape)).view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
-                sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
+                direct = self._direct_views(w) if self._direct else None
+                if direct is not None:
+                    q, sc = direct  # quantize straight into the engine's memory: no staging
+                else:
+                    q = self.arena.view(start + woff, numel(shape)).view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
+                    sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
                 b0, b1 = w.block
                 for p, (r0, r1, c0, c1) in aligned:
                     src = self._local(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
                     calls.append(_QuantCall(
                         src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]
                     ))
+                if direct is not None:
+                    keep += [q, sc]
+                    continue
                 self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, start + woff, ops)
                 self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, start + soff, ops)
             assert self._stream is not None
@@ -763,10 +775,33 @@ class Executor:
             first = members[0][0]
             names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
             nbytes = sum(t.nbytes for t, _, _ in members)
-            graphs[first.task_id] = _GraphGroup(graph, dict(ops), start, start + size, names, nbytes)
+            graphs[first.task_id] = _GraphGroup(
+                graph, dict(ops), start, start + size, names, nbytes, direct=tuple(keep)
+            )
             for t, _, _ in members[1:]:
                 self._graph_skip.add(t.task_id)
         return graphs
+
+    def _direct_views(self, w: QuantWrite) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The unit's weight and scale as views of the engine's own memory, where the transport
+        maps it on this GPU and each is one contiguous run; else None (staged and written)."""
+        if len(w.weight_runs) != 1 or len(w.scale_runs) != 1:
+            return None
+        shape, sshape = box_shape(w.dest_box), box_shape(w.scale_box)
+        wr, sr = w.weight_runs[0], w.scale_runs[0]
+        if wr.nbytes != numel(shape) or sr.nbytes != numel(sshape) * 4:
+            return None
+        descs = self.descriptors[w.engine]
+        qv = self.transport.direct_view(w.engine, descs[wr.region], wr.offset_bytes, wr.nbytes, self.device)
+        sv = self.transport.direct_view(w.engine, descs[sr.region], sr.offset_bytes, sr.nbytes, self.device)
+        if qv is None or sv is None:
+            return None
+        try:
+            q = qv.view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
+            s = sv.view(torch.float32).view(sshape[-2], sshape[-1])
+        except RuntimeError:  # a view the dtype cannot take (alignment): stage it instead
+            return None
+        return q, s
 
     def _replay(
         self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event
