@@ -244,7 +244,7 @@ class LoopbackTransport(Transport):
         self._peer_ids: dict[str, tuple[int, int]] = {}  # peer -> (pid, transport id)
         self._peer_procs: dict[str, _PeerProcess] = {}  # peers in other processes
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
-        self._cuda_targets: dict[tuple[str, bytes], torch.Tensor] = {}  # (peer, handle) -> view
+        self._cuda_targets: dict[tuple[str, bytes, int], torch.Tensor] = {}  # (peer, handle, offset)
         self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
         self._decoded: dict[str, dict[bytes, _Target]] = {}  # peer -> payload -> checked target
         self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
@@ -553,7 +553,9 @@ class LoopbackTransport(Transport):
         return whole[begin : begin + op.nbytes]
 
     def _open_ipc(self, peer: str, ipc: tuple[Any, ...]) -> torch.Tensor:
-        key = (peer, ipc[1])
+        # Tensors of one caching-allocator block share its IPC handle and differ in their
+        # storage offset (ipc[3]): the offset is part of what was opened.
+        key = (peer, bytes(ipc[1]), int(ipc[3]))
         view = self._cuda_targets.get(key)
         if view is not None:
             return view
@@ -608,14 +610,36 @@ class LoopbackTransport(Transport):
     ) -> None:
         """The copies on the writer's stream into IPC mappings opened on that device: coalesced
         and run as table-kernel launches when there are several, else cudaMemcpyAsync each."""
-        plain = _table_copy.coalesce([_table_copy.Copy(d, s, n) for d, s, n, _ in copies])
-        table = None
-        if self._copy_kernel and len(plain) >= _TABLE_MIN_COPIES_UNPREPARED:
-            chunked = _table_copy.chunk_table(plain)
-            plain = list(chunked.plain)
-            table = chunked
+        table, plain = self._raw_plan(
+            [(_table_copy.Copy(d, s, n), t.is_cuda) for d, s, n, t in copies],
+            _TABLE_MIN_COPIES_UNPREPARED,
+        )
         self._launch_raw(device, table, plain, state)
         state.keepalive.extend(c[3] for c in copies)
+
+    def _raw_plan(
+        self, copies: list[tuple[_table_copy.Copy, bool]], min_copies: int
+    ) -> tuple[_table_copy.ChunkTable | None, list[_table_copy.Copy]]:
+        """Split copies into a kernel table and plain cudaMemcpyAsync calls. Only device-to-
+        device copies with aligned addresses and lengths are coalesced and go to the kernels;
+        copies from host memory stay on the copy engine (DMA beats SM loads over PCIe) and are
+        never merged, since a cudaMemcpy may not span two allocations that merely adjoin."""
+        kernel: list[_table_copy.Copy] = []
+        plain: list[_table_copy.Copy] = []
+        align = _table_copy.ALIGN
+        for c, from_device in copies:
+            if self._copy_kernel and from_device and not (
+                c.dst % align or c.src % align or c.nbytes % align
+            ):
+                kernel.append(c)
+            else:
+                plain.append(c)
+        merged = _table_copy.coalesce(kernel)
+        if len(merged) < min_copies:
+            return None, plain + kernel
+        chunked = _table_copy.chunk_table(merged)
+        assert not chunked.plain  # every merged copy is aligned
+        return chunked, plain
 
     def _launch_raw(
         self,
@@ -655,28 +679,29 @@ class LoopbackTransport(Transport):
         prepared.state = None
         peer = prepared.peer
         decoded = self._decoded.setdefault(peer, {})
-        per_device: dict[int, list[_table_copy.Copy]] = {}
+        per_device: dict[int, list[tuple[_table_copy.Copy, bool]]] = {}
         for i, op in enumerate(prepared.ops):
             target = decoded.get(op.target.payload)
             if target is None:
                 target = decoded[op.target.payload] = self._check_target(peer, i, op.target)
-            if op.source.kind is not MemoryKind.CUDA or target.ipc is None or self._is_local_ipc(target):
+            if target.ipc is None or self._is_local_ipc(target):
                 return
             device = self._writer_device(op)
             dst = self._open_ipc_ptr(peer, target.ipc, device)
             dst += int(target.ipc[3]) + target.offset + op.target_offset
-            per_device.setdefault(device, []).append(
-                _table_copy.Copy(dst, op.source.address + op.source_offset, op.nbytes)
-            )
+            per_device.setdefault(device, []).append((
+                _table_copy.Copy(dst, op.source.address + op.source_offset, op.nbytes),
+                op.source.kind is MemoryKind.CUDA,
+            ))
         plan = _RawPlan(self._generation.get(peer, 0), [])
         for device, copies in per_device.items():
-            merged = _table_copy.coalesce(copies)
-            if self._copy_kernel and len(merged) >= _TABLE_MIN_COPIES:
-                chunked = _table_copy.chunk_table(merged)
-                table = _table_copy.to_device(chunked, torch.device("cuda", device), len(merged))
-                plan.per_device.append((device, table, chunked.plain))
-            else:
-                plan.per_device.append((device, None, tuple(merged)))
+            chunked, plain = self._raw_plan(copies, _TABLE_MIN_COPIES)
+            table = None
+            if chunked is not None:
+                table = _table_copy.to_device(
+                    chunked, torch.device("cuda", device), int(chunked.chunks.shape[0])
+                )
+            plan.per_device.append((device, table, tuple(plain)))
         prepared.state = plan
 
     def _direct_view(

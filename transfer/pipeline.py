@@ -45,7 +45,7 @@ from weight_transfer.planner.types import (
     box_shape,
     numel,
 )
-from weight_transfer.transfer.manifest import torch_dtype
+from weight_transfer.transfer.manifest import local_part, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ class _StaticBatch:
     peer: str
     task_ids: tuple[int, ...]
     ops: list[WriteOp]
+    sources: list[str] = dataclasses.field(default_factory=list)
+    """Parameters its writes read (checked right before it is posted)."""
     prepared: PreparedWrites | None = None
 
 
@@ -230,6 +232,11 @@ class _RunState:
     post_seconds: float = 0.0
     """Host time spent in the transport's post calls."""
 
+
+_GROUP_BYTES = 1 << 30
+"""Output bytes of one captured graph group, at most (unless one task is larger)."""
+_GROUP_CALLS = 4096
+"""Quantize kernels in one captured graph group, at most (unless one task has more)."""
 
 _STATIC_BATCH_BYTES = 1 << 30
 """Static tasks' writes to one engine are posted in prepared batches of about this size."""
@@ -335,8 +342,8 @@ class Executor:
             if ops is not None:
                 names = tuple(sorted({w.source for w in t.writes if isinstance(w, SliceWrite)}))
                 self._static[t.task_id] = _StaticTask(names, ops)
-        self._static_sources = sorted({n for st in self._static.values() for n in st.sources})
         self._static_batches = _static_batches(schedule.tasks, self._static)
+        self._seen_local: dict[str, tuple[torch.Tensor, int]] = {}
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
         # and released in order) and its kernels are captured once as a CUDA graph, so an
@@ -471,12 +478,12 @@ class Executor:
         that no parameter moved, then post their prepared batches before anything else."""
         if not self._static_batches:
             return
-        for name in self._static_sources:
-            self._local(name)
         if caller_done is not None:
             self._wait_caller(st, caller_done)
         now = time.perf_counter() - st.t0
         for batch in self._static_batches:
+            # Checked per batch, so the checks of the next batch overlap this one's copies.
+            self._check_unmoved(batch.sources)
             if batch.prepared is None:
                 batch.prepared = self.transport.prepare_writes(batch.peer, batch.ops)
             recs = []
@@ -491,6 +498,18 @@ class Executor:
             rec = recs[0] if recs else TaskRecord(first.task_id, first.kind, 0)
             p = _Prepared(first, rec, {batch.peer: batch.ops}, [], 0, None)
             st.in_flight.append(_InFlight(p, [handle], recs))
+
+    def _check_unmoved(self, names: Sequence[str]) -> None:
+        """Raise if a parameter was reallocated since registration (`_local`), cheaply: the
+        local tensor object and its address as first seen are compared first."""
+        seen = self._seen_local
+        for n in names:
+            local = local_part(self.sources[n].param)
+            first = seen.get(n)
+            if first is not None and first[0] is local and first[1] == local.data_ptr():
+                continue
+            local = self._local(n)
+            seen[n] = (local, local.data_ptr())
 
     def _check_deadline(self, st: _RunState) -> None:
         if time.monotonic() > st.deadline:
@@ -694,6 +713,7 @@ class Executor:
         if not todo:
             raise _NotGraphable("no task needs preparation")
         per_task: list[tuple[Task, int, Any]] = []
+        work_of: dict[int, tuple[int, int]] = {}
         pos = 0
         for t in todo:
             if t.kind != "direct" or not t.gather or not all(isinstance(w, QuantWrite) for w in t.writes):
@@ -702,7 +722,7 @@ class Executor:
                 local = self._local(n)
                 if local.device != self.device:
                     raise _NotGraphable(f"source {n!r} is not on {self.device}")
-            size = 0
+            size = work = ncalls = 0
             layout = []
             for w in t.writes:
                 assert isinstance(w, QuantWrite)
@@ -712,20 +732,34 @@ class Executor:
                     raise _NotGraphable(f"task {t.task_id}: {w.dest} has parts inside one block")
                 wb = -(-numel(shape) // _ALIGN) * _ALIGN
                 sb = -(-numel(box_shape(w.scale_box)) * 4 // _ALIGN) * _ALIGN
-                layout.append((w, aligned, size, size + wb))
-                size += wb + sb
+                direct = self._direct_views(w) if self._direct else None
+                layout.append((w, aligned, size, size + wb, direct))
+                if direct is None:  # written straight into the engine: no staging needed
+                    size += wb + sb
+                work += wb
+                ncalls += len(aligned)
             if size > self.arena.nbytes:
                 raise _NotGraphable(f"task {t.task_id} needs {size} bytes, more than the arena")
             per_task.append((t, size, layout))
+            work_of[t.task_id] = (work, ncalls)
         # Consecutive small tasks share one graph, one ring slice and one batch per engine, so
         # a MoE layer's hundreds of expert units cost a few replays and posts, not hundreds.
+        # Direct units take no ring space; a group also closes at _GROUP_BYTES of output or
+        # _GROUP_CALLS kernels, so the write stage still sees progress and graphs stay small.
         group_limit = max(1, min(self.arena.nbytes // 8, 128 << 20))
         groups: list[list[tuple[Task, int, Any]]] = []
+        totals = [0, 0, 0]  # staged bytes, output bytes, calls of the open group
         for item in per_task:
-            if groups and sum(x[1] for x in groups[-1]) + item[1] <= group_limit:
+            work, ncalls = work_of[item[0].task_id]
+            if groups and (
+                totals[0] + item[1] <= group_limit and totals[1] + work <= _GROUP_BYTES
+                and totals[2] + ncalls <= _GROUP_CALLS
+            ):
                 groups[-1].append(item)
+                totals = [totals[0] + item[1], totals[1] + work, totals[2] + ncalls]
             else:
                 groups.append([item])
+                totals = [item[1], work, ncalls]
         plans = []
         for members in groups:
             size = sum(x[1] for x in members)
@@ -741,12 +775,11 @@ class Executor:
             flat = []
             base = start
             for _task, tsize, layout in members:
-                flat += [(w, aligned, base - start + woff, base - start + soff) for w, aligned, woff, soff in layout]
+                flat += [(w, aligned, base - start + woff, base - start + soff, direct) for w, aligned, woff, soff, direct in layout]
                 base += tsize
-            for w, aligned, woff, soff in flat:
+            for w, aligned, woff, soff, direct in flat:
                 shape = box_shape(w.dest_box)
                 sshape = box_shape(w.scale_box)
-                direct = self._direct_views(w) if self._direct else None
                 if direct is not None:
                     q, sc = direct  # quantize straight into the engine's memory: no staging
                 else:
@@ -970,6 +1003,7 @@ def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) ->
     sizes: dict[str, int] = {}
     out: list[_StaticBatch] = []
     owned: set[int] = set()  # each task's record goes with the first batch holding its writes
+    batch_names: dict[int, set[str]] = {}
     for t in tasks:
         st = static.get(t.task_id)
         if st is None:
@@ -984,6 +1018,10 @@ def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) ->
                 owned.add(t.task_id)
                 batch.task_ids += (t.task_id,)
             batch.ops.extend(ops)
+            for n in st.sources:
+                if n not in batch_names.setdefault(id(batch), set()):
+                    batch_names[id(batch)].add(n)
+                    batch.sources.append(n)
             sizes[peer] += sum(op.nbytes for op in ops)
     return out
 
