@@ -344,6 +344,7 @@ class Executor:
                 self._static[t.task_id] = _StaticTask(names, ops)
         self._static_batches = _static_batches(schedule.tasks, self._static)
         self._seen_local: dict[str, tuple[torch.Tensor, int]] = {}
+        self._static_names = sorted({n for st in self._static.values() for n in st.sources})
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
         # and released in order) and its kernels are captured once as a CUDA graph, so an
@@ -481,9 +482,10 @@ class Executor:
         if caller_done is not None:
             self._wait_caller(st, caller_done)
         now = time.perf_counter() - st.t0
+        first_update = not self._seen_local
+        if first_update:
+            self._check_unmoved(self._static_names)
         for batch in self._static_batches:
-            # Checked per batch, so the checks of the next batch overlap this one's copies.
-            self._check_unmoved(batch.sources)
             if batch.prepared is None:
                 batch.prepared = self.transport.prepare_writes(batch.peer, batch.ops)
             recs = []
@@ -498,6 +500,11 @@ class Executor:
             rec = recs[0] if recs else TaskRecord(first.task_id, first.kind, 0)
             p = _Prepared(first, rec, {batch.peer: batch.ops}, [], 0, None)
             st.in_flight.append(_InFlight(p, [handle], recs))
+        if not first_update:
+            # After the first update the check runs while the copies run: a parameter that
+            # moved since then is still registered (its Region keeps the old memory alive),
+            # so reading it is safe, and raising here fails the update before any commit.
+            self._check_unmoved(self._static_names)
 
     def _check_unmoved(self, names: Sequence[str]) -> None:
         """Raise if a parameter was reallocated since registration (`_local`), cheaply: the

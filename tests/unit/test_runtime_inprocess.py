@@ -221,3 +221,27 @@ def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     finally:
         sender.close()
         rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None:
+    # Zero-copy writes are checked against reallocation while they run (after the first
+    # update): a parameter whose storage was swapped must fail the update, naming it.
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    recipes, tensors, _ = engine_setup(0, tp=1)
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp)
+    src = trainer_tensors(3)
+    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="loopback"), control=cp,
+                          controller=ctrl, config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20))
+    try:
+        sender.update(1)
+        assert torch.equal(tensors["a.weight"], src["a.weight"])
+        src["a.weight"].set_(torch.randn(37, 19).to(torch.bfloat16))
+        with pytest.raises(WeightTransferError, match="'a.weight' was reallocated"):
+            sender.update(2)
+        assert rx.version == 1
+    finally:
+        sender.close()
+        rx.close()
+        ctrl.close()
