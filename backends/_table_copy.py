@@ -17,7 +17,7 @@ memory's rate) was the whole update. Here a batch of copies is
 The table lives on the device. A batch that repeats every update (`Transport.prepare_writes`)
 builds it once, so posting it costs two launches and no per-write Python at all.
 
-The pure parts (coalescing, the table) are plain Python and numpy, tested on the CPU; the
+The pure parts (coalescing, the table) are plain Python and CPU torch, tested on the CPU; the
 kernels run on the CPU too under triton's interpreter (TRITON_INTERPRET=1).
 """
 
@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 CHUNK_BYTES = 64 << 10
@@ -88,11 +87,11 @@ def coalesce(copies: Sequence[Copy]) -> list[Copy]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkTable:
-    """A batch of copies cut for the kernels (numpy, int64), plus what the kernels cannot take."""
+    """A batch of copies cut for the kernels (CPU int64 tensors), plus what the kernels cannot take."""
 
-    chunks: np.ndarray
+    chunks: torch.Tensor
     """Shape (n, 2): source and destination address of each full `CHUNK_BYTES` chunk."""
-    tails: np.ndarray
+    tails: torch.Tensor
     """Shape (m, 3): source, destination and length (< CHUNK_BYTES, multiple of 8)."""
     plain: tuple[Copy, ...]
     """Copies with an address or length that is not a multiple of `ALIGN`."""
@@ -105,21 +104,21 @@ def chunk_table(copies: Sequence[Copy], chunk_bytes: int | None = None) -> Chunk
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     aligned = [c for c in copies if not (c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)]
     plain = tuple(c for c in copies if c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)
-    if aligned:
-        dst = np.fromiter((c.dst for c in aligned), dtype=np.int64, count=len(aligned))
-        src = np.fromiter((c.src for c in aligned), dtype=np.int64, count=len(aligned))
-        n = np.fromiter((c.nbytes for c in aligned), dtype=np.int64, count=len(aligned))
-    else:
-        dst = src = n = np.zeros(0, dtype=np.int64)
+    i64 = torch.int64
+    dst = torch.tensor([c.dst for c in aligned], dtype=i64)
+    src = torch.tensor([c.src for c in aligned], dtype=i64)
+    n = torch.tensor([c.nbytes for c in aligned], dtype=i64)
     full = n // chunk_bytes
-    copy_of = np.repeat(np.arange(len(n)), full)
-    first = np.cumsum(full) - full  # index of each copy's first chunk row
-    within = np.arange(int(full.sum()), dtype=np.int64) - np.repeat(first, full)
-    chunks = np.stack([src[copy_of] + within * chunk_bytes, dst[copy_of] + within * chunk_bytes], axis=1)
+    copy_of = torch.repeat_interleave(torch.arange(len(aligned), dtype=i64), full)
+    first = torch.cumsum(full, 0) - full  # index of each copy's first chunk row
+    within = torch.arange(int(full.sum()), dtype=i64) - torch.repeat_interleave(first, full)
+    chunks = torch.stack(
+        [src[copy_of] + within * chunk_bytes, dst[copy_of] + within * chunk_bytes], dim=1
+    )
     rest = n - full * chunk_bytes
     has = rest > 0
-    tails = np.stack(
-        [src[has] + full[has] * chunk_bytes, dst[has] + full[has] * chunk_bytes, rest[has]], axis=1
+    tails = torch.stack(
+        [src[has] + full[has] * chunk_bytes, dst[has] + full[has] * chunk_bytes, rest[has]], dim=1
     )
     total = int(n.sum()) + sum(c.nbytes for c in plain)
     return ChunkTable(chunks.reshape(-1, 2), tails.reshape(-1, 3), plain, total)
@@ -149,8 +148,8 @@ class DeviceTable:
 def to_device(table: ChunkTable, device: torch.device, num_copies: int) -> DeviceTable:
     """Upload the table's rows (synchronously; done once per prepared batch)."""
     return DeviceTable(
-        torch.from_numpy(np.ascontiguousarray(table.chunks)).to(device),
-        torch.from_numpy(np.ascontiguousarray(table.tails)).to(device),
+        table.chunks.contiguous().to(device),
+        table.tails.contiguous().to(device),
         table.plain, table.nbytes, num_copies,
     )
 

@@ -658,8 +658,8 @@ class LoopbackTransport(Transport):
             if isinstance(table, _table_copy.ChunkTable):
                 # Built for this batch only: upload through pinned memory on this stream.
                 table = _table_copy.DeviceTable(
-                    torch.from_numpy(table.chunks).pin_memory().to(stream.device, non_blocking=True),
-                    torch.from_numpy(table.tails).pin_memory().to(stream.device, non_blocking=True),
+                    table.chunks.pin_memory().to(stream.device, non_blocking=True),
+                    table.tails.pin_memory().to(stream.device, non_blocking=True),
                     table.plain, table.nbytes, 0,
                 )
             if table is not None:
