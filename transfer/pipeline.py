@@ -9,6 +9,13 @@ copy from pinned memory, ordered by a CUDA event rather than a synchronize). The
 (the calling thread, which alone drives the transport) waits for a task's event, posts its
 writes as one batch per engine, polls completions, and only then returns the task's staging
 memory: a source buffer is never reused before its writes completed.
+
+An update is ordered after the caller's current CUDA stream (an event recorded there at the
+start: the prepare stream waits on it, and zero-copy posts wait for it), so `update()` right
+after an optimizer step needs no synchronize. Writes that repeat every update are handed to the
+transport once as prepared batches (`Transport.prepare_writes`), so posting them costs no
+per-write work (loopback: one copy-kernel launch over a device table); FP8 graph groups quantize
+straight into the engine's memory where the transport maps it on this GPU.
 """
 
 from __future__ import annotations
@@ -832,8 +839,12 @@ class Executor:
         if wr.nbytes != numel(shape) or sr.nbytes != numel(sshape) * 4:
             return None
         descs = self.descriptors[w.engine]
-        qv = self.transport.direct_view(w.engine, descs[wr.region], wr.offset_bytes, wr.nbytes, self.device)
-        sv = self.transport.direct_view(w.engine, descs[sr.region], sr.offset_bytes, sr.nbytes, self.device)
+        try:
+            qv = self.transport.direct_view(w.engine, descs[wr.region], wr.offset_bytes, wr.nbytes, self.device)
+            sv = self.transport.direct_view(w.engine, descs[sr.region], sr.offset_bytes, sr.nbytes, self.device)
+        except (ValueError, WeightTransferError) as exc:  # e.g. not connected yet: stage it
+            log.info("trainer rank %d: %s staged, no direct view: %s", self.rank, w.dest, exc)
+            return None
         if qv is None or sv is None:
             return None
         try:
