@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 python3 -c "import torch, triton, msgpack, cryptography; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 if [ "${1:-}" = tests ]; then
   shift
-  timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_table_copy.py tests/integration/test_gpu_caller_stream.py tests/unit/test_fp8_kernel.py 2>&1 | tail -25 | tee "$OUT/tests.log"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider tests/unit/test_table_copy.py tests/integration/test_gpu_caller_stream.py ${WT_GPU_TESTS:-tests/unit/test_fp8_kernel.py} 2>&1 | tail -25 | tee "$OUT/tests.log"
 fi
 for c in "$@"; do
   IFS=: read -r name preset fp8 off layers rep warm extra <<<"$c"
