@@ -46,6 +46,8 @@ python3 - <<'PY'
 import glob, json, os
 out = {}
 for p in sorted(glob.glob("/tmp/cases/*.json")):
+    if p.endswith(".trace.json"):
+        continue
     d = json.load(open(p))
     d.get("trainer0", {}).pop("records", None)
     out[os.path.basename(p)[:-5]] = d
