@@ -22,6 +22,7 @@ import torch
 
 from weight_transfer.backends.base import (
     ConfigurationError,
+    ControlPlaneAuthError,
     PlanMismatchError,
     TransportTimeoutError,
     WeightTransferError,
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 _KEEP_STEPS = 8
 """Per-update keys older than this many steps are deleted from the store (bounded memory)."""
 _JOIN_POLL_S = 0.05
+_JOIN_SLICE_S = 0.5
+"""How often the controller, waiting for engines to join, checks for members refused for their
+token (so a token mismatch fails within a second instead of at the timeout)."""
 
 
 def plan_key(epoch: int, name: str) -> str:
@@ -96,13 +100,7 @@ class Controller:
                     f"controller: trainer rank(s) {missing_t} did not join within "
                     f"{cp.config.timeout_s:.0f} s"
                 ) from exc
-            try:
-                cp.wait([f"engine_slot/{i}" for i in range(m)])
-            except TransportTimeoutError as exc:
-                joined = sum(cp.exists(f"engine_slot/{i}") for i in range(m))
-                raise TransportTimeoutError(
-                    f"controller: {joined} of {m} engines joined within {cp.config.timeout_s:.0f} s"
-                ) from exc
+            self._wait_for_engines(m)
             self.sources = [cp.get(f"trainer/{r}", TrainerJoin).manifest for r in range(n)]
             self._read_slots(m)
             del missing_t
@@ -112,6 +110,29 @@ class Controller:
             raise
         self._publish(schedule)
         return schedule
+
+    def _wait_for_engines(self, m: int) -> None:
+        """Wait for `m` engine joins; fail at once if a member was refused for its token."""
+        cp = self.control
+        keys = [f"engine_slot/{i}" for i in range(m)]
+        deadline = time.monotonic() + cp.config.timeout_s
+        while True:
+            try:
+                cp.wait(keys, min(_JOIN_SLICE_S, max(0.001, deadline - time.monotonic())))
+                return
+            except TransportTimeoutError as exc:
+                refused = cp.auth_failures()
+                joined = sum(cp.exists(k) for k in keys)
+                if refused:
+                    raise ControlPlaneAuthError(
+                        f"controller: {refused} member(s) tried to join with another token; "
+                        f"{joined} of {m} engines joined (every member needs this run's token)"
+                    ) from exc
+                if time.monotonic() >= deadline:
+                    raise TransportTimeoutError(
+                        f"controller: {joined} of {m} engines joined within "
+                        f"{cp.config.timeout_s:.0f} s"
+                    ) from exc
 
     def _read_slots(self, upto: int) -> None:
         """Read join slots [`_slots_read`, upto); a later join of a name supersedes earlier ones."""
