@@ -104,7 +104,9 @@ class WeightSender:
             control, server=False, member=f"trainer rank {rank}"
         )
         self._last_step = 0
-        self._records: list[tuple[int, Any]] = []
+        self._records: list[tuple[int, float, Any]] = []
+        """(step, start in seconds since this sender was made, task records) of recent updates."""
+        self._t_created = time.perf_counter()
         manifest = source_manifest(
             self._params, rank=rank, world_size=world_size, compute_device=self.device.type
         )
@@ -274,15 +276,16 @@ class WeightSender:
             raise WeightTransferError(f"update {step}: version words not all written: {result.error}")
         assert stats is not None
         if self.config.record_trace:
-            self._records.append((step, stats.records))
+            self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]
         return stats
 
     def trace_events(self) -> list[dict[str, Any]]:
-        """Chrome/Perfetto events of the recent updates on this rank."""
+        """Chrome/Perfetto events of the recent updates on this rank, one after another on one
+        timeline (microseconds since this sender was made)."""
         events: list[dict[str, Any]] = []
-        for step, records in self._records:
-            events.extend(trace_events(records, rank=self.rank, step=step))
+        for step, start_s, records in self._records:
+            events.extend(trace_events(records, rank=self.rank, step=step, start_s=start_s))
         return events
 
     def write_trace(self, path: str | Path) -> None:

@@ -216,3 +216,13 @@ def test_doctor_json_is_clean_json() -> None:
     import json
 
     json.loads(proc.stdout)
+
+
+def test_plan_units_and_inline_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--preset", "kimi-k2-mini"]) == 0
+    out, err = capsys.readouterr()
+    assert "0.00 GB" not in out and " MB" in out
+    assert err.count("kimi-k2-mini:") == 1  # the preset's name once, not repeated
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--rates", '{"nic_gb_per_s": 40}']) == 0
+    assert "NIC 1 x 40 GB/s" in capsys.readouterr().out
+    _one_line_error(capsys, ["simulate", "--preset", "kimi-k2-mini", "--rates", '{"nic": 1}'])
