@@ -137,6 +137,50 @@ def _source_box(
     return tensor[_slices(box)]
 
 
+def apply_recipe(
+    recipe: Recipe,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    sources: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Build one engine tensor (and, for an FP8 recipe, its scale) from full trainer tensors.
+
+    The one place a recipe is applied outside the pipeline: `materialize` and the benchmarks'
+    verification both use it. Each part's source box is copied into its destination box, cast
+    to `dtype`; an FP8 recipe assembles the whole destination in float32 first (every float
+    source casts into it exactly or as any float32 assembly would) and quantizes it with
+    `quantize_fp8_blockwise`, one leading (expert) slice at a time to bound memory.
+
+    Args:
+        device: where the result lives (default: the first source's device).
+
+    Raises:
+        ValueError: a missing source or a box outside its tensor (named).
+    """
+    name = recipe.dest
+    if device is None:
+        device = next(iter(sources.values())).device if sources else "cpu"
+    work = torch.float32 if recipe.quant is not None else dtype
+    dest = torch.empty(shape, dtype=work, device=device)
+    for part in recipe.parts:
+        src = _source_box(sources, name, part.source, part.source_box)
+        region = dest[_slices(part.dest_box)]
+        region.copy_(src.reshape(region.shape).to(device=device, dtype=work))
+    if recipe.quant is None:
+        return {name: dest}
+    block = recipe.quant.block
+    if dest.dim() > 2:
+        flat = dest.reshape(-1, *dest.shape[-2:])
+        qs, ss = zip(*(quantize_fp8_blockwise(x, block) for x in flat), strict=True)
+        weight = torch.stack(qs).reshape(dest.shape)
+        scale = torch.stack(ss).reshape(*dest.shape[:-2], *ss[0].shape)
+    else:
+        weight, scale = quantize_fp8_blockwise(dest, block)
+    return {name: weight, recipe.quant.scale_dest: scale}
+
+
 def materialize(
     recipes: Iterable[Recipe],
     dest_specs: Iterable[TensorSpecLike],
@@ -170,54 +214,59 @@ def materialize(
             raise ValueError(f"recipe for {name!r} has no destination spec")
         shape = tuple(spec.shape)
         check_coverage(recipe, shape)
-        if recipe.quant is None:
-            dest = torch.empty(shape, dtype=torch_dtype(spec.dtype))
-            for part in recipe.parts:
-                src = _source_box(sources, name, part.source, part.source_box)
-                src_dtype = dtype_name(src.dtype)
-                if src_dtype != spec.dtype and not (
-                    src_dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
-                ):
-                    raise ValueError(
-                        f"engine tensor {name!r} ({spec.dtype}) cannot be built "
-                        f"from {part.source!r} ({src_dtype}): only float casts"
-                    )
-                region = dest[_slices(part.dest_box)]
-                region.copy_(src.reshape(region.shape).to(dest.dtype))
-            out[name] = dest
-            continue
-        quant = recipe.quant
-        if spec.dtype != FP8_DTYPE:
-            raise ValueError(f"FP8 recipe for {name!r} but its spec says dtype {spec.dtype!r}")
-        if len(shape) < 2:
-            raise ValueError(f"FP8 recipe for {name!r} needs >= 2 dims, shape is {shape}")
-        scale_spec = specs.get(quant.scale_dest)
-        want = scale_shape(shape, quant.block)
-        if scale_spec is None:
-            raise ValueError(
-                f"FP8 recipe for {name!r}: scale tensor {quant.scale_dest!r} "
-                "has no destination spec"
-            )
-        if tuple(scale_spec.shape) != want or scale_spec.dtype != SCALE_DTYPE:
-            raise ValueError(
-                f"scale tensor {quant.scale_dest!r} of {name!r} is {scale_spec.dtype} "
-                f"{tuple(scale_spec.shape)}, expected {SCALE_DTYPE} {want}"
-            )
-        if quant.scale_dest in out:
-            raise ValueError(f"engine tensor {quant.scale_dest!r} is built twice")
-        # Assemble in float32: every float source dtype casts into it exactly (bf16, fp16) or
-        # the way any float32 assembly would (fp64), and the quantizer works in float32.
-        assembled = torch.empty(shape, dtype=torch.float32)
-        for part in recipe.parts:
-            src = _source_box(sources, name, part.source, part.source_box)
-            if dtype_name(src.dtype) not in FLOAT_DTYPES:
+        _check_casts(recipe, spec, sources)
+        if recipe.quant is not None:
+            _check_scale_spec(recipe, spec, specs, out)
+        out.update(apply_recipe(recipe, shape, torch_dtype(spec.dtype), sources, device="cpu"))
+    return out
+
+
+def _check_casts(
+    recipe: Recipe, spec: TensorSpecLike, sources: Mapping[str, torch.Tensor]
+) -> None:
+    """Only float-to-float casts, and FP8 only from floats (naming the tensors)."""
+    name = recipe.dest
+    for part in recipe.parts:
+        src = _source_box(sources, name, part.source, part.source_box)
+        src_dtype = dtype_name(src.dtype)
+        if recipe.quant is not None:
+            if src_dtype not in FLOAT_DTYPES:
                 raise ValueError(
                     f"FP8 engine tensor {name!r} cannot quantize {part.source!r} "
-                    f"of dtype {dtype_name(src.dtype)}"
+                    f"of dtype {src_dtype}"
                 )
-            region = assembled[_slices(part.dest_box)]
-            region.copy_(src.reshape(region.shape).to(torch.float32))
-        weight, scale = quantize_fp8_blockwise(assembled, quant.block)
-        out[name] = weight
-        out[quant.scale_dest] = scale
-    return out
+        elif src_dtype != spec.dtype and not (
+            src_dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
+        ):
+            raise ValueError(
+                f"engine tensor {name!r} ({spec.dtype}) cannot be built "
+                f"from {part.source!r} ({src_dtype}): only float casts"
+            )
+
+
+def _check_scale_spec(
+    recipe: Recipe,
+    spec: TensorSpecLike,
+    specs: Mapping[str, TensorSpecLike],
+    built: Mapping[str, torch.Tensor],
+) -> None:
+    """An FP8 recipe's weight and scale specs match what the quantizer makes."""
+    assert recipe.quant is not None
+    name, quant, shape = recipe.dest, recipe.quant, tuple(spec.shape)
+    if spec.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 recipe for {name!r} but its spec says dtype {spec.dtype!r}")
+    if len(shape) < 2:
+        raise ValueError(f"FP8 recipe for {name!r} needs >= 2 dims, shape is {shape}")
+    scale_spec = specs.get(quant.scale_dest)
+    want = scale_shape(shape, quant.block)
+    if scale_spec is None:
+        raise ValueError(
+            f"FP8 recipe for {name!r}: scale tensor {quant.scale_dest!r} has no destination spec"
+        )
+    if tuple(scale_spec.shape) != want or scale_spec.dtype != SCALE_DTYPE:
+        raise ValueError(
+            f"scale tensor {quant.scale_dest!r} of {name!r} is {scale_spec.dtype} "
+            f"{tuple(scale_spec.shape)}, expected {SCALE_DTYPE} {want}"
+        )
+    if quant.scale_dest in built:
+        raise ValueError(f"engine tensor {quant.scale_dest!r} is built twice")
