@@ -14,6 +14,7 @@ schedules of epoch e > 0 live under `epoch/<e>/`. Update steps keep counting acr
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,23 @@ _JOIN_POLL_S = 0.05
 _JOIN_SLICE_S = 0.5
 """How often the controller, waiting for engines to join, checks for members refused for their
 token (so a token mismatch fails within a second instead of at the timeout)."""
+
+
+class Phase(str, enum.Enum):
+    """The two phases of an update the controller arbitrates, named by their report keys.
+
+    DONE: every rank wrote its bytes (its `done/<step>/<rank>` report); the verdict is
+    published as `commit/<step>`. COMMITTED: every rank wrote its engines' version words
+    (`committed/<step>/<rank>`); the verdict is `result/<step>`.
+    """
+
+    DONE = "done"
+    COMMITTED = "committed"
+
+    @property
+    def verdict_key(self) -> str:
+        """Where the controller publishes this phase's verdict."""
+        return "commit" if self is Phase.DONE else "result"
 
 
 def plan_key(epoch: int, name: str) -> str:
@@ -241,8 +259,8 @@ class Controller:
         """Tell every rank to start update `step`."""
         self.control.put(f"go/{step}", Go(step=step))
 
-    def decide(self, step: int, phase: str, timeout_s: float) -> Decision:
-        """Collect every rank's report for a phase ("done" or "committed") and publish the verdict.
+    def decide(self, step: int, phase: Phase, timeout_s: float) -> Decision:
+        """Collect every rank's report for a phase and publish the verdict.
 
         A rank that does not report within `timeout_s` is named in the verdict.
         """
@@ -250,19 +268,20 @@ class Controller:
         deadline = time.monotonic() + timeout_s
         errors = []
         for r in range(n):
-            key = f"{phase}/{step}/{r}"
+            key = f"{phase.value}/{step}/{r}"
             try:
                 d = self.control.get(key, Done, max(0.001, deadline - time.monotonic()))
             except TransportTimeoutError:
-                errors.append(f"trainer rank {r} did not report {phase} for update {step} in time")
+                errors.append(
+                    f"trainer rank {r} did not report {phase.value} for update {step} in time"
+                )
                 continue
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
         decision = Decision(step=step, ok=not errors, error="; ".join(errors))
-        out_key = "commit" if phase == "done" else "result"
-        self.control.put(f"{out_key}/{step}", decision)
-        if out_key == "result":
+        self.control.put(f"{phase.verdict_key}/{step}", decision)
+        if phase is Phase.COMMITTED:
             self._forget(step - _KEEP_STEPS)
         return decision
 

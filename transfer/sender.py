@@ -23,7 +23,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.planner.types import SliceWrite
 from weight_transfer.transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.controller import Controller, plan_key
+from weight_transfer.transfer.controller import Controller, Phase, plan_key
 from weight_transfer.transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from weight_transfer.transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
@@ -254,7 +254,7 @@ class WeightSender:
                  nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0),
         )
         if self.controller is not None:
-            self.controller.decide(step, "done", timeout)
+            self.controller.decide(step, Phase.DONE, timeout)
         decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
@@ -269,7 +269,7 @@ class WeightSender:
             Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0),
         )
         if self.controller is not None:
-            self.controller.decide(step, "committed", timeout)
+            self.controller.decide(step, Phase.COMMITTED, timeout)
         result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
