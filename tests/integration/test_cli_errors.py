@@ -226,3 +226,24 @@ def test_plan_units_and_inline_rates(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["simulate", "--preset", "kimi-k2-mini", "--rates", '{"nic_gb_per_s": 40}']) == 0
     assert "NIC 1 x 40 GB/s" in capsys.readouterr().out
     _one_line_error(capsys, ["simulate", "--preset", "kimi-k2-mini", "--rates", '{"nic": 1}'])
+
+
+def test_demo_config_control_table_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`demo --config` takes the file's [control] host, port and token (it ignored them)."""
+    seen: list[demo.DemoConfig] = []
+
+    def fake_run(cfg: demo.DemoConfig, **_: Any) -> demo.DemoResult:
+        seen.append(cfg)
+        return demo.DemoResult(updates=[], exit_codes={}, errors=["stopped by the test"],
+                               engine_tensors={}, expected={})
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    path = tmp_path / "wt.toml"
+    path.write_text(f'transport = "tcp"\n[control]\nport = 29711\ntoken = "{TOKEN}"\n')
+    assert main(["demo", "--config", str(path)]) == 1
+    capsys.readouterr()
+    (cfg,) = seen
+    assert (cfg.backend, cfg.control_port, cfg.control_token) == ("tcp", 29711, TOKEN)
+    assert cfg.control_host == "127.0.0.1"
