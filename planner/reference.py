@@ -9,7 +9,7 @@ dtypes), and for FP8 recipes assembles the whole destination in float32 and quan
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -137,6 +137,18 @@ def _source_box(
     return tensor[_slices(box)]
 
 
+QuantizeInto = Callable[[torch.Tensor, tuple[int, int], torch.Tensor, torch.Tensor], None]
+"""`(x, block, out_q, out_scale)`: quantize the 2-D float `x` into `out_q` and `out_scale`."""
+
+
+def _reference_quantize_into(
+    x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_scale: torch.Tensor
+) -> None:
+    q, scale = quantize_fp8_blockwise(x, block)
+    out_q.copy_(q)
+    out_scale.copy_(scale)
+
+
 def apply_recipe(
     recipe: Recipe,
     shape: tuple[int, ...],
@@ -144,41 +156,67 @@ def apply_recipe(
     sources: Mapping[str, torch.Tensor],
     *,
     device: torch.device | str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    quantize: QuantizeInto | None = None,
 ) -> dict[str, torch.Tensor]:
     """Build one engine tensor (and, for an FP8 recipe, its scale) from full trainer tensors.
 
-    The one place a recipe is applied outside the pipeline: `materialize` and the benchmarks'
-    verification both use it. Each part's source box is copied into its destination box, cast
-    to `dtype`; an FP8 recipe assembles the whole destination in float32 first (every float
-    source casts into it exactly or as any float32 assembly would) and quantizes it with
-    `quantize_fp8_blockwise`, one leading (expert) slice at a time to bound memory.
+    The one place a recipe is applied outside the pipeline: `materialize`, the benchmarks'
+    verification and the rank-0 baseline's engine-side load all use it. Each part's source box
+    is copied into its destination box, cast to `dtype`; an FP8 recipe assembles the
+    destination in float32 (every float source casts into it exactly or as any float32
+    assembly would) one leading (expert) slice at a time, bounding memory, and quantizes each.
 
     Args:
-        device: where the result lives (default: the first source's device).
+        device: where the result lives (default: `out`'s tensors, else the first source's).
+        out: tensors to write into (the destination and, for FP8, its scale) instead of new ones,
+            as an engine's loader does.
+        quantize: the FP8 quantizer (default: `quantize_fp8_blockwise`, the reference); a fast
+            kernel with the same rounding may stand in.
 
     Raises:
         ValueError: a missing source or a box outside its tensor (named).
     """
     name = recipe.dest
     if device is None:
-        device = next(iter(sources.values())).device if sources else "cpu"
-    work = torch.float32 if recipe.quant is not None else dtype
-    dest = torch.empty(shape, dtype=work, device=device)
-    for part in recipe.parts:
-        src = _source_box(sources, name, part.source, part.source_box)
-        region = dest[_slices(part.dest_box)]
-        region.copy_(src.reshape(region.shape).to(device=device, dtype=work))
+        if out is not None:
+            device = out[name].device
+        else:
+            device = next(iter(sources.values())).device if sources else "cpu"
     if recipe.quant is None:
+        dest = out[name] if out is not None else torch.empty(shape, dtype=dtype, device=device)
+        for part in recipe.parts:
+            src = _source_box(sources, name, part.source, part.source_box)
+            region = dest[_slices(part.dest_box)]
+            region.copy_(src.reshape(region.shape).to(device=device, dtype=dtype))
         return {name: dest}
-    block = recipe.quant.block
-    if dest.dim() > 2:
-        flat = dest.reshape(-1, *dest.shape[-2:])
-        qs, ss = zip(*(quantize_fp8_blockwise(x, block) for x in flat), strict=True)
-        weight = torch.stack(qs).reshape(dest.shape)
-        scale = torch.stack(ss).reshape(*dest.shape[:-2], *ss[0].shape)
+    quant = recipe.quant
+    if not 2 <= len(shape) <= 3:
+        raise ValueError(f"FP8 recipe for {name!r}: expected 2 or 3 dims, shape is {shape}")
+    into = quantize or _reference_quantize_into
+    if out is not None:
+        weight, scale = out[name], out[quant.scale_dest]
     else:
-        weight, scale = quantize_fp8_blockwise(dest, block)
-    return {name: weight, recipe.quant.scale_dest: scale}
+        weight = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty(scale_shape(shape, quant.block), dtype=torch.float32, device=device)
+    lead = shape[0] if len(shape) > 2 else 1
+    for e in range(lead):
+        # One 2-D slice at a time: an expert of a stacked MoE tensor, or the whole matrix.
+        hp = torch.empty(shape[-2:], dtype=torch.float32, device=device)
+        for part in recipe.parts:
+            if len(shape) > 2 and not part.dest_box[0][0] <= e < part.dest_box[0][1]:
+                continue
+            src = _source_box(sources, name, part.source, part.source_box)
+            if len(shape) > 2:
+                # The part's rows of expert e (its box may span several experts).
+                k = e - part.dest_box[0][0]
+                src = src.reshape(box_shape(part.dest_box))[k]
+            region = hp[_slices(part.dest_box[-2:])]
+            region.copy_(src.reshape(region.shape).to(device=device, dtype=torch.float32))
+        q = weight if len(shape) == 2 else weight[e]
+        s = scale if len(shape) == 2 else scale[e]
+        into(hp, quant.block, q, s)
+    return {name: weight, quant.scale_dest: scale}
 
 
 def materialize(
