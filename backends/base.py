@@ -297,7 +297,19 @@ class Transport(ABC):
     no thread of its own doing it, like UCX's `ucp_worker_progress`); `wait` then polls
     without sleeping. False for backends whose threads or hardware complete batches alone."""
 
+    option_names: ClassVar[frozenset[str] | None] = frozenset()
+    """The `TransportConfig.options` keys this backend takes; any other key is refused at
+    construction. None: the backend checks its options itself (ucx passes UCX variables on)."""
+
     def __init__(self, config: TransportConfig) -> None:
+        if self.option_names is not None:
+            unknown = sorted(k for k, _ in config.options if k not in self.option_names)
+            if unknown:
+                known = ", ".join(sorted(self.option_names)) or "none"
+                raise ConfigurationError(
+                    f"{self.name}: unknown option(s) {', '.join(map(repr, unknown))}; "
+                    f"this backend takes: {known}"
+                )
         self.config = config
         self._regions: dict[int, Region] = {}
         self._peers: set[str] = set()

@@ -763,6 +763,8 @@ class IbverbsTransport(Transport):
     accepts peers' connections at any time.
     """
 
+    option_names = None  # checked by this backend itself (see the module docstring)
+
     name = "ibverbs"
 
     def __init__(self, config: TransportConfig, *, device: Any = None) -> None:

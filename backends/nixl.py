@@ -85,6 +85,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import sys
 import time
 import uuid
 from typing import Any
@@ -139,7 +140,23 @@ def _import_nixl() -> Any:
         raise TransportUnavailableError(
             f"transport 'nixl' needs the NIXL wheel ({exc}); install it with: {_INSTALL_HINT}"
         ) from exc
+    _quiet_nixl_logging()
     return nixl_cu13
+
+
+def _quiet_nixl_logging() -> None:
+    """Point NIXL's own log handler at stderr, at WARNING.
+
+    NIXL configures a handler of its `nixl` logger that writes every agent's INFO lines to
+    stdout, which breaks `weight-transfer doctor --json | ...` and clutters result tables. Its
+    warnings and errors still show, on stderr.
+    """
+    nixl_log = logging.getLogger("nixl")
+    if nixl_log.level < logging.WARNING:
+        nixl_log.setLevel(logging.WARNING)
+    for handler in nixl_log.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _is_loopback(host: str) -> bool:
@@ -269,6 +286,8 @@ class NixlTransport(Transport):
         TransportUnavailableError: the NIXL wheel is missing or its UCX plugin cannot start.
         ConfigurationError: an option is unknown.
     """
+
+    option_names = None  # checked by this backend itself (see the module docstring)
 
     name = "nixl"
     progress_driven = True

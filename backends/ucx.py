@@ -322,6 +322,8 @@ class UcxTransport(Transport):
         TransportUnavailableError: the `libucx` wheel is missing or libucp cannot start.
     """
 
+    option_names = None  # checked by this backend itself (see the module docstring)
+
     name = "ucx"
     progress_driven = True
 

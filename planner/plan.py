@@ -723,6 +723,24 @@ def plan(
 def _plan(
     sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
 ) -> Schedule:
+    """The planning steps, in order; each raises `PlanMismatchError` with every problem found."""
+    table = _validate(sources, dests, config)
+    p = _Planning(sources[0].world_size, sorted(d.engine for d in dests), table, config)
+    p.compile_engines(dests)
+    p.balance_local_work()
+    p.place_replicated_gathers()
+    p.build_gathers()
+    p.colour_mesh_groups()
+    p.gather_tasks()
+    p.direct_tasks()
+    p.interleave()
+    return p.schedule(sources, dests)
+
+
+def _validate(
+    sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
+) -> dict[str, _Source]:
+    """The source table, once the manifests are complete and every source is read."""
     problems: list[str] = []
     if not sources:
         problems.append("no trainer (source) manifests")
@@ -735,318 +753,367 @@ def _plan(
             problems.append(f"trainer tensor {name!r} is read by no engine recipe (extra tensor)")
     if problems:
         raise PlanMismatchError(problems)
+    return table
 
-    world = sources[0].world_size
-    engines = sorted(d.engine for d in dests)
-    # Direct work in generation order (engines sorted, recipes in manifest order): the stable
-    # tie-break of every later sort, so equal inputs give equal schedules.
-    directs: list[tuple[_Piece, str, str, str]] = []  # (piece, engine, dest, dtype)
-    gather_units: dict[_GatherKey, list[_Unit]] = defaultdict(list)
-    gather_seq: dict[_GatherKey, int] = {}
-    # Units one rank can quantize from its own shards, with the ranks that can: (unit, seq).
-    local_units: list[tuple[_Unit, tuple[int, ...], tuple[str, ...], int]] = []
-    pending: dict[tuple[str, ...], list[_Unit]] = defaultdict(list)
-    pending_seq: dict[tuple[str, ...], int] = {}
-    cands_of: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
 
-    # Replicas share their recipe and tensor tuples (one layout), and engine ranks holding the
-    # same slice at the same place have equal recipes: a layout is compiled once into write
-    # templates (recipe geometry found by identity first, by value second), and each engine only
-    # stamps its name on them.
-    direct_by_id: dict[tuple[object, ...], _DirectTemplate] = {}
-    direct_by_value: dict[tuple[object, ...], _DirectTemplate] = {}
-    quant_by_id: dict[tuple[object, ...], list[_QuantUnit]] = {}
-    quant_by_value: dict[tuple[object, ...], list[_QuantUnit]] = {}
-    layouts: dict[tuple[int, int], _Layout] = {}
-    for d in sorted(dests, key=lambda d: d.engine):
-        engine = d.engine
-        lay = layouts.get((id(d.tensors), id(d.recipes)))
-        if lay is None:
-            lay = layouts[(id(d.tensors), id(d.recipes))] = _compile_layout(
-                d, table, config, problems, direct_by_id, direct_by_value, quant_by_id,
-                quant_by_value, cands_of,
-            )
-            for key, sq in lay.gather_seq.items():
-                gather_seq[key] = min(sq, gather_seq.get(key, sq))
-            for names, sq in lay.pending_seq.items():
-                pending_seq[names] = min(sq, pending_seq.get(names, sq))
-        directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
-        for key, p, runs, nbytes, dest, dtype in lay.copies:
-            gather_units[key].append((
-                SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs, False),
-                nbytes, numel(box_shape(p.dest_box)),
-            ))
-        for u, dest, sdest, block, sq, quant_names in lay.quants:
-            qw = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
-                            u.weight_runs, u.scale_runs)
-            if u.local:
-                local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
-            elif quant_names is not None:
-                pending[quant_names].append((qw, u.nbytes, u.numel))
-            else:
-                meshes = {_gather_mesh(table[n], problems) for n in u.sources}
-                problems.append(
-                    f"engine {engine!r}: {dest!r} needs sources on different meshes "
-                    f"({sorted(str(m) for m in meshes)}); cannot gather them together"
+class _Planning:
+    """The state one plan builds up, step by step (`_plan` calls the steps in order)."""
+
+    def __init__(
+        self, world: int, engines: list[str], table: dict[str, _Source], config: PlannerConfig
+    ) -> None:
+        self.world, self.engines, self.table, self.config = world, engines, table, config
+        self.problems: list[str] = []
+        # Direct work in generation order (engines sorted, recipes in manifest order): the
+        # stable tie-break of every later sort, so equal inputs give equal schedules.
+        self.directs: list[tuple[_Piece, str, str, str]] = []  # (piece, engine, dest, dtype)
+        self.gather_units: dict[_GatherKey, list[_Unit]] = defaultdict(list)
+        self.gather_seq: dict[_GatherKey, int] = {}
+        # Units one rank can quantize from its own shards, with the ranks that can: (unit, seq).
+        self.local_units: list[tuple[_Unit, tuple[int, ...], tuple[str, ...], int]] = []
+        self.pending: dict[tuple[str, ...], list[_Unit]] = defaultdict(list)
+        self.pending_seq: dict[tuple[str, ...], int] = {}
+        self.cands_of: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
+        self.load = [0] * world  # bytes each rank sends so far
+        self.assigned: list[int] = []  # rank of each direct piece
+        self.gather_local: set[_GatherKey] = set()
+        self.gathers: dict[_GatherKey, _Gather] = {}
+        self.groups: list[list[tuple[int, ...]]] = []
+        self.mesh_group: dict[tuple[int, ...], int] = {}
+        self.per_rank: list[list[Task]] = [[] for _ in range(world)]
+        self.rank_bytes = [0] * world
+        self.next_id = 0
+
+    def _check(self) -> None:
+        if self.problems:
+            raise PlanMismatchError(self.problems)
+
+    def compile_engines(self, dests: Sequence[DestManifest]) -> None:
+        """Every engine's recipes as write templates, sorted into direct pieces, gather units,
+        local quant units and quant units waiting for a mesh.
+
+        Replicas share their recipe and tensor tuples (one layout), and engine ranks holding the
+        same slice at the same place have equal recipes: a layout is compiled once into write
+        templates (recipe geometry found by identity first, by value second), and each engine
+        only stamps its name on them.
+        """
+        direct_by_id: dict[tuple[object, ...], _DirectTemplate] = {}
+        direct_by_value: dict[tuple[object, ...], _DirectTemplate] = {}
+        quant_by_id: dict[tuple[object, ...], list[_QuantUnit]] = {}
+        quant_by_value: dict[tuple[object, ...], list[_QuantUnit]] = {}
+        layouts: dict[tuple[int, int], _Layout] = {}
+        table, problems = self.table, self.problems
+        for d in sorted(dests, key=lambda d: d.engine):
+            engine = d.engine
+            lay = layouts.get((id(d.tensors), id(d.recipes)))
+            if lay is None:
+                lay = layouts[(id(d.tensors), id(d.recipes))] = _compile_layout(
+                    d, table, self.config, problems, direct_by_id, direct_by_value, quant_by_id,
+                    quant_by_value, self.cands_of,
                 )
-    if problems:
-        raise PlanMismatchError(problems)
-    # Balance: every unit of work goes to the least-loaded rank that can send it (each trainer
-    # GPU sends through its own NICs, so bytes per rank are bytes per NIC). The most constrained
-    # work first: direct pieces and local quant units (only their holders can send them),
-    # largest first; then gathers, whose units can go to any rank of their mesh.
-    load = [0] * world
-    assigned = [0] * len(directs)
-    # (bytes, kind, index): kind 0 a direct piece, 1 a local unit; reverse=True keeps equal
-    # sizes in generation order (Python's sort is stable both ways).
-    work = [(it[0].nbytes, 0, i) for i, it in enumerate(directs)]
-    work.extend((lu[0][1], 1, i) for i, lu in enumerate(local_units))
-    work.sort(key=operator.itemgetter(0), reverse=True)
-    gather_local: set[_GatherKey] = set()
-    for nbytes, kind, i in work:
-        if kind == 0:
-            r = min(directs[i][0].candidates, key=load.__getitem__)  # candidates are sorted
-            assigned[i] = r
-        else:
-            unit, cands, names, sq = local_units[i]
-            r = min(cands, key=load.__getitem__)
-            key = ((r,), names)
-            gather_local.add(key)
-            gather_units[key].append(unit)
-            gather_seq[key] = min(sq, gather_seq.get(key, sq))
-        load[r] += nbytes
-
-    # Sources replicated on several disjoint meshes (HSDP) can be gathered on any of them: pick
-    # the least-loaded mesh per source set (by bytes per rank, counting the work above), largest
-    # sets first, so replicas share the work.
-    mesh_load: dict[tuple[int, ...], int] = {}
-    for key, units_k in gather_units.items():
-        if key not in gather_local:
-            mesh_load[key[0]] = mesh_load.get(key[0], 0) + sum(u[1] for u in units_k)
-    totals = {n: sum(u[1] for u in us) for n, us in pending.items()}
-    for names in sorted(pending, key=lambda n: (-totals[n], n)):
-        mesh_cands = cands_of[names]
-        for m in mesh_cands:
-            if m not in mesh_load:
-                mesh_load[m] = 0
-        mesh = mesh_cands[0]
-        if len(mesh_cands) > 1:
-            mesh = min(
-                mesh_cands, key=lambda m: ((mesh_load[m] + sum(load[r] for r in m)) / len(m), m)
-            )
-        mesh_load[mesh] += totals[names]
-        key = (mesh, names)
-        gather_units[key].extend(pending[names])
-        gather_seq[key] = min(pending_seq[names], gather_seq.get(key, pending_seq[names]))
-
-    gathers: dict[_GatherKey, _Gather] = {}
-    for key in sorted(gather_units):
-        mesh, names = key
-        units_k = gather_units[key]
-        local = key in gather_local
-        scratch = 0 if local else sum(
-            numel(table[n].shape) * dtype_size(table[n].dtype) for n in names
-        )
-        scratch += max(u[2] for u in units_k) * 4  # assembly in float32
-        ranks_sorted = sorted(mesh)
-        by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
-        rank_staging = dict.fromkeys(ranks_sorted, 0)
-        if not local:
-            units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
-            for w, nb, _ in units_k:
-                # min over the sorted mesh returns the lowest rank among equally loaded ones.
-                r = min(ranks_sorted, key=load.__getitem__)
-                load[r] += nb
-                by_rank[r].append(w)
-                rank_staging[r] += nb
-        else:
-            by_rank[mesh[0]] = [u[0] for u in units_k]
-            rank_staging[mesh[0]] = sum(u[1] for u in units_k)
-        gathers[key] = _Gather(
-            mesh, names, scratch, by_rank, rank_staging, local, gather_seq[key]
-        )
-
-    for g in gathers.values():
-        need = g.scratch_bytes + max(g.staging.values(), default=0)
-        if need > config.memory_budget_bytes:
-            problems.append(
-                f"gathering {list(g.sources)} needs {need} bytes of temporary memory, more than "
-                f"memory_budget_bytes={config.memory_budget_bytes}"
-            )
-    if problems:
-        raise PlanMismatchError(problems)
-
-    # Mesh groups: greedy colouring of meshes so that meshes of one group share no rank.
-    mesh_list = sorted({g.mesh for g in gathers.values() if not g.local}, key=lambda m: (-len(m), m))
-    groups: list[list[tuple[int, ...]]] = []
-    group_ranks: list[set[int]] = []
-    mesh_group: dict[tuple[int, ...], int] = {}
-    for m in mesh_list:
-        ms = set(m)
-        for gi, members in enumerate(groups):
-            if not ms & group_ranks[gi]:
-                members.append(m)
-                group_ranks[gi] |= ms
-                mesh_group[m] = gi
-                break
-        else:
-            mesh_group[m] = len(groups)
-            groups.append([m])
-            group_ranks.append(ms)
-    num_groups = max(1, len(groups))
-
-    per_rank: list[list[Task]] = [[] for _ in range(world)]
-    rank_bytes = [0] * world
-    next_id = 0
-    # Gather tasks: every rank of a mesh sees its mesh's gathers in the same order. Each mesh
-    # walks the model in the engines' recipe order, starting at its own offset (its index in
-    # its group), so that at any moment the meshes of a group work on different layers and
-    # every engine is fed by several meshes at once rather than all meshes feeding the same
-    # engines' same tensors together.
-    by_mesh: dict[tuple[int, ...], list[_Gather]] = defaultdict(list)
-    for g in gathers.values():
-        if not g.local:
-            by_mesh[g.mesh].append(g)
-    ordered: list[tuple[int, int, int, _Gather]] = []
-    for gi, members in enumerate(groups):
-        for mi, m in enumerate(sorted(members)):
-            gs = sorted(by_mesh[m], key=lambda g: (g.seq, g.sources))
-            shift = (mi * len(gs)) // len(members)
-            for pos, g in enumerate(gs[shift:] + gs[:shift]):
-                ordered.append((gi, pos, mi, g))
-    local_gathers = sorted(
-        (g for g in gathers.values() if g.local), key=lambda g: (g.seq, g.mesh, g.sources)
-    )
-    ordered.sort(key=lambda x: (x[0], x[1], x[2]))
-    for g in [x[3] for x in ordered] + local_gathers:
-        group = mesh_group.get(g.mesh, 0)
-        task_kind: Literal["direct", "gather"] = "direct" if g.local else "gather"
-        for rank in g.mesh:
-            mine = g.by_rank[rank]
-            if g.local and not mine:
-                continue
-            nbytes = g.staging[rank]
-            rank_bytes[rank] += nbytes
-            per_rank[rank].append(
-                Task(next_id, task_kind, group, g.mesh, g.sources, tuple(mine),
-                     nbytes, g.scratch_bytes, 0)
-            )
-        next_id += 1
-
-    # Direct writes: per rank, interleave engines (each rank starting at its own engine), batch
-    # small writes into tasks.
-    queues: list[dict[str, list[int]]] = [defaultdict(list) for _ in range(world)]
-    for i, r in enumerate(assigned):
-        queues[r][directs[i][1]].append(i)
-    zero_memo: dict[int, bool] = {}  # id(piece) * world + rank -> zero-copy
-    half_budget = config.memory_budget_bytes // 2
-    for rank in range(world):
-        q = queues[rank]
-        order: list[int] = []
-        rot = engines[rank % len(engines):] + engines[: rank % len(engines)]
-        active = [q[e] for e in rot if e in q]
-        depth = 0
-        while active:
-            order.extend(lst[depth] for lst in active)
-            depth += 1
-            active = [lst for lst in active if len(lst) > depth]
-        batch: list[SliceWrite] = []
-        staging = h2d = batch_bytes = 0
-        for i in order:
-            pc, engine, dest, dtype = directs[i]
-            zkey = id(pc) * world + rank
-            zero = zero_memo.get(zkey)
-            if zero is None:
-                zero = False
-                lb = pc.boxes.get(rank)
-                if lb is not None and len(pc.runs) == 1 and table[pc.source].dtype == dtype:
-                    local_box = tuple(
-                        (a - o, b - o) for (a, b), (o, _) in zip(pc.source_box, lb, strict=True)
+                for key, sq in lay.gather_seq.items():
+                    self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
+                for names, sq in lay.pending_seq.items():
+                    self.pending_seq[names] = min(sq, self.pending_seq.get(names, sq))
+            self.directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
+            for key, p, runs, nbytes, dest, dtype in lay.copies:
+                self.gather_units[key].append((
+                    SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs,
+                               False),
+                    nbytes, numel(box_shape(p.dest_box)),
+                ))
+            for u, dest, sdest, block, sq, quant_names in lay.quants:
+                qw = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
+                                u.weight_runs, u.scale_runs)
+                if u.local:
+                    self.local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
+                elif quant_names is not None:
+                    self.pending[quant_names].append((qw, u.nbytes, u.numel))
+                else:
+                    meshes = {_gather_mesh(table[n], problems) for n in u.sources}
+                    problems.append(
+                        f"engine {engine!r}: {dest!r} needs sources on different meshes "
+                        f"({sorted(str(m) for m in meshes)}); cannot gather them together"
                     )
-                    zero = is_contiguous_box(box_shape(lb), local_box)
-                zero_memo[zkey] = zero
-            cost = 0 if zero else pc.nbytes
-            if batch and (batch_bytes + pc.nbytes > config.task_target_bytes
-                          or staging + cost > half_budget):
-                per_rank[rank].append(Task(next_id, "direct", 0, (rank,), (), tuple(batch),
-                                           staging, 0, h2d))
-                next_id += 1
-                batch, staging, h2d, batch_bytes = [], 0, 0, 0
-            batch.append(SliceWrite(engine, dest, pc.source, pc.source_box, pc.dest_box, dtype,
-                                    pc.runs, zero))
-            staging += cost
-            batch_bytes += pc.nbytes
-            rank_bytes[rank] += pc.nbytes
-            if pc.any_offloaded and pc.offloaded.get(rank, False):
-                h2d += numel(box_shape(pc.source_box)) * pc.src_itemsize
-        if batch:
-            per_rank[rank].append(Task(next_id, "direct", 0, (rank,), (), tuple(batch), staging,
-                                       0, h2d))
-            next_id += 1
+        self._check()
 
-    # Spread direct tasks between gather tasks so writes overlap the collectives.
-    for rank in range(world):
-        tasks = per_rank[rank]
-        gath = [t for t in tasks if t.kind == "gather"]
-        direct = [t for t in tasks if t.kind == "direct"]
-        merged: list[Task] = []
-        if gath:
-            step = max(1, -(-len(direct) // (len(gath) + 1)))
-            di = 0
-            for t in gath:
-                merged.extend(direct[di:di + step])
-                di += step
-                merged.append(t)
-            merged.extend(direct[di:])
-            # Keep groups in order: a barrier separates them, so stable-sort by group.
-            merged.sort(key=lambda t: t.mesh_group)
-        else:
-            merged = direct
-        per_rank[rank] = merged
+    def balance_local_work(self) -> None:
+        """Give every direct piece and local quant unit to the least-loaded rank holding it.
 
-    # Version word writers: the rank that sends least among those writing to each engine.
-    senders_of: dict[str, set[int]] = defaultdict(set)
-    bytes_per_engine = dict.fromkeys(engines, 0)
-    peers_of: list[set[str]] = [set() for _ in range(world)]
-    for key, units_k in gather_units.items():
-        g = gathers[key]
-        for w, nb, _ in units_k:
-            bytes_per_engine[w.engine] += nb
-        for rank, ws in g.by_rank.items():
-            peers_of[rank].update(w.engine for w in ws)
-    for i, r in enumerate(assigned):
-        pc, engine = directs[i][0], directs[i][1]
-        peers_of[r].add(engine)
-        bytes_per_engine[engine] += pc.nbytes
-    for rank in range(world):
-        for e in peers_of[rank]:
-            senders_of[e].add(rank)
-    version_engines: dict[int, list[str]] = defaultdict(list)
-    vload = list(load)
-    for e in engines:
-        writer_cands = sorted(senders_of.get(e, set())) or list(range(world))
-        r = min(writer_cands, key=lambda r: (vload[r], r))
-        vload[r] += 1
-        version_engines[r].append(e)
+        Each trainer GPU sends through its own NICs, so bytes per rank are bytes per NIC. The
+        most constrained work goes first (only its holders can send it), largest first; gathers,
+        whose units can go to any rank of their mesh, come later.
+        """
+        load, directs, local_units = self.load, self.directs, self.local_units
+        self.assigned = [0] * len(directs)
+        # (bytes, kind, index): kind 0 a direct piece, 1 a local unit; reverse=True keeps equal
+        # sizes in generation order (Python's sort is stable both ways).
+        work = [(it[0].nbytes, 0, i) for i, it in enumerate(directs)]
+        work.extend((lu[0][1], 1, i) for i, lu in enumerate(local_units))
+        work.sort(key=operator.itemgetter(0), reverse=True)
+        for nbytes, kind, i in work:
+            if kind == 0:
+                r = min(directs[i][0].candidates, key=load.__getitem__)  # candidates are sorted
+                self.assigned[i] = r
+            else:
+                unit, cands, names, sq = local_units[i]
+                r = min(cands, key=load.__getitem__)
+                key = ((r,), names)
+                self.gather_local.add(key)
+                self.gather_units[key].append(unit)
+                self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
+            load[r] += nbytes
 
-    ranks_out = [
-        RankSchedule(
-            rank=rank, tasks=tuple(per_rank[rank]),
-            peers=tuple(sorted(peers_of[rank] | set(version_engines[rank]))),
-            version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
+    def place_replicated_gathers(self) -> None:
+        """Pick a mesh for each quant source set that several disjoint meshes hold (HSDP).
+
+        The least-loaded mesh per source set (by bytes per rank, counting the work so far),
+        largest sets first, so replicas share the work.
+        """
+        load, pending = self.load, self.pending
+        mesh_load: dict[tuple[int, ...], int] = {}
+        for key, units_k in self.gather_units.items():
+            if key not in self.gather_local:
+                mesh_load[key[0]] = mesh_load.get(key[0], 0) + sum(u[1] for u in units_k)
+        totals = {n: sum(u[1] for u in us) for n, us in pending.items()}
+        for names in sorted(pending, key=lambda n: (-totals[n], n)):
+            mesh_cands = self.cands_of[names]
+            for m in mesh_cands:
+                if m not in mesh_load:
+                    mesh_load[m] = 0
+            mesh = mesh_cands[0]
+            if len(mesh_cands) > 1:
+                mesh = min(
+                    mesh_cands,
+                    key=lambda m: ((mesh_load[m] + sum(load[r] for r in m)) / len(m), m),
+                )
+            mesh_load[mesh] += totals[names]
+            key = (mesh, names)
+            self.gather_units[key].extend(pending[names])
+            sq = self.pending_seq[names]
+            self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
+
+    def build_gathers(self) -> None:
+        """One gather per (mesh, source set): its units spread over the mesh's ranks by load,
+        and its temporary memory checked against the budget."""
+        table, load = self.table, self.load
+        for key in sorted(self.gather_units):
+            mesh, names = key
+            units_k = self.gather_units[key]
+            local = key in self.gather_local
+            scratch = 0 if local else sum(
+                numel(table[n].shape) * dtype_size(table[n].dtype) for n in names
+            )
+            scratch += max(u[2] for u in units_k) * 4  # assembly in float32
+            ranks_sorted = sorted(mesh)
+            by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
+            rank_staging = dict.fromkeys(ranks_sorted, 0)
+            if not local:
+                units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
+                for w, nb, _ in units_k:
+                    # min over the sorted mesh returns the lowest rank among equally loaded ones.
+                    r = min(ranks_sorted, key=load.__getitem__)
+                    load[r] += nb
+                    by_rank[r].append(w)
+                    rank_staging[r] += nb
+            else:
+                by_rank[mesh[0]] = [u[0] for u in units_k]
+                rank_staging[mesh[0]] = sum(u[1] for u in units_k)
+            self.gathers[key] = _Gather(
+                mesh, names, scratch, by_rank, rank_staging, local, self.gather_seq[key]
+            )
+        budget = self.config.memory_budget_bytes
+        for g in self.gathers.values():
+            need = g.scratch_bytes + max(g.staging.values(), default=0)
+            if need > budget:
+                self.problems.append(
+                    f"gathering {list(g.sources)} needs {need} bytes of temporary memory, more "
+                    f"than memory_budget_bytes={budget}"
+                )
+        self._check()
+
+    def colour_mesh_groups(self) -> None:
+        """Mesh groups: greedy colouring of meshes so that meshes of one group share no rank."""
+        mesh_list = sorted(
+            {g.mesh for g in self.gathers.values() if not g.local}, key=lambda m: (-len(m), m)
         )
-        for rank in range(world)
-    ]
-    return Schedule(
-        format_version=FORMAT_VERSION,
-        fingerprint=fingerprint(sources, dests, config),
-        num_ranks=world,
-        engines=tuple(engines),
-        num_mesh_groups=num_groups,
-        ranks=tuple(ranks_out),
-        bytes_per_rank=tuple(rank_bytes),
-        bytes_per_engine=tuple(bytes_per_engine[e] for e in engines),
-    )
+        group_ranks: list[set[int]] = []
+        for m in mesh_list:
+            ms = set(m)
+            for gi, members in enumerate(self.groups):
+                if not ms & group_ranks[gi]:
+                    members.append(m)
+                    group_ranks[gi] |= ms
+                    self.mesh_group[m] = gi
+                    break
+            else:
+                self.mesh_group[m] = len(self.groups)
+                self.groups.append([m])
+                group_ranks.append(ms)
+
+    def gather_tasks(self) -> None:
+        """Gather tasks: every rank of a mesh sees its mesh's gathers in the same order.
+
+        Each mesh walks the model in the engines' recipe order, starting at its own offset (its
+        index in its group), so that at any moment the meshes of a group work on different
+        layers and every engine is fed by several meshes at once rather than all meshes feeding
+        the same engines' same tensors together.
+        """
+        by_mesh: dict[tuple[int, ...], list[_Gather]] = defaultdict(list)
+        for g in self.gathers.values():
+            if not g.local:
+                by_mesh[g.mesh].append(g)
+        ordered: list[tuple[int, int, int, _Gather]] = []
+        for gi, members in enumerate(self.groups):
+            for mi, m in enumerate(sorted(members)):
+                gs = sorted(by_mesh[m], key=lambda g: (g.seq, g.sources))
+                shift = (mi * len(gs)) // len(members)
+                for pos, g in enumerate(gs[shift:] + gs[:shift]):
+                    ordered.append((gi, pos, mi, g))
+        local_gathers = sorted(
+            (g for g in self.gathers.values() if g.local), key=lambda g: (g.seq, g.mesh, g.sources)
+        )
+        ordered.sort(key=lambda x: (x[0], x[1], x[2]))
+        for g in [x[3] for x in ordered] + local_gathers:
+            group = self.mesh_group.get(g.mesh, 0)
+            task_kind: Literal["direct", "gather"] = "direct" if g.local else "gather"
+            for rank in g.mesh:
+                mine = g.by_rank[rank]
+                if g.local and not mine:
+                    continue
+                nbytes = g.staging[rank]
+                self.rank_bytes[rank] += nbytes
+                self.per_rank[rank].append(
+                    Task(self.next_id, task_kind, group, g.mesh, g.sources, tuple(mine),
+                         nbytes, g.scratch_bytes, 0)
+                )
+            self.next_id += 1
+
+    def direct_tasks(self) -> None:
+        """Direct writes: per rank, interleave engines (each rank starting at its own engine),
+        batch small writes into tasks; zero-copy where the rank's shard holds the bytes
+        contiguously in the engine's dtype."""
+        world, engines, table, config = self.world, self.engines, self.table, self.config
+        queues: list[dict[str, list[int]]] = [defaultdict(list) for _ in range(world)]
+        for i, r in enumerate(self.assigned):
+            queues[r][self.directs[i][1]].append(i)
+        zero_memo: dict[int, bool] = {}  # id(piece) * world + rank -> zero-copy
+        half_budget = config.memory_budget_bytes // 2
+        for rank in range(world):
+            q = queues[rank]
+            order: list[int] = []
+            rot = engines[rank % len(engines):] + engines[: rank % len(engines)]
+            active = [q[e] for e in rot if e in q]
+            depth = 0
+            while active:
+                order.extend(lst[depth] for lst in active)
+                depth += 1
+                active = [lst for lst in active if len(lst) > depth]
+            batch: list[SliceWrite] = []
+            staging = h2d = batch_bytes = 0
+            for i in order:
+                pc, engine, dest, dtype = self.directs[i]
+                zkey = id(pc) * world + rank
+                zero = zero_memo.get(zkey)
+                if zero is None:
+                    zero = False
+                    lb = pc.boxes.get(rank)
+                    if lb is not None and len(pc.runs) == 1 and table[pc.source].dtype == dtype:
+                        local_box = tuple(
+                            (a - o, b - o) for (a, b), (o, _) in zip(pc.source_box, lb, strict=True)
+                        )
+                        zero = is_contiguous_box(box_shape(lb), local_box)
+                    zero_memo[zkey] = zero
+                cost = 0 if zero else pc.nbytes
+                if batch and (batch_bytes + pc.nbytes > config.task_target_bytes
+                              or staging + cost > half_budget):
+                    self._direct_task(rank, batch, staging, h2d)
+                    batch, staging, h2d, batch_bytes = [], 0, 0, 0
+                batch.append(SliceWrite(engine, dest, pc.source, pc.source_box, pc.dest_box,
+                                        dtype, pc.runs, zero))
+                staging += cost
+                batch_bytes += pc.nbytes
+                self.rank_bytes[rank] += pc.nbytes
+                if pc.any_offloaded and pc.offloaded.get(rank, False):
+                    h2d += numel(box_shape(pc.source_box)) * pc.src_itemsize
+            if batch:
+                self._direct_task(rank, batch, staging, h2d)
+
+    def _direct_task(self, rank: int, batch: list[SliceWrite], staging: int, h2d: int) -> None:
+        self.per_rank[rank].append(
+            Task(self.next_id, "direct", 0, (rank,), (), tuple(batch), staging, 0, h2d)
+        )
+        self.next_id += 1
+
+    def interleave(self) -> None:
+        """Spread direct tasks between gather tasks so writes overlap the collectives."""
+        for rank in range(self.world):
+            tasks = self.per_rank[rank]
+            gath = [t for t in tasks if t.kind == "gather"]
+            direct = [t for t in tasks if t.kind == "direct"]
+            merged: list[Task] = []
+            if gath:
+                step = max(1, -(-len(direct) // (len(gath) + 1)))
+                di = 0
+                for t in gath:
+                    merged.extend(direct[di:di + step])
+                    di += step
+                    merged.append(t)
+                merged.extend(direct[di:])
+                # Keep groups in order: a barrier separates them, so stable-sort by group.
+                merged.sort(key=lambda t: t.mesh_group)
+            else:
+                merged = direct
+            self.per_rank[rank] = merged
+
+    def schedule(
+        self, sources: Sequence[SourceManifest], dests: Sequence[DestManifest]
+    ) -> Schedule:
+        """The frozen schedule, with each engine's version word given to the rank that sends
+        least among those writing to it."""
+        world, engines = self.world, self.engines
+        senders_of: dict[str, set[int]] = defaultdict(set)
+        bytes_per_engine = dict.fromkeys(engines, 0)
+        peers_of: list[set[str]] = [set() for _ in range(world)]
+        for key, units_k in self.gather_units.items():
+            g = self.gathers[key]
+            for w, nb, _ in units_k:
+                bytes_per_engine[w.engine] += nb
+            for rank, ws in g.by_rank.items():
+                peers_of[rank].update(w.engine for w in ws)
+        for i, r in enumerate(self.assigned):
+            pc, engine = self.directs[i][0], self.directs[i][1]
+            peers_of[r].add(engine)
+            bytes_per_engine[engine] += pc.nbytes
+        for rank in range(world):
+            for e in peers_of[rank]:
+                senders_of[e].add(rank)
+        version_engines: dict[int, list[str]] = defaultdict(list)
+        vload = list(self.load)
+        for e in engines:
+            writer_cands = sorted(senders_of.get(e, set())) or list(range(world))
+            r = min(writer_cands, key=lambda r: (vload[r], r))
+            vload[r] += 1
+            version_engines[r].append(e)
+        num_groups = max(1, len(self.groups))
+        ranks_out = [
+            RankSchedule(
+                rank=rank, tasks=tuple(self.per_rank[rank]),
+                peers=tuple(sorted(peers_of[rank] | set(version_engines[rank]))),
+                version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
+            )
+            for rank in range(world)
+        ]
+        return Schedule(
+            format_version=FORMAT_VERSION,
+            fingerprint=fingerprint(sources, dests, self.config),
+            num_ranks=world,
+            engines=tuple(engines),
+            num_mesh_groups=num_groups,
+            ranks=tuple(ranks_out),
+            bytes_per_rank=tuple(self.rank_bytes),
+            bytes_per_engine=tuple(bytes_per_engine[e] for e in engines),
+        )
 
 
 def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:

@@ -9,7 +9,7 @@ dtypes), and for FP8 recipes assembles the whole destination in float32 and quan
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -137,6 +137,88 @@ def _source_box(
     return tensor[_slices(box)]
 
 
+QuantizeInto = Callable[[torch.Tensor, tuple[int, int], torch.Tensor, torch.Tensor], None]
+"""`(x, block, out_q, out_scale)`: quantize the 2-D float `x` into `out_q` and `out_scale`."""
+
+
+def _reference_quantize_into(
+    x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_scale: torch.Tensor
+) -> None:
+    q, scale = quantize_fp8_blockwise(x, block)
+    out_q.copy_(q)
+    out_scale.copy_(scale)
+
+
+def apply_recipe(
+    recipe: Recipe,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    sources: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device | str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    quantize: QuantizeInto | None = None,
+) -> dict[str, torch.Tensor]:
+    """Build one engine tensor (and, for an FP8 recipe, its scale) from full trainer tensors.
+
+    The one place a recipe is applied outside the pipeline: `materialize`, the benchmarks'
+    verification and the rank-0 baseline's engine-side load all use it. Each part's source box
+    is copied into its destination box, cast to `dtype`; an FP8 recipe assembles the
+    destination in float32 (every float source casts into it exactly or as any float32
+    assembly would) one leading (expert) slice at a time, bounding memory, and quantizes each.
+
+    Args:
+        device: where the result lives (default: `out`'s tensors, else the first source's).
+        out: tensors to write into (the destination and, for FP8, its scale) instead of new ones,
+            as an engine's loader does.
+        quantize: the FP8 quantizer (default: `quantize_fp8_blockwise`, the reference); a fast
+            kernel with the same rounding may stand in.
+
+    Raises:
+        ValueError: a missing source or a box outside its tensor (named).
+    """
+    name = recipe.dest
+    if device is None:
+        if out is not None:
+            device = out[name].device
+        else:
+            device = next(iter(sources.values())).device if sources else "cpu"
+    if recipe.quant is None:
+        dest = out[name] if out is not None else torch.empty(shape, dtype=dtype, device=device)
+        for part in recipe.parts:
+            src = _source_box(sources, name, part.source, part.source_box)
+            region = dest[_slices(part.dest_box)]
+            region.copy_(src.reshape(region.shape).to(device=device, dtype=dtype))
+        return {name: dest}
+    quant = recipe.quant
+    if not 2 <= len(shape) <= 3:
+        raise ValueError(f"FP8 recipe for {name!r}: expected 2 or 3 dims, shape is {shape}")
+    into = quantize or _reference_quantize_into
+    if out is not None:
+        weight, scale = out[name], out[quant.scale_dest]
+    else:
+        weight = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty(scale_shape(shape, quant.block), dtype=torch.float32, device=device)
+    lead = shape[0] if len(shape) > 2 else 1
+    for e in range(lead):
+        # One 2-D slice at a time: an expert of a stacked MoE tensor, or the whole matrix.
+        hp = torch.empty(shape[-2:], dtype=torch.float32, device=device)
+        for part in recipe.parts:
+            if len(shape) > 2 and not part.dest_box[0][0] <= e < part.dest_box[0][1]:
+                continue
+            src = _source_box(sources, name, part.source, part.source_box)
+            if len(shape) > 2:
+                # The part's rows of expert e (its box may span several experts).
+                k = e - part.dest_box[0][0]
+                src = src.reshape(box_shape(part.dest_box))[k]
+            region = hp[_slices(part.dest_box[-2:])]
+            region.copy_(src.reshape(region.shape).to(device=device, dtype=torch.float32))
+        q = weight if len(shape) == 2 else weight[e]
+        s = scale if len(shape) == 2 else scale[e]
+        into(hp, quant.block, q, s)
+    return {name: weight, quant.scale_dest: scale}
+
+
 def materialize(
     recipes: Iterable[Recipe],
     dest_specs: Iterable[TensorSpecLike],
@@ -170,54 +252,59 @@ def materialize(
             raise ValueError(f"recipe for {name!r} has no destination spec")
         shape = tuple(spec.shape)
         check_coverage(recipe, shape)
-        if recipe.quant is None:
-            dest = torch.empty(shape, dtype=torch_dtype(spec.dtype))
-            for part in recipe.parts:
-                src = _source_box(sources, name, part.source, part.source_box)
-                src_dtype = dtype_name(src.dtype)
-                if src_dtype != spec.dtype and not (
-                    src_dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
-                ):
-                    raise ValueError(
-                        f"engine tensor {name!r} ({spec.dtype}) cannot be built "
-                        f"from {part.source!r} ({src_dtype}): only float casts"
-                    )
-                region = dest[_slices(part.dest_box)]
-                region.copy_(src.reshape(region.shape).to(dest.dtype))
-            out[name] = dest
-            continue
-        quant = recipe.quant
-        if spec.dtype != FP8_DTYPE:
-            raise ValueError(f"FP8 recipe for {name!r} but its spec says dtype {spec.dtype!r}")
-        if len(shape) < 2:
-            raise ValueError(f"FP8 recipe for {name!r} needs >= 2 dims, shape is {shape}")
-        scale_spec = specs.get(quant.scale_dest)
-        want = scale_shape(shape, quant.block)
-        if scale_spec is None:
-            raise ValueError(
-                f"FP8 recipe for {name!r}: scale tensor {quant.scale_dest!r} "
-                "has no destination spec"
-            )
-        if tuple(scale_spec.shape) != want or scale_spec.dtype != SCALE_DTYPE:
-            raise ValueError(
-                f"scale tensor {quant.scale_dest!r} of {name!r} is {scale_spec.dtype} "
-                f"{tuple(scale_spec.shape)}, expected {SCALE_DTYPE} {want}"
-            )
-        if quant.scale_dest in out:
-            raise ValueError(f"engine tensor {quant.scale_dest!r} is built twice")
-        # Assemble in float32: every float source dtype casts into it exactly (bf16, fp16) or
-        # the way any float32 assembly would (fp64), and the quantizer works in float32.
-        assembled = torch.empty(shape, dtype=torch.float32)
-        for part in recipe.parts:
-            src = _source_box(sources, name, part.source, part.source_box)
-            if dtype_name(src.dtype) not in FLOAT_DTYPES:
+        _check_casts(recipe, spec, sources)
+        if recipe.quant is not None:
+            _check_scale_spec(recipe, spec, specs, out)
+        out.update(apply_recipe(recipe, shape, torch_dtype(spec.dtype), sources, device="cpu"))
+    return out
+
+
+def _check_casts(
+    recipe: Recipe, spec: TensorSpecLike, sources: Mapping[str, torch.Tensor]
+) -> None:
+    """Only float-to-float casts, and FP8 only from floats (naming the tensors)."""
+    name = recipe.dest
+    for part in recipe.parts:
+        src = _source_box(sources, name, part.source, part.source_box)
+        src_dtype = dtype_name(src.dtype)
+        if recipe.quant is not None:
+            if src_dtype not in FLOAT_DTYPES:
                 raise ValueError(
                     f"FP8 engine tensor {name!r} cannot quantize {part.source!r} "
-                    f"of dtype {dtype_name(src.dtype)}"
+                    f"of dtype {src_dtype}"
                 )
-            region = assembled[_slices(part.dest_box)]
-            region.copy_(src.reshape(region.shape).to(torch.float32))
-        weight, scale = quantize_fp8_blockwise(assembled, quant.block)
-        out[name] = weight
-        out[quant.scale_dest] = scale
-    return out
+        elif src_dtype != spec.dtype and not (
+            src_dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
+        ):
+            raise ValueError(
+                f"engine tensor {name!r} ({spec.dtype}) cannot be built "
+                f"from {part.source!r} ({src_dtype}): only float casts"
+            )
+
+
+def _check_scale_spec(
+    recipe: Recipe,
+    spec: TensorSpecLike,
+    specs: Mapping[str, TensorSpecLike],
+    built: Mapping[str, torch.Tensor],
+) -> None:
+    """An FP8 recipe's weight and scale specs match what the quantizer makes."""
+    assert recipe.quant is not None
+    name, quant, shape = recipe.dest, recipe.quant, tuple(spec.shape)
+    if spec.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 recipe for {name!r} but its spec says dtype {spec.dtype!r}")
+    if len(shape) < 2:
+        raise ValueError(f"FP8 recipe for {name!r} needs >= 2 dims, shape is {shape}")
+    scale_spec = specs.get(quant.scale_dest)
+    want = scale_shape(shape, quant.block)
+    if scale_spec is None:
+        raise ValueError(
+            f"FP8 recipe for {name!r}: scale tensor {quant.scale_dest!r} has no destination spec"
+        )
+    if tuple(scale_spec.shape) != want or scale_spec.dtype != SCALE_DTYPE:
+        raise ValueError(
+            f"scale tensor {quant.scale_dest!r} of {name!r} is {scale_spec.dtype} "
+            f"{tuple(scale_spec.shape)}, expected {SCALE_DTYPE} {want}"
+        )
+    if quant.scale_dest in built:
+        raise ValueError(f"engine tensor {quant.scale_dest!r} is built twice")

@@ -285,214 +285,257 @@ def simulate(
     if unknown:
         raise ValueError(f"no host for engine(s) {unknown[:10]}")
     hosts = [by_rank[r].host for r in range(schedule.num_ranks)]
-    costs = _task_costs(schedule, sources, rates, hosts)
-    world = schedule.num_ranks
-    nic = rates.gpu_nic_bytes_per_s
-    nvl = rates.nvlink_gb_per_s * GB
+    sim = _Simulation(
+        schedule, _task_costs(schedule, sources, rates, hosts), hosts, engine_hosts, rates,
+        memory_budget_bytes,
+    )
+    sim.run(progress)
+    return sim.result()
 
-    # Resource clocks.
-    send_free = [0.0] * world
-    nvl_send_free = [0.0] * world
-    recv_free: dict[str, float] = defaultdict(float)
-    nvl_recv_free: dict[str, float] = defaultdict(float)
-    host_free = [0.0] * world  # posting thread of each trainer rank
-    post_cost = rates.write_overhead_s
-    # Work totals for the lower bound.
-    send_bytes = [0] * world
-    nvl_bytes = [0] * world
-    recv_bytes: dict[str, int] = defaultdict(int)
-    h2d_total = [0.0] * world
-    compute_total = [0.0] * world
 
-    # Per-rank process state.
-    n_tasks = [len(c) for c in costs]
-    admitted = [0] * world
-    prepared = [0] * world
-    busy = [False] * world
-    mem = [0] * world
-    in_flight = [0] * world  # tasks admitted whose writes did not complete
-    peak = [0] * world
-    h2d_free = [0.0] * world
-    h2d_end: list[dict[int, float]] = [{} for _ in range(world)]
-    prep_free = [0.0] * world
-    wait_since = [-1.0] * world
-    stall = 0.0
-    num_groups = max(1, schedule.num_mesh_groups)
-    released = [0.0] + [-1.0] * (num_groups - 1)
-    arrivals: list[dict[int, float]] = [dict() for _ in range(num_groups)]
-    collectives: dict[int, dict[int, float]] = defaultdict(dict)
-    done_time = 0.0
+_ADVANCE, _PREP_DONE, _WRITE_DONE = 0, 1, 2
+"""Event kinds: try to admit and prepare; a task's preparation ended; its writes completed."""
 
-    events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, rank, task)
-    seq = 0
-    ADVANCE, PREP_DONE, WRITE_DONE = 0, 1, 2
 
-    def push(t: float, kind: int, rank: int, idx: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, rank, idx))
+class _Simulation:
+    """The discrete-event model of one update (module docstring), one method per step.
 
-    def reach(rank: int, upto_group: int, t: float) -> None:
+    Resource clocks (when each NIC, NVLink direction, host posting thread, copy engine and
+    prepare stage is next free) and per-rank pipeline state advance through a heap of events.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        costs: list[list[_TaskCost]],
+        hosts: list[str],
+        engine_hosts: Mapping[str, str],
+        rates: Rates,
+        memory_budget_bytes: int,
+    ) -> None:
+        world = schedule.num_ranks
+        self.schedule, self.costs, self.hosts = schedule, costs, hosts
+        self.engine_hosts, self.rates, self.budget = engine_hosts, rates, memory_budget_bytes
+        self.world = world
+        self.nic = rates.gpu_nic_bytes_per_s
+        self.nvl = rates.nvlink_gb_per_s * GB
+        # Resource clocks.
+        self.send_free = [0.0] * world
+        self.nvl_send_free = [0.0] * world
+        self.recv_free: dict[str, float] = defaultdict(float)
+        self.nvl_recv_free: dict[str, float] = defaultdict(float)
+        self.host_free = [0.0] * world  # posting thread of each trainer rank
+        # Work totals for the lower bound.
+        self.send_bytes = [0] * world
+        self.nvl_bytes = [0] * world
+        self.recv_bytes: dict[str, int] = defaultdict(int)
+        self.h2d_total = [0.0] * world
+        self.compute_total = [0.0] * world
+        # Per-rank pipeline state.
+        self.n_tasks = [len(c) for c in costs]
+        self.admitted = [0] * world
+        self.prepared = [0] * world
+        self.busy = [False] * world
+        self.mem = [0] * world
+        self.in_flight = [0] * world  # tasks admitted whose writes did not complete
+        self.peak = [0] * world
+        self.h2d_free = [0.0] * world
+        self.h2d_end: list[dict[int, float]] = [{} for _ in range(world)]
+        self.prep_free = [0.0] * world
+        self.wait_since = [-1.0] * world
+        self.stall = 0.0
+        self.num_groups = max(1, schedule.num_mesh_groups)
+        self.released = [0.0] + [-1.0] * (self.num_groups - 1)
+        self.arrivals: list[dict[int, float]] = [dict() for _ in range(self.num_groups)]
+        self.collectives: dict[int, dict[int, float]] = defaultdict(dict)
+        self.done_time = 0.0
+        self.events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, rank, task)
+        self.seq = 0
+
+    def push(self, t: float, kind: int, rank: int, idx: int) -> None:
+        """Schedule an event."""
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, rank, idx))
+
+    def reach(self, rank: int, upto_group: int, t: float) -> None:
         """Rank prepared everything before group `upto_group`: arrive at barriers <= it."""
-        for g in range(1, min(upto_group, num_groups - 1) + 1):
-            if rank not in arrivals[g]:
-                arrivals[g][rank] = t
-                if len(arrivals[g]) == world:
-                    released[g] = max(arrivals[g].values()) + rates.barrier_s
-                    for r in range(world):
-                        push(released[g], ADVANCE, r, -1)
+        for g in range(1, min(upto_group, self.num_groups - 1) + 1):
+            arrivals = self.arrivals[g]
+            if rank not in arrivals:
+                arrivals[rank] = t
+                if len(arrivals) == self.world:
+                    self.released[g] = max(arrivals.values()) + self.rates.barrier_s
+                    for r in range(self.world):
+                        self.push(self.released[g], _ADVANCE, r, -1)
 
-    def post(rank: int, c: _TaskCost, t: float) -> float:
+    def post(self, rank: int, c: _TaskCost, t: float) -> float:
+        """Post a prepared task's write batches; when its last write completes."""
+        post_cost, nic, nvl = self.rates.write_overhead_s, self.nic, self.nvl
         finish = t
         for engine, nbytes, nwrites in c.batches:
             # Posting: the link may start after the first write was posted, and the last bytes
             # leave no earlier than the last write was posted plus its share of the bytes.
-            h_start = max(t, host_free[rank])
+            h_start = max(t, self.host_free[rank])
             h_end = h_start + nwrites * post_cost
-            host_free[rank] = h_end
+            self.host_free[rank] = h_end
             ready = h_start + post_cost if nwrites else h_start
             last = nbytes / max(1, nwrites)  # bytes of the last write posted (mean size)
-            if engine_hosts[engine] == hosts[rank]:
-                start = max(ready, nvl_send_free[rank])
+            if self.engine_hosts[engine] == self.hosts[rank]:
+                start = max(ready, self.nvl_send_free[rank])
                 s_end = max(start + nbytes / nvl, h_end + last / nvl)
-                nvl_send_free[rank] = s_end
-                r_end = max(max(start, nvl_recv_free[engine]) + nbytes / nvl, s_end)
-                nvl_recv_free[engine] = r_end
-                nvl_bytes[rank] += nbytes
+                self.nvl_send_free[rank] = s_end
+                r_end = max(max(start, self.nvl_recv_free[engine]) + nbytes / nvl, s_end)
+                self.nvl_recv_free[engine] = r_end
+                self.nvl_bytes[rank] += nbytes
             else:
-                start = max(ready, send_free[rank])
+                start = max(ready, self.send_free[rank])
                 s_end = max(start + nbytes / nic, h_end + last / nic)
-                send_free[rank] = s_end
-                r_end = max(max(start, recv_free[engine]) + nbytes / nic, s_end)
-                recv_free[engine] = r_end
-                send_bytes[rank] += nbytes
-                recv_bytes[engine] += nbytes
-            finish = max(finish, s_end, r_end + rates.write_latency_s)
+                self.send_free[rank] = s_end
+                r_end = max(max(start, self.recv_free[engine]) + nbytes / nic, s_end)
+                self.recv_free[engine] = r_end
+                self.send_bytes[rank] += nbytes
+                self.recv_bytes[engine] += nbytes
+            finish = max(finish, s_end, r_end + self.rates.write_latency_s)
         return finish
 
-    def start_prepare(ranks_start: Sequence[tuple[int, float]], idx_of: dict[int, int]) -> None:
-        """Begin preparation of the given ranks' next task at the given start times."""
+    def start_prepare(self, ranks_start: Sequence[tuple[int, float]]) -> None:
+        """Begin preparing each given rank's next task at the given start time."""
         for rank, start in ranks_start:
-            c = costs[rank][idx_of[rank]]
+            idx = self.prepared[rank]
+            c = self.costs[rank][idx]
             t = start
             if c.gather_bytes:
                 if c.gather_nvlink:
-                    t += c.gather_bytes / nvl
-                    nvl_bytes[rank] += c.gather_bytes
+                    t += c.gather_bytes / self.nvl
+                    self.nvl_bytes[rank] += c.gather_bytes
                 else:
-                    t += c.gather_bytes / nic
-                    send_free[rank] = max(send_free[rank], start) + c.gather_bytes / nic
-                    send_bytes[rank] += c.gather_bytes
+                    t += c.gather_bytes / self.nic
+                    self.send_free[rank] = max(self.send_free[rank], start) + c.gather_bytes / self.nic
+                    self.send_bytes[rank] += c.gather_bytes
             t += c.compute_s
-            compute_total[rank] += c.compute_s
-            push(t, PREP_DONE, rank, idx_of[rank])
+            self.compute_total[rank] += c.compute_s
+            self.push(t, _PREP_DONE, rank, idx)
 
-    def advance(rank: int, now: float) -> None:
-        nonlocal stall
-        # Admission, in order, bounded by memory and by the barrier of the task's group.
-        while admitted[rank] < n_tasks[rank]:
-            c = costs[rank][admitted[rank]]
-            rel = released[c.group]
+    def admit(self, rank: int, now: float) -> None:
+        """Admit tasks in order, bounded by memory and by the barrier of the task's group."""
+        while self.admitted[rank] < self.n_tasks[rank]:
+            c = self.costs[rank][self.admitted[rank]]
+            rel = self.released[c.group]
             if rel < 0 or rel > now:
                 break
-            if in_flight[rank] and mem[rank] + c.need > memory_budget_bytes:
-                if wait_since[rank] < 0:
-                    wait_since[rank] = now
+            if self.in_flight[rank] and self.mem[rank] + c.need > self.budget:
+                if self.wait_since[rank] < 0:
+                    self.wait_since[rank] = now
                 break
-            if wait_since[rank] >= 0:
-                stall = max(stall, now - wait_since[rank])
-                wait_since[rank] = -1.0
-            mem[rank] += c.need
-            peak[rank] = max(peak[rank], mem[rank])
-            in_flight[rank] += 1
-            start = max(now, h2d_free[rank])
-            h2d_free[rank] = start + c.h2d_s
-            h2d_total[rank] += c.h2d_s
-            h2d_end[rank][admitted[rank]] = h2d_free[rank]
-            admitted[rank] += 1
-        # Preparation, FIFO.
-        if busy[rank] or prepared[rank] >= admitted[rank]:
+            if self.wait_since[rank] >= 0:
+                self.stall = max(self.stall, now - self.wait_since[rank])
+                self.wait_since[rank] = -1.0
+            self.mem[rank] += c.need
+            self.peak[rank] = max(self.peak[rank], self.mem[rank])
+            self.in_flight[rank] += 1
+            start = max(now, self.h2d_free[rank])
+            self.h2d_free[rank] = start + c.h2d_s
+            self.h2d_total[rank] += c.h2d_s
+            self.h2d_end[rank][self.admitted[rank]] = self.h2d_free[rank]
+            self.admitted[rank] += 1
+
+    def advance(self, rank: int, now: float) -> None:
+        """Admit what fits, then start preparing the next task (FIFO), joining its collective."""
+        self.admit(rank, now)
+        if self.busy[rank] or self.prepared[rank] >= self.admitted[rank]:
             return
-        idx = prepared[rank]
-        c = costs[rank][idx]
-        ready = max(h2d_end[rank][idx], prep_free[rank], now)
-        busy[rank] = True
+        idx = self.prepared[rank]
+        c = self.costs[rank][idx]
+        ready = max(self.h2d_end[rank][idx], self.prep_free[rank], now)
+        self.busy[rank] = True
         if c.collective < 0:
-            start_prepare([(rank, ready)], {rank: idx})
+            self.start_prepare([(rank, ready)])
             return
-        waiting = collectives[c.collective]
+        waiting = self.collectives[c.collective]
         waiting[rank] = ready
         if len(waiting) == c.mesh_size:
-            start = max(waiting.values()) + rates.collective_latency_s
-            members = list(waiting)
-            del collectives[c.collective]
-            start_prepare([(r, start) for r in members], {r: prepared[r] for r in members})
+            start = max(waiting.values()) + self.rates.collective_latency_s
+            del self.collectives[c.collective]
+            self.start_prepare([(r, start) for r in waiting])
 
-    for r in range(world):
-        if n_tasks[r] == 0:
-            reach(r, num_groups - 1, 0.0)
-        else:
-            reach(r, costs[r][0].group, 0.0)
-        push(0.0, ADVANCE, r, -1)
-    processed = 0
-    while events:
-        t, _, kind, rank, idx = heapq.heappop(events)
-        processed += 1
-        if progress is not None and processed % 200_000 == 0:
-            progress(f"simulating: {processed} events, t={t:.3f} s")
-        if kind == PREP_DONE:
-            c = costs[rank][idx]
-            busy[rank] = False
-            prep_free[rank] = t
-            prepared[rank] += 1
-            mem[rank] -= c.scratch
-            h2d_end[rank].pop(idx, None)
-            finish = post(rank, c, t)
-            push(finish, WRITE_DONE, rank, idx)
-            nxt = prepared[rank]
-            reach(rank, costs[rank][nxt].group if nxt < n_tasks[rank] else num_groups - 1, t)
-        elif kind == WRITE_DONE:
-            c = costs[rank][idx]
-            mem[rank] -= c.staging
-            in_flight[rank] -= 1
-            done_time = max(done_time, t)
-        advance(rank, t)
-    stuck = [r for r in range(world) if prepared[r] < n_tasks[r]]
-    if stuck:
-        raise ValueError(
-            f"simulation deadlocked: trainer rank(s) {stuck[:10]} never finished (collectives "
-            "ordered differently on the ranks of one mesh?)"
+    def on_prepared(self, rank: int, idx: int, t: float) -> None:
+        """A task's preparation ended: free its scratch, post its writes, reach barriers."""
+        c = self.costs[rank][idx]
+        self.busy[rank] = False
+        self.prep_free[rank] = t
+        self.prepared[rank] += 1
+        self.mem[rank] -= c.scratch
+        self.h2d_end[rank].pop(idx, None)
+        self.push(self.post(rank, c, t), _WRITE_DONE, rank, idx)
+        nxt = self.prepared[rank]
+        group = self.costs[rank][nxt].group if nxt < self.n_tasks[rank] else self.num_groups - 1
+        self.reach(rank, group, t)
+
+    def on_written(self, rank: int, idx: int, t: float) -> None:
+        """A task's writes completed: free its staging memory."""
+        c = self.costs[rank][idx]
+        self.mem[rank] -= c.staging
+        self.in_flight[rank] -= 1
+        self.done_time = max(self.done_time, t)
+
+    def run(self, progress: Callable[[str], None] | None) -> None:
+        """Process every event; raise if a rank never finished."""
+        for r in range(self.world):
+            first = self.costs[r][0].group if self.n_tasks[r] else self.num_groups - 1
+            self.reach(r, first, 0.0)
+            self.push(0.0, _ADVANCE, r, -1)
+        processed = 0
+        while self.events:
+            t, _, kind, rank, idx = heapq.heappop(self.events)
+            processed += 1
+            if progress is not None and processed % 200_000 == 0:
+                progress(f"simulating: {processed} events, t={t:.3f} s")
+            if kind == _PREP_DONE:
+                self.on_prepared(rank, idx, t)
+            elif kind == _WRITE_DONE:
+                self.on_written(rank, idx, t)
+            self.advance(rank, t)
+        stuck = [r for r in range(self.world) if self.prepared[r] < self.n_tasks[r]]
+        if stuck:
+            raise ValueError(
+                f"simulation deadlocked: trainer rank(s) {stuck[:10]} never finished (collectives "
+                "ordered differently on the ranks of one mesh?)"
+            )
+
+    def result(self) -> SimResult:
+        """The prediction, the stage lower bounds and the balance of the finished run."""
+        world, nic, nvl = self.world, self.nic, self.nvl
+        engines = list(self.schedule.engines)
+        engine_recv = [float(self.recv_bytes[e]) for e in engines]
+        send, nvlb, h2d, comp = self.send_bytes, self.nvl_bytes, self.h2d_total, self.compute_total
+        bounds = {
+            "trainer_nic": max(send, default=0) / nic,
+            "engine_nic": max(engine_recv, default=0.0) / nic,
+            "nvlink": max(nvlb, default=0) / nvl,
+            "h2d": max(h2d, default=0.0),
+            "prepare": max(comp, default=0.0),
+        }
+        busiest = {
+            "trainer_nic": f"rank {max(range(world), key=send.__getitem__)}",
+            "engine_nic": max(engines, key=lambda e: self.recv_bytes[e]) if engines else "-",
+            "nvlink": f"rank {max(range(world), key=nvlb.__getitem__)}",
+            "h2d": f"rank {max(range(world), key=h2d.__getitem__)}",
+            "prepare": f"rank {max(range(world), key=comp.__getitem__)}",
+        }
+        bottleneck = max(bounds, key=lambda k: bounds[k])
+        return SimResult(
+            predicted_s=self.done_time + self.rates.write_latency_s,  # the version words, last
+            lower_bound_s=bounds[bottleneck],
+            stage_bound_s=bounds,
+            bottleneck=bottleneck,
+            busiest=busiest,
+            trainer_nic_bytes=Spread.of([float(b) for b in send]),
+            engine_nic_bytes=Spread.of(engine_recv),
+            total_write_bytes=sum(self.schedule.bytes_per_engine),
+            num_tasks=sum(self.n_tasks),
+            peak_memory_bytes=max(self.peak, default=0),
+            stall_s=self.stall,
         )
-    engines = list(schedule.engines)
-    engine_recv = [float(recv_bytes[e]) for e in engines]
-    bounds = {
-        "trainer_nic": max(send_bytes, default=0) / nic,
-        "engine_nic": max(engine_recv, default=0.0) / nic,
-        "nvlink": max(nvl_bytes, default=0) / nvl,
-        "h2d": max(h2d_total, default=0.0),
-        "prepare": max(compute_total, default=0.0),
-    }
-    busiest = {
-        "trainer_nic": f"rank {max(range(world), key=send_bytes.__getitem__)}",
-        "engine_nic": max(engines, key=lambda e: recv_bytes[e]) if engines else "-",
-        "nvlink": f"rank {max(range(world), key=nvl_bytes.__getitem__)}",
-        "h2d": f"rank {max(range(world), key=h2d_total.__getitem__)}",
-        "prepare": f"rank {max(range(world), key=compute_total.__getitem__)}",
-    }
-    bottleneck = max(bounds, key=lambda k: bounds[k])
-    return SimResult(
-        predicted_s=done_time + rates.write_latency_s,  # the version words, last
-        lower_bound_s=bounds[bottleneck],
-        stage_bound_s=bounds,
-        bottleneck=bottleneck,
-        busiest=busiest,
-        trainer_nic_bytes=Spread.of([float(b) for b in send_bytes]),
-        engine_nic_bytes=Spread.of(engine_recv),
-        total_write_bytes=sum(schedule.bytes_per_engine),
-        num_tasks=sum(n_tasks),
-        peak_memory_bytes=max(peak, default=0),
-        stall_s=stall,
-    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,4 +1,5 @@
-"""Put the repository root on sys.path so tests import planner/transfer/backends uninstalled."""
+"""Put the repository root on sys.path so tests import `tests.markers` (the package itself is
+imported from its install, `weight_transfer`)."""
 
 import sys
 from pathlib import Path

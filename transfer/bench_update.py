@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -43,6 +44,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from weight_transfer.backends.base import BACKENDS
 
 LAYOUTS = ("split", "colocated", "one-gpu")
 _SLEEP_CYCLES = 400_000_000
@@ -749,36 +752,86 @@ def plot_timeline(records: list[dict[str, Any]], path: str, title: str = "") -> 
     fig.savefig(path, dpi=100)
 
 
+def preset_names() -> list[str]:
+    """The names `--preset` accepts."""
+    from weight_transfer.planner.presets.models import MODEL_SHAPES
+
+    return sorted(MODEL_SHAPES) + ["deepseek-v3-slice"]
+
+
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Arguments of `bench update`."""
-    p = p or argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--preset", default="llama-3.1-8b")
-    p.add_argument("--backend", default="loopback")
-    p.add_argument("--fp8", action="store_true")
-    p.add_argument("--offload", action="store_true")
-    p.add_argument("--layout", default="split", choices=list(LAYOUTS))
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmups", type=int, default=1)
+    p = p or argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--preset", default="llama-3.1-8b", choices=preset_names(), metavar="PRESET",
+                   help=f"model shapes, one of: {', '.join(preset_names())}")
+    p.add_argument("--backend", default="loopback", choices=sorted(BACKENDS), help="transport")
+    p.add_argument("--fp8", action="store_true", help="engine holds FP8 block-quantized weights")
+    p.add_argument("--offload", action="store_true", help="trainer parameters in pinned host memory")
+    p.add_argument("--layout", default="split", choices=list(LAYOUTS),
+                   help="split: trainer on GPU0, engine on GPU1; colocated: both processes on both "
+                   "GPUs; one-gpu: trainer and engine processes share GPU0")
+    p.add_argument("--repeats", type=int, default=5, help="timed updates")
+    p.add_argument("--warmups", type=int, default=1, help="untimed updates first")
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the preset (0: all)")
-    p.add_argument("--no-sync", action="store_true", help="update right after a long kernel changed the weights")
-    p.add_argument("--memory-budget-bytes", type=int, default=4 << 30)
-    p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--timeout-s", type=float, default=500.0)
-    p.add_argument("--json", default="bench_update.json")
-    p.add_argument("--trace", default="")
-    p.add_argument("--plot", default="")
-    p.add_argument("--option", action="append", default=[], help="backend option KEY=VALUE")
+    p.add_argument("--no-sync", action="store_true",
+                   help="update right after a long kernel changed the weights")
+    p.add_argument("--memory-budget-bytes", type=int, default=4 << 30, help="sender budget")
+    p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 NCCL baseline")
+    p.add_argument("--timeout-s", type=float, default=500.0, help="limit for the whole run")
+    p.add_argument("--json", default="bench_update.json", help="where the results go")
+    p.add_argument("--trace", default="", help="Perfetto trace of the last timed update")
+    p.add_argument("--plot", default="", help="PNG timeline of that update (needs matplotlib)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend option (repeatable)")
     return p
+
+
+def gpus_needed(cfg: BenchUpdateConfig) -> int:
+    """How many CUDA devices the layout uses."""
+    gpus = {_trainer_gpu(cfg, r) for r in range(_n_trainers(cfg))}
+    gpus |= {_engine_gpu(cfg, r) for r in range(_n_engines(cfg))}
+    return max(gpus) + 1
+
+
+def check_runnable(cfg: BenchUpdateConfig) -> str | None:
+    """Why this machine cannot run `cfg` (one line), or None. Checked before any process starts."""
+    need = gpus_needed(cfg)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < need:
+        return (
+            f"bench update --layout {cfg.layout} needs {need} CUDA GPU(s); this host has {have} "
+            f"(torch {torch.__version__})"
+        )
+    if cfg.plot_path and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'weight-transfer[plot]'"
+    return None
 
 
 def main(ns: argparse.Namespace) -> int:
     """Entry point for `weight-transfer bench update` (namespace from `build_parser`)."""
-    cfg = BenchUpdateConfig(
-        preset=ns.preset, backend=ns.backend, fp8=ns.fp8, offload=ns.offload, layout=ns.layout,
-        repeats=ns.repeats, warmups=ns.warmups, layers=ns.layers, no_sync=ns.no_sync, memory_budget_bytes=ns.memory_budget_bytes, baseline=not ns.no_baseline,
-        timeout_s=ns.timeout_s, json_path=ns.json, trace_path=ns.trace, plot_path=ns.plot,
-        transport_options=tuple(tuple(o.split("=", 1)) for o in ns.option),
-    )
+    try:
+        options = []
+        for o in ns.option:
+            key, eq, value = o.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--option {o!r}: expected KEY=VALUE")
+            options.append((key, value))
+        cfg = BenchUpdateConfig(
+            preset=ns.preset, backend=ns.backend, fp8=ns.fp8, offload=ns.offload,
+            layout=ns.layout, repeats=ns.repeats, warmups=ns.warmups, layers=ns.layers,
+            no_sync=ns.no_sync, memory_budget_bytes=ns.memory_budget_bytes,
+            baseline=not ns.no_baseline, timeout_s=ns.timeout_s, json_path=ns.json,
+            trace_path=ns.trace, plot_path=ns.plot, transport_options=tuple(options),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = check_runnable(cfg)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     print(f"bench update: {cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} backend={cfg.backend} layout={cfg.layout} offload={cfg.offload}", file=sys.stderr, flush=True)
     res = run(cfg)
     print(json.dumps(res["summary"], indent=1))

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from weight_transfer.backends.base import BACKENDS
 
@@ -27,21 +28,40 @@ def command(name: str, help_text: str) -> Callable[[Callable[[argparse.ArgumentP
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default=None, choices=sorted(BACKENDS), help="transport (default: the config's, else loopback)")
+    from weight_transfer.planner.presets.models import MODEL_SHAPES
+
+    dense = sorted(n for n, s in MODEL_SHAPES.items() if not s.num_experts)
+    p.add_argument("--backend", default=None, choices=sorted(BACKENDS),
+                   help="transport (default: the config file's, else loopback: the simulated "
+                   "backend, shared memory on this host)")
     p.add_argument("--fp8", action="store_true", help="engines hold FP8 block-quantized weights")
     p.add_argument("--train-ranks", type=int, default=3, help="trainer processes (FSDP2, gloo)")
     p.add_argument("--engine-ranks", type=int, default=2, help="engine processes (tensor parallel)")
     p.add_argument("--steps", type=int, default=3, help="verified updates")
-    p.add_argument("--model", default="tiny", help="model shape preset (default: tiny)")
-    p.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--timeout-s", type=float, default=300.0, help="limit for the whole run")
-    p.add_argument("--config", help="TOML file (transfer.config.TransferConfig); flags override it")
+    p.add_argument("--model", default="tiny", metavar="MODEL",
+                   help=f"model shape preset, one of: {', '.join(dense)}")
+    p.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="trainer parameter dtype")
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="limit for the whole run, start-up included")
+    p.add_argument("--config", help="TOML file (weight_transfer.TransferConfig); flags override it")
+
+
+def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
+    """The demo's control-plane settings from the file's `[control]` table, if it has one."""
+    if "control" not in data:
+        return {}
+    return {
+        "control_host": tc.control.host,
+        "control_port": tc.control.port,
+        "control_token": tc.control.token,
+    }
 
 
 @command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
     from weight_transfer.transfer.config import config_from_mapping, merge, read_toml
-    from weight_transfer.transfer.demo import DemoConfig, UpdateReport, run_demo
+    from weight_transfer.transfer.demo import DemoConfig, UpdateReport, preflight, run_demo
 
     try:
         # The TOML file and the flags fill the same dataclass; flags win.
@@ -55,9 +75,14 @@ def _demo(ns: argparse.Namespace) -> int:
             trainer_dtype=ns.trainer_dtype, timeout_s=ns.timeout_s,
             transport_options=tc.transport_options,
             memory_budget_bytes=tc.sender.memory_budget_bytes,
+            **_control_fields(data, tc),
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    problem = preflight(cfg)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     print(
         f"demo: {cfg.train_ranks} trainer ranks (FSDP2, {cfg.trainer_dtype}) -> {cfg.engine_ranks} "
@@ -85,6 +110,18 @@ def _demo(ns: argparse.Namespace) -> int:
     return 1
 
 
+def _token_args(p: argparse.ArgumentParser) -> None:
+    del p  # no options
+
+
+@command("token", "print a fresh random control-plane token (128 bits, hex)")(_token_args)
+def _token(ns: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_hex(16))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     # Import the other command modules for their registrations. They register into the module
@@ -101,7 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in sorted(commands.items()):
-        add_args(sub.add_parser(name, help=help_text, description=help_text))
+        add_args(
+            sub.add_parser(
+                name,
+                help=help_text,
+                description=help_text,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            )
+        )
     ns = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,

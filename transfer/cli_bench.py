@@ -1,24 +1,40 @@
 """`weight-transfer bench transports|update`: benchmarks side by side with baselines.
 
-`bench transports` runs `benchmarks.transport_harness` (a receiver and a sender process per
-backend, baselines in the same run), prints a table with ratios, and optionally writes the JSON
-and a PNG plot. `bench update` runs `transfer.bench_update` where that module exists.
+`bench transports` runs `weight_transfer.transfer.transport_harness` (a receiver and a sender
+process per backend, baselines in the same run), prints a table with ratios, and optionally writes
+the JSON and a PNG plot. `bench update` runs `weight_transfer.transfer.bench_update` (whole
+updates on GPUs beside their ceiling and baselines).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import sys
 
 from weight_transfer.backends.base import BACKENDS
 from weight_transfer.transfer.cli import command
 
-_WHAT = ("transports", "update")
-
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=_WHAT, help="transports: write throughput per backend and size")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{transports,update}")
+    t = sub.add_parser(
+        "transports",
+        help="one-sided write throughput per backend and size, beside raw baselines",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _transports_args(t)
+    from weight_transfer.transfer import bench_update
+
+    u = sub.add_parser(
+        "update",
+        help="whole verified updates on GPUs beside the ceiling and the rank-0 baseline",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench_update.build_parser(u)
+
+
+def _transports_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         default="loopback,tcp,ucx,nixl",
@@ -56,7 +72,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the raw baselines")
     p.add_argument("--timeout-s", type=float, default=120.0, help="limit of any single wait")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every sample as JSON")
-    p.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG plot")
+    p.add_argument(
+        "--plot", dest="plot_path", metavar="PATH", help="write a PNG plot (needs matplotlib)"
+    )
 
 
 def _parse_option(text: str) -> tuple[str, str, str]:
@@ -74,6 +92,11 @@ def _progress(line: str) -> None:
 def _transports(ns: argparse.Namespace) -> int:
     from weight_transfer.transfer import transport_harness as harness
 
+    if ns.plot_path and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "error: --plot needs matplotlib: pip install 'weight-transfer[plot]'", file=sys.stderr
+        )
+        return 2
     try:
         if ns.sizes:
             sizes = tuple(harness.parse_size(s) for s in ns.sizes.split(",") if s.strip())
@@ -118,12 +141,6 @@ def _transports(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     if ns.what == "transports":
         return _transports(ns)
-    try:
-        module = importlib.import_module("weight_transfer.transfer.bench_update")
-    except ModuleNotFoundError as exc:
-        if exc.name != "weight_transfer.transfer.bench_update":
-            raise
-        print("error: `bench update` is not available in this version", file=sys.stderr)
-        return 2
-    code: int = module.main(ns)
-    return code
+    from weight_transfer.transfer import bench_update
+
+    return bench_update.main(ns)

@@ -65,7 +65,29 @@ def _progress(msg: str) -> None:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """Bytes in the largest decimal unit that keeps them >= 1 (so small presets show too)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _rates(text: str, base: Any) -> Any:
+    """`--rates`: inline JSON object, else a JSON file's path."""
+    import json
+
+    from weight_transfer.planner.simulate import load_rates, rates_from_mapping
+
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--rates: not valid JSON: {exc}") from exc
+        return rates_from_mapping(data, base)
+    try:
+        return load_rates(text, base)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--rates {text}: not valid JSON: {exc}") from exc
 
 
 def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
@@ -74,7 +96,7 @@ def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
 
     preset = _preset(ns)
     config = PlannerConfig(memory_budget_bytes=int(ns.memory_budget_gib * 2**30))
-    _progress(f"{preset.name}: {preset.describe()}")
+    _progress(preset.describe())
     t0 = time.perf_counter()
     _progress("building manifests ...")
     sources, dests = cluster_manifests(preset)
@@ -131,18 +153,22 @@ def _plan(ns: argparse.Namespace) -> int:
 
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     _cluster_args(p)
-    p.add_argument("--rates", help="JSON object of measured Rates fields (planner.simulate.Rates)")
+    p.add_argument("--rates", metavar="JSON",
+                   help="measured rates over the preset's: a JSON file, or an inline JSON object "
+                   "of weight_transfer.planner.simulate.Rates fields, e.g. '{\"nic_gb_per_s\": 40}'")
 
 
 @command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast")(_simulate_args)
 def _simulate(ns: argparse.Namespace) -> int:
     from weight_transfer.errors import WeightTransferError
     from weight_transfer.planner.presets.clusters import model_bytes
-    from weight_transfer.planner.simulate import broadcast_baseline, load_rates, simulate
+    from weight_transfer.planner.simulate import broadcast_baseline, simulate
 
     try:
+        # Bad rates are refused before the planning starts.
+        described = _preset(ns)
+        rates = _rates(ns.rates, described.rates) if ns.rates else described.rates
         preset, config, sources, dests, schedule = _build(ns)
-        rates = load_rates(ns.rates, preset.rates) if ns.rates else preset.rates
     except (ValueError, OSError, WeightTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

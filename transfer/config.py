@@ -32,7 +32,7 @@ class ControlPlaneConfig:
     """Address of the store; the server binds it (loopback by default)."""
     port: int = 29700
     """TCP port of the store."""
-    token: str = ""
+    token: str = dataclasses.field(default="", repr=False)
     """Shared secret every member must know; messages are authenticated with it."""
     timeout_s: float = 60.0
     """Longest any control-plane wait may take (joining, manifests, signals)."""
@@ -148,6 +148,28 @@ class TransferConfig:
         )
 
 
+_SCALARS: dict[Any, tuple[type, ...]] = {
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    bool: (bool,),
+}
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _checked(where: str, tp: Any, value: Any) -> Any:
+    """`value` if it has the field's scalar type (so the error names the field, not a `<`)."""
+    accepted = _SCALARS.get(tp)
+    if accepted is None:
+        return value
+    # bool is an int subclass in Python, but `port = true` is a mistake, not 1.
+    if isinstance(value, bool) and tp is not bool or not isinstance(value, accepted):
+        raise ValueError(
+            f"{where}: expected {_TYPE_WORDS[tp]}, got {type(value).__name__} {value!r}"
+        )
+    return float(value) if tp is float else value
+
+
 def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -166,7 +188,7 @@ def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
             else:
                 kwargs[key] = tuple((str(k), str(v)) for k, v in value)
         else:
-            kwargs[key] = value
+            kwargs[key] = _checked(f"{path}.{key}", tp, value)
     try:
         return cls(**kwargs)
     except TypeError as exc:

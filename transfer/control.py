@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -70,6 +71,47 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _open_store(
+    config: ControlPlaneConfig, server: bool, listen_fd: int | None, timeout: datetime.timedelta
+) -> dist.Store:
+    """Construct the TCPStore, giving up after `config.timeout_s`.
+
+    TCPStore's own timeout does not cover its handshake: a client pointed at a port held by
+    something that accepts the connection but is not a store waits forever in the constructor.
+    So the constructor runs on a daemon thread that is abandoned (left blocked) past the limit.
+    """
+    result: list[dist.Store] = []
+    failure: list[BaseException] = []
+
+    def construct() -> None:
+        try:
+            # torch's stubs omit TCPStore from torch.distributed's exports.
+            result.append(
+                dist.TCPStore(  # type: ignore[attr-defined]
+                    config.host,
+                    config.port,
+                    is_master=server,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                    use_libuv=True,
+                    master_listen_fd=listen_fd,
+                )
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=construct, name="wt-store-connect", daemon=True)
+    thread.start()
+    thread.join(config.timeout_s)
+    if failure:
+        raise failure[0]
+    if not result:
+        raise TimeoutError(
+            "no TCPStore answered there (is the port held by another program?)"
+        )
+    return result[0]
+
+
 class ControlPlane:
     """A member's connection to the store.
 
@@ -100,21 +142,12 @@ class ControlPlane:
                 # The store takes ownership of the descriptor (libuv closes it with the server).
                 listen_fd = _listen(config.host, config.port).detach()
             try:
-                # torch's stubs omit TCPStore from torch.distributed's exports.
-                self._store = dist.TCPStore(  # type: ignore[attr-defined]
-                    config.host,
-                    config.port,
-                    is_master=server,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                    use_libuv=True,
-                    master_listen_fd=listen_fd,
-                )
+                self._store = _open_store(config, server, listen_fd, timeout)
             except BaseException:
                 if listen_fd is not None:
                     os.close(listen_fd)
                 raise
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, TimeoutError) as exc:
             what = "host" if server else "reach"
             raise TransportTimeoutError(
                 f"{member}: could not {what} the control plane at {config.host}:{config.port} "
@@ -123,12 +156,36 @@ class ControlPlane:
         if server:
             self.put("hello", Hello(protocol=PROTOCOL_VERSION, session=config.session))
         else:
-            hello = self.get("hello", Hello)
+            try:
+                hello = self.get("hello", Hello)
+            except ControlPlaneAuthError:
+                self._note_auth_failure()
+                raise
             if hello.protocol != PROTOCOL_VERSION:
                 raise WeightTransferError(
                     f"{member}: control plane speaks protocol {hello.protocol}, "
                     f"this process {PROTOCOL_VERSION}"
                 )
+
+    # -- members refused for their token -----------------------------------------------------
+
+    _AUTH_FAILURES = "auth_failures"
+
+    def _note_auth_failure(self) -> None:
+        """Count a join refused for its token, so the controller can say so at once.
+
+        A plain counter: anyone who reaches the port can raise it, which can only make the
+        controller fail an update it would otherwise wait out (the port must be firewalled).
+        """
+        try:
+            self._store.add(self._prefix + self._AUTH_FAILURES, 1)
+        except (RuntimeError, dist.DistError):
+            log.debug("%s: could not count the refused join", self.member)
+
+    def auth_failures(self) -> int:
+        """How many members were refused because they hold another token."""
+        return int(self._call("reading auth failures",
+                              lambda: self._store.add(self._prefix + self._AUTH_FAILURES, 0)))
 
     # -- the store, with the controller's loss named -----------------------------------------
 

@@ -14,6 +14,7 @@ schedules of epoch e > 0 live under `epoch/<e>/`. Update steps keep counting acr
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ import torch
 
 from weight_transfer.backends.base import (
     ConfigurationError,
+    ControlPlaneAuthError,
     PlanMismatchError,
     TransportTimeoutError,
     WeightTransferError,
@@ -46,6 +48,26 @@ log = logging.getLogger(__name__)
 _KEEP_STEPS = 8
 """Per-update keys older than this many steps are deleted from the store (bounded memory)."""
 _JOIN_POLL_S = 0.05
+_JOIN_SLICE_S = 0.5
+"""How often the controller, waiting for engines to join, checks for members refused for their
+token (so a token mismatch fails within a second instead of at the timeout)."""
+
+
+class Phase(str, enum.Enum):
+    """The two phases of an update the controller arbitrates, named by their report keys.
+
+    DONE: every rank wrote its bytes (its `done/<step>/<rank>` report); the verdict is
+    published as `commit/<step>`. COMMITTED: every rank wrote its engines' version words
+    (`committed/<step>/<rank>`); the verdict is `result/<step>`.
+    """
+
+    DONE = "done"
+    COMMITTED = "committed"
+
+    @property
+    def verdict_key(self) -> str:
+        """Where the controller publishes this phase's verdict."""
+        return "commit" if self is Phase.DONE else "result"
 
 
 def plan_key(epoch: int, name: str) -> str:
@@ -96,13 +118,7 @@ class Controller:
                     f"controller: trainer rank(s) {missing_t} did not join within "
                     f"{cp.config.timeout_s:.0f} s"
                 ) from exc
-            try:
-                cp.wait([f"engine_slot/{i}" for i in range(m)])
-            except TransportTimeoutError as exc:
-                joined = sum(cp.exists(f"engine_slot/{i}") for i in range(m))
-                raise TransportTimeoutError(
-                    f"controller: {joined} of {m} engines joined within {cp.config.timeout_s:.0f} s"
-                ) from exc
+            self._wait_for_engines(m)
             self.sources = [cp.get(f"trainer/{r}", TrainerJoin).manifest for r in range(n)]
             self._read_slots(m)
             del missing_t
@@ -112,6 +128,29 @@ class Controller:
             raise
         self._publish(schedule)
         return schedule
+
+    def _wait_for_engines(self, m: int) -> None:
+        """Wait for `m` engine joins; fail at once if a member was refused for its token."""
+        cp = self.control
+        keys = [f"engine_slot/{i}" for i in range(m)]
+        deadline = time.monotonic() + cp.config.timeout_s
+        while True:
+            try:
+                cp.wait(keys, min(_JOIN_SLICE_S, max(0.001, deadline - time.monotonic())))
+                return
+            except TransportTimeoutError as exc:
+                refused = cp.auth_failures()
+                joined = sum(cp.exists(k) for k in keys)
+                if refused:
+                    raise ControlPlaneAuthError(
+                        f"controller: {refused} member(s) tried to join with another token; "
+                        f"{joined} of {m} engines joined (every member needs this run's token)"
+                    ) from exc
+                if time.monotonic() >= deadline:
+                    raise TransportTimeoutError(
+                        f"controller: {joined} of {m} engines joined within "
+                        f"{cp.config.timeout_s:.0f} s"
+                    ) from exc
 
     def _read_slots(self, upto: int) -> None:
         """Read join slots [`_slots_read`, upto); a later join of a name supersedes earlier ones."""
@@ -220,8 +259,8 @@ class Controller:
         """Tell every rank to start update `step`."""
         self.control.put(f"go/{step}", Go(step=step))
 
-    def decide(self, step: int, phase: str, timeout_s: float) -> Decision:
-        """Collect every rank's report for a phase ("done" or "committed") and publish the verdict.
+    def decide(self, step: int, phase: Phase, timeout_s: float) -> Decision:
+        """Collect every rank's report for a phase and publish the verdict.
 
         A rank that does not report within `timeout_s` is named in the verdict.
         """
@@ -229,19 +268,20 @@ class Controller:
         deadline = time.monotonic() + timeout_s
         errors = []
         for r in range(n):
-            key = f"{phase}/{step}/{r}"
+            key = f"{phase.value}/{step}/{r}"
             try:
                 d = self.control.get(key, Done, max(0.001, deadline - time.monotonic()))
             except TransportTimeoutError:
-                errors.append(f"trainer rank {r} did not report {phase} for update {step} in time")
+                errors.append(
+                    f"trainer rank {r} did not report {phase.value} for update {step} in time"
+                )
                 continue
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
         decision = Decision(step=step, ok=not errors, error="; ".join(errors))
-        out_key = "commit" if phase == "done" else "result"
-        self.control.put(f"{out_key}/{step}", decision)
-        if out_key == "result":
+        self.control.put(f"{phase.verdict_key}/{step}", decision)
+        if phase is Phase.COMMITTED:
             self._forget(step - _KEEP_STEPS)
         return decision
 

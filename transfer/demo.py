@@ -61,6 +61,12 @@ class DemoConfig:
     """Seed of weights, data and engine fill."""
     transport_options: tuple[tuple[str, str], ...] = ()
     """Backend options (for example UCX transports)."""
+    control_host: str = "127.0.0.1"
+    """Where trainer rank 0 hosts the control plane (the engines connect there)."""
+    control_port: int = 0
+    """Its port; 0 picks a free one."""
+    control_token: str = dataclasses.field(default="", repr=False)
+    """Shared secret of the control plane; "" makes a fresh random one."""
 
     def __post_init__(self) -> None:
         if self.train_ranks < 1 or self.engine_ranks < 1 or self.steps < 1:
@@ -160,7 +166,44 @@ def _model_config(name: str) -> Any:
 def _control(cfg: DemoConfig, port: int, token: str) -> Any:
     from weight_transfer.transfer.config import ControlPlaneConfig
 
-    return ControlPlaneConfig(host="127.0.0.1", port=port, token=token, timeout_s=cfg.timeout_s)
+    return ControlPlaneConfig(host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s)
+
+
+def preflight(cfg: DemoConfig) -> str | None:
+    """Why `cfg` cannot run here, in one line, or None. Checked before any process starts.
+
+    Checks the optional packages the demo needs, the model preset, that the engine's tensor
+    parallel size can shard the model as vLLM would, and that the backend can be built here with
+    the given options (a missing package or an unknown option is named).
+    """
+    import importlib.util
+
+    from weight_transfer.backends.base import create_transport
+    from weight_transfer.errors import WeightTransferError
+    from weight_transfer.planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.vllm import vllm_recipes
+
+    if importlib.util.find_spec("transformers") is None:
+        return (
+            "the demo trains a transformers Llama, and transformers is not installed: "
+            "pip install 'weight-transfer[demo]'"
+        )
+    try:
+        shape = get_model_shape(cfg.model)
+    except ValueError as exc:
+        return f"--model: {exc}"
+    if shape.num_experts:
+        return f"--model {cfg.model!r} is a MoE shape; the demo trains a dense Llama"
+    try:
+        for r in range(cfg.engine_ranks):
+            vllm_recipes(shape, r, cfg.engine_ranks, fp8=cfg.fp8)
+    except (ValueError, WeightTransferError) as exc:
+        return f"--engine-ranks {cfg.engine_ranks}: cannot shard {cfg.model!r}: {exc}"
+    try:
+        create_transport(_transport(cfg)).close()
+    except (ValueError, WeightTransferError, OSError) as exc:
+        return f"--backend {cfg.backend}: {str(exc).splitlines()[0]}"
+    return None
 
 
 def _transport(cfg: DemoConfig) -> Any:
@@ -345,8 +388,9 @@ def run_demo(
     """Start the processes, wait for them (with `cfg.timeout_s`), and report what happened."""
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
-    port, dist_port = free_port(), free_port()
-    token = secrets.token_hex(16)
+    port = cfg.control_port or free_port()
+    dist_port = free_port()
+    token = cfg.control_token or secrets.token_hex(16)
     procs: dict[str, Any] = {}
     for e in range(cfg.engine_ranks):
         procs[f"engine{e}"] = ctx.Process(
@@ -361,7 +405,7 @@ def run_demo(
     for name in order:
         procs[name].start()
     result = DemoResult(updates=[], exit_codes={}, errors=[], engine_tensors={}, expected={})
-    deadline = time.monotonic() + cfg.timeout_s + 30
+    deadline = time.monotonic() + cfg.timeout_s
     try:
         while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
             try:

@@ -1064,8 +1064,14 @@ def _block_aligned_parts(
     return out
 
 
-def trace_events(records: Sequence[TaskRecord], *, rank: int, step: int) -> list[dict[str, Any]]:
-    """Chrome/Perfetto trace events ("X" complete events, microseconds) for one update."""
+def trace_events(
+    records: Sequence[TaskRecord], *, rank: int, step: int, start_s: float = 0.0
+) -> list[dict[str, Any]]:
+    """Chrome/Perfetto trace events ("X" complete events, microseconds) for one update.
+
+    `start_s` is when the update started on the caller's timeline (record times count from it),
+    so the events of successive updates follow one another instead of overlapping.
+    """
     events: list[dict[str, Any]] = []
     for r in records:
         for stage, a, b in (("prepare", r.prepare_start, r.prepare_end), ("write", r.write_start, r.write_end)):
@@ -1075,7 +1081,7 @@ def trace_events(records: Sequence[TaskRecord], *, rank: int, step: int) -> list
                         "name": f"task {r.task_id} ({r.kind})",
                         "cat": stage,
                         "ph": "X",
-                        "ts": a * 1e6,
+                        "ts": (start_s + a) * 1e6,
                         "dur": (b - a) * 1e6,
                         "pid": rank,
                         "tid": stage,

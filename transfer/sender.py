@@ -23,7 +23,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.planner.types import SliceWrite
 from weight_transfer.transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.controller import Controller, plan_key
+from weight_transfer.transfer.controller import Controller, Phase, plan_key
 from weight_transfer.transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from weight_transfer.transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
@@ -104,7 +104,9 @@ class WeightSender:
             control, server=False, member=f"trainer rank {rank}"
         )
         self._last_step = 0
-        self._records: list[tuple[int, Any]] = []
+        self._records: list[tuple[int, float, Any]] = []
+        """(step, start in seconds since this sender was made, task records) of recent updates."""
+        self._t_created = time.perf_counter()
         manifest = source_manifest(
             self._params, rank=rank, world_size=world_size, compute_device=self.device.type
         )
@@ -252,7 +254,7 @@ class WeightSender:
                  nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0),
         )
         if self.controller is not None:
-            self.controller.decide(step, "done", timeout)
+            self.controller.decide(step, Phase.DONE, timeout)
         decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
@@ -267,22 +269,23 @@ class WeightSender:
             Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0),
         )
         if self.controller is not None:
-            self.controller.decide(step, "committed", timeout)
+            self.controller.decide(step, Phase.COMMITTED, timeout)
         result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
             raise WeightTransferError(f"update {step}: version words not all written: {result.error}")
         assert stats is not None
         if self.config.record_trace:
-            self._records.append((step, stats.records))
+            self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]
         return stats
 
     def trace_events(self) -> list[dict[str, Any]]:
-        """Chrome/Perfetto events of the recent updates on this rank."""
+        """Chrome/Perfetto events of the recent updates on this rank, one after another on one
+        timeline (microseconds since this sender was made)."""
         events: list[dict[str, Any]] = []
-        for step, records in self._records:
-            events.extend(trace_events(records, rank=self.rank, step=step))
+        for step, start_s, records in self._records:
+            events.extend(trace_events(records, rank=self.rank, step=step, start_s=start_s))
         return events
 
     def write_trace(self, path: str | Path) -> None:

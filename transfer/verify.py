@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.reference import apply_recipe
 from weight_transfer.planner.types import Recipe
 
 _CHUNK = 1 << 26
@@ -90,31 +90,9 @@ def engine_digests(tensors: Mapping[str, torch.Tensor], key: int) -> dict[str, t
 def build_engine_tensor(
     recipe: Recipe, shape: tuple[int, ...], dtype: torch.dtype, full: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The reference value of one recipe's destination (and its scale), on the sources' device."""
-    dev = next(iter(full.values())).device
-    if recipe.quant is None:
-        out = torch.empty(shape, dtype=dtype, device=dev)
-        for p in recipe.parts:
-            src = full[p.source][tuple(slice(a, b) for a, b in p.source_box)]
-            out[tuple(slice(a, b) for a, b in p.dest_box)] = src.reshape(
-                tuple(b - a for a, b in p.dest_box)
-            ).to(dtype)
-        return {recipe.dest: out}
-    hp = torch.empty(shape, dtype=torch.float32, device=dev)
-    for p in recipe.parts:
-        src = full[p.source][tuple(slice(a, b) for a, b in p.source_box)]
-        hp[tuple(slice(a, b) for a, b in p.dest_box)] = src.reshape(
-            tuple(b - a for a, b in p.dest_box)
-        ).float()
-    if hp.dim() > 2:
-        # Leading dims (experts) quantize independently: one slice at a time bounds memory.
-        flat = hp.reshape(-1, *hp.shape[-2:])
-        qs, ss = zip(*(quantize_fp8_blockwise(x, recipe.quant.block) for x in flat), strict=True)
-        q = torch.stack(qs).reshape(hp.shape)
-        s = torch.stack(ss).reshape(*hp.shape[:-2], *ss[0].shape)
-    else:
-        q, s = quantize_fp8_blockwise(hp, recipe.quant.block)
-    return {recipe.dest: q, recipe.quant.scale_dest: s}
+    """The reference value of one recipe's destination (and its scale), on the sources' device
+    (`planner.reference.apply_recipe`)."""
+    return apply_recipe(recipe, shape, dtype, full)
 
 
 def expected_fingerprints(

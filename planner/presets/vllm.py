@@ -39,6 +39,8 @@ pre-quantized checkpoints refuses such partitions.
 
 from __future__ import annotations
 
+import dataclasses
+
 from weight_transfer.errors import ConfigurationError
 from weight_transfer.planner.presets.models import MOE_LAYOUTS, ModelShape, MoeLayout
 from weight_transfer.planner.recipes import (
@@ -132,58 +134,62 @@ def vllm_recipes(
         raise ConfigurationError(
             f"hf_moe_layout must be one of {MOE_LAYOUTS}, got {hf_moe_layout!r}"
         )
-    h, hd = shape.hidden_size, shape.head_dim
-
-    def quant(recipe: Recipe) -> Recipe:
-        return with_fp8(recipe, block=fp8_block) if fp8 else recipe
-
-    def mlp(prefix: str, inter: int) -> list[Recipe]:
-        bounds = _even(inter, tp_size, f"{prefix}gate_up_proj.weight (intermediate {inter})")
-        return [
-            quant(
-                fused_gate_up(
-                    prefix + "gate_up_proj.weight",
-                    prefix + "gate_proj.weight",
-                    prefix + "up_proj.weight",
-                    shape=(inter, h),
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-            ),
-            quant(
-                row_shard(
-                    prefix + "down_proj.weight",
-                    prefix + "down_proj.weight",
-                    (h, inter),
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-            ),
-        ]
-
-    vocab_bounds = [vocab_rows(shape.vocab_size, r, tp_size) for r in range(tp_size)]
-    vocab_shape = (shape.vocab_size, h)
-    out: list[Recipe] = [
-        column_shard(
-            "model.embed_tokens.weight",
-            "model.embed_tokens.weight",
-            vocab_shape,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            bounds=vocab_bounds,
-        )
-    ]
+    rank = _Rank(shape, tp_rank, tp_size, fp8, fp8_block, moe_prefix, hf_moe_layout)
+    h = shape.hidden_size
+    out: list[Recipe] = [rank.vocab("model.embed_tokens.weight")]
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        attn = p + "self_attn."
+        out.extend(rank.attention(p + "self_attn."))
+        if shape.is_moe:
+            out.extend(rank.moe(p))
+        else:
+            out.extend(rank.dense_mlp(p + "mlp.", shape.intermediate_size))
+        out.append(identity(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
+        out.append(
+            identity(
+                p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)
+            )
+        )
+    out.append(identity("model.norm.weight", "model.norm.weight", (h,)))
+    if not shape.tie_word_embeddings:
+        out.append(rank.vocab("lm_head.weight"))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Rank:
+    """One vLLM tensor-parallel rank's view of the model: builds its recipes block by block."""
+
+    shape: ModelShape
+    tp_rank: int
+    tp_size: int
+    fp8: bool
+    fp8_block: tuple[int, int]
+    moe_prefix: str
+    hf_moe_layout: MoeLayout
+
+    def quant(self, recipe: Recipe) -> Recipe:
+        """The recipe, FP8 block-quantized if the engine holds FP8 linears."""
+        return with_fp8(recipe, block=self.fp8_block) if self.fp8 else recipe
+
+    def vocab(self, name: str) -> Recipe:
+        """The embedding or LM head: vocabulary rows split over ranks, with vLLM's padding."""
+        bounds = [vocab_rows(self.shape.vocab_size, r, self.tp_size) for r in range(self.tp_size)]
+        return column_shard(
+            name, name, (self.shape.vocab_size, self.shape.hidden_size),
+            tp_rank=self.tp_rank, tp_size=self.tp_size, bounds=bounds,
+        )
+
+    def attention(self, attn: str) -> list[Recipe]:
+        """Fused qkv_proj (kv heads replicated when tp > kv heads), o_proj, optional qk norms."""
+        shape, h, hd = self.shape, self.shape.hidden_size, self.shape.head_dim
         try:
-            qkv_head_ranges(shape.num_heads, shape.num_kv_heads, tp_rank, tp_size)
+            qkv_head_ranges(shape.num_heads, shape.num_kv_heads, self.tp_rank, self.tp_size)
         except ValueError as exc:
             raise ConfigurationError(
                 f"{attn}qkv_proj.weight: vLLM cannot shard it: {exc}"
             ) from None
+        out: list[Recipe] = []
         for suffix, trailing in (("weight", (h,)), ("bias", ())):
             if suffix == "bias" and not shape.qkv_bias:
                 continue
@@ -196,104 +202,79 @@ def vllm_recipes(
                 num_kv_heads=shape.num_kv_heads,
                 head_dim=hd,
                 trailing=trailing,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
             )
-            out.append(quant(qkv) if suffix == "weight" else qkv)
+            out.append(self.quant(qkv) if suffix == "weight" else qkv)
         # o_proj's input dim splits by query heads, which divide by tp (checked above).
         out.append(
-            quant(
+            self.quant(
                 row_shard(
-                    attn + "o_proj.weight",
-                    attn + "o_proj.weight",
-                    (h, shape.q_size),
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
+                    attn + "o_proj.weight", attn + "o_proj.weight", (h, shape.q_size),
+                    tp_rank=self.tp_rank, tp_size=self.tp_size,
                 )
             )
         )
         if shape.qk_norm:
             out.append(identity(attn + "q_norm.weight", attn + "q_norm.weight", (hd,)))
             out.append(identity(attn + "k_norm.weight", attn + "k_norm.weight", (hd,)))
-        if shape.is_moe:
-            e, inter = shape.num_experts, shape.moe_intermediate_size
-            mp = p + moe_prefix + "."
-            bounds = _even(inter, tp_size, f"{mp}w13_weight (moe_intermediate_size {inter})")
-            if hf_moe_layout == "fused":
-                w13 = moe_w13_fused(
-                    mp + "w13_weight",
-                    p + "mlp.experts.gate_up_proj",
-                    num_experts=e,
-                    intermediate_size=inter,
-                    hidden_size=h,
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-                w2 = moe_w2_fused(
-                    mp + "w2_weight",
-                    p + "mlp.experts.down_proj",
-                    num_experts=e,
-                    hidden_size=h,
-                    intermediate_size=inter,
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-            else:
-                ex = [f"{p}mlp.experts.{x}." for x in range(e)]
-                w13 = moe_w13(
-                    mp + "w13_weight",
-                    [s + "gate_proj.weight" for s in ex],
-                    [s + "up_proj.weight" for s in ex],
-                    intermediate_size=inter,
-                    hidden_size=h,
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-                w2 = moe_w2(
-                    mp + "w2_weight",
-                    [s + "down_proj.weight" for s in ex],
-                    hidden_size=h,
-                    intermediate_size=inter,
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    bounds=bounds,
-                )
-            out.append(quant(w13))
-            out.append(quant(w2))
-            out.append(identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)))
-            if shape.shared_expert_intermediate_size:
-                out.extend(mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
-                out.append(
-                    identity(
-                        p + "mlp.shared_expert_gate.weight",
-                        p + "mlp.shared_expert_gate.weight",
-                        (1, h),
-                    )
-                )
+        return out
+
+    def dense_mlp(self, prefix: str, inter: int) -> list[Recipe]:
+        """Fused gate_up_proj (column-parallel) and down_proj (row-parallel)."""
+        h, tp_rank, tp_size = self.shape.hidden_size, self.tp_rank, self.tp_size
+        bounds = _even(inter, tp_size, f"{prefix}gate_up_proj.weight (intermediate {inter})")
+        gate_up = fused_gate_up(
+            prefix + "gate_up_proj.weight", prefix + "gate_proj.weight", prefix + "up_proj.weight",
+            shape=(inter, h), tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
+        )
+        down = row_shard(
+            prefix + "down_proj.weight", prefix + "down_proj.weight", (h, inter),
+            tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
+        )
+        return [self.quant(gate_up), self.quant(down)]
+
+    def moe(self, p: str) -> list[Recipe]:
+        """Routed experts stacked into w13/w2, the router, and the shared expert if any."""
+        shape, h, tp_rank, tp_size = self.shape, self.shape.hidden_size, self.tp_rank, self.tp_size
+        e, inter = shape.num_experts, shape.moe_intermediate_size
+        mp = p + self.moe_prefix + "."
+        bounds = _even(inter, tp_size, f"{mp}w13_weight (moe_intermediate_size {inter})")
+        sizes = {"tp_rank": tp_rank, "tp_size": tp_size, "bounds": bounds}
+        if self.hf_moe_layout == "fused":
+            w13 = moe_w13_fused(
+                mp + "w13_weight", p + "mlp.experts.gate_up_proj",
+                num_experts=e, intermediate_size=inter, hidden_size=h, **sizes,
+            )
+            w2 = moe_w2_fused(
+                mp + "w2_weight", p + "mlp.experts.down_proj",
+                num_experts=e, hidden_size=h, intermediate_size=inter, **sizes,
+            )
         else:
-            out.extend(mlp(p + "mlp.", shape.intermediate_size))
-        out.append(identity(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
-        out.append(
-            identity(
-                p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)
+            ex = [f"{p}mlp.experts.{x}." for x in range(e)]
+            w13 = moe_w13(
+                mp + "w13_weight",
+                [s + "gate_proj.weight" for s in ex],
+                [s + "up_proj.weight" for s in ex],
+                intermediate_size=inter, hidden_size=h, **sizes,
             )
-        )
-    out.append(identity("model.norm.weight", "model.norm.weight", (h,)))
-    if not shape.tie_word_embeddings:
-        out.append(
-            column_shard(
-                "lm_head.weight",
-                "lm_head.weight",
-                vocab_shape,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                bounds=vocab_bounds,
+            w2 = moe_w2(
+                mp + "w2_weight", [s + "down_proj.weight" for s in ex],
+                hidden_size=h, intermediate_size=inter, **sizes,
             )
-        )
-    return tuple(out)
+        out = [
+            self.quant(w13),
+            self.quant(w2),
+            identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)),
+        ]
+        if shape.shared_expert_intermediate_size:
+            out.extend(self.dense_mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
+            out.append(
+                identity(
+                    p + "mlp.shared_expert_gate.weight", p + "mlp.shared_expert_gate.weight", (1, h)
+                )
+            )
+        return out
 
 
 def vllm_tensor_specs(

@@ -76,7 +76,11 @@ def test_single_process_updates(backend: str) -> None:
                 assert torch.equal(engine_tensors[e]["b.weight"], src["b.weight"])
         with pytest.raises(ValueError, match="larger than the previous"):
             sender.update(2)
-        assert sender.trace_events()
+        events = sender.trace_events()
+        by_step = {k: [e for e in events if e["args"]["step"] == k] for k in (1, 2)}
+        assert by_step[1] and by_step[2]
+        # One timeline: update 2's events come after update 1's (ts did restart at every step).
+        assert min(e["ts"] for e in by_step[2]) >= max(e["ts"] + e["dur"] for e in by_step[1])
     finally:
         sender.close()
         for r in receivers:
