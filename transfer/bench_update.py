@@ -202,6 +202,15 @@ def _engine_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
     return {"split": 1, "one-gpu": 0}.get(cfg.layout, rank)
 
 
+def _quantize_into(
+    x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_scale: torch.Tensor
+) -> None:
+    """The Triton FP8 kernel (bit-identical to the reference quantizer) into given tensors."""
+    from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
+
+    quantize_fp8(x, block, out_q=out_q, out_scale=out_scale)
+
+
 def _perturb(model: nn.Module, seed: int) -> None:
     from weight_transfer.transfer.manifest import local_part
 
@@ -535,7 +544,7 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
 def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes: Any, specs: Any, tensors: dict[str, torch.Tensor], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from weight_transfer.transfer.verify import build_engine_tensor
+    from weight_transfer.planner.reference import apply_recipe
 
     store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     pg = _baseline_pg(store, 1 + rank, 1 + _n_engines(cfg))
@@ -567,24 +576,9 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
                     if r.dest in loaded or any(p.source not in received for p in r.parts):
                         continue
                     s = spec_of[r.dest]
-                    built = build_engine_tensor(r, s.shape, torch_dtype(s.dtype), received) if r.quant is None else None
-                    if r.quant is not None:
-                        from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
-
-                        # Assemble in float32 and quantize, one leading slice (expert) at a time.
-                        lead = s.shape[0] if len(s.shape) > 2 else 1
-                        for e in range(lead):
-                            sub = [p for p in r.parts if len(s.shape) == 2 or p.dest_box[0][0] == e]
-                            hp = torch.empty(s.shape[-2:], dtype=torch.float32, device=dev)
-                            for p in sub:
-                                box = p.dest_box[-2:]
-                                hp[tuple(slice(a, b) for a, b in box)] = received[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(tuple(b - a for a, b in box))
-                            q = tensors[r.dest] if len(s.shape) == 2 else tensors[r.dest][e]
-                            sc = tensors[r.quant.scale_dest] if len(s.shape) == 2 else tensors[r.quant.scale_dest][e]
-                            quantize_fp8(hp, r.quant.block, out_q=q, out_scale=sc)
-                    else:
-                        assert built is not None
-                        tensors[r.dest].copy_(built[r.dest])
+                    # Like an engine's loader: straight into its parameters, FP8 with the kernel.
+                    apply_recipe(r, s.shape, torch_dtype(s.dtype), received, out=tensors,
+                                 quantize=_quantize_into)
                     loaded.add(r.dest)
             # Free sources whose every recipe is loaded (engines stream their load like this).
             for n in list(received):

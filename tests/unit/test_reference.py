@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from weight_transfer.planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes, vllm_tensor_specs
 from weight_transfer.planner.recipes import TensorSpec, identity
-from weight_transfer.planner.reference import check_coverage, materialize
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.reference import apply_recipe, check_coverage, materialize
 from weight_transfer.planner.types import Part, Recipe
 
 
@@ -226,3 +227,38 @@ def test_check_coverage() -> None:
     with pytest.raises(ValueError, match="has no parts"):
         check_coverage(Recipe("t", ()), (3,))
     check_coverage(Recipe("t", ()), (0, 3))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_apply_recipe_into_engine_tensors(fp8: bool) -> None:
+    """An engine's loader path (write into its own tensors, a given quantizer) builds what the
+    reference builds into new tensors, for dense and stacked-expert (MoE) recipes."""
+    shape = get_model_shape("tiny-moe")
+    g = torch.Generator().manual_seed(3)
+    src = {
+        n: torch.randn(s, generator=g).to(torch.bfloat16)
+        for n, s in hf_parameter_shapes(shape).items()
+    }
+    recipes = vllm_recipes(shape, 1, 2, fp8=fp8)
+    specs = vllm_tensor_specs(shape, 1, 2, fp8=fp8)
+    want = materialize(recipes, specs, src)
+    calls: list[tuple[int, ...]] = []
+
+    def quantize(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: torch.Tensor) -> None:
+        calls.append(tuple(x.shape))
+        qq, ss = quantize_fp8_blockwise(x, block)
+        q.copy_(qq)
+        s.copy_(ss)
+
+    out = {
+        s.name: torch.full(s.shape, 7.0).to(getattr(torch, s.dtype)) for s in specs
+    }
+    for r in recipes:
+        spec = next(s for s in specs if s.name == r.dest)
+        got = apply_recipe(r, spec.shape, getattr(torch, spec.dtype), src, out=out,
+                           quantize=quantize)
+        assert all(t.data_ptr() == out[n].data_ptr() for n, t in got.items())
+    for name, t in want.items():
+        assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name
+    if fp8:
+        assert calls and all(len(c) == 2 for c in calls)  # one 2-D slice (expert) at a time
