@@ -499,7 +499,7 @@ class Executor:
         blocks: list[tuple[int, int]],
     ) -> _Prepared:
         rec.admit = time.perf_counter() - t0
-        fulls: dict[str, torch.Tensor] = {}
+        fulls: dict[str, torch.Tensor | _Shifted] = {}
         rec.prepare_start = time.perf_counter() - t0
         if task.kind == "gather":
             for name in task.gather:
@@ -515,9 +515,10 @@ class Executor:
                         f"lost or timed out: {exc}"
                     ) from exc
         elif task.gather:
-            # A quantized unit whose sources this rank holds whole: no collective needed.
+            # A quantized unit whose source boxes lie inside this rank's own shards: no
+            # collective. The shard starts at its local box, not at the tensor's origin.
             for name in task.gather:
-                fulls[name] = self._local(name)
+                fulls[name] = self._local_as_global(name)
         ops: dict[str, list[WriteOp]] = defaultdict(list)
         for w in task.writes:
             if isinstance(w, SliceWrite):
@@ -592,7 +593,7 @@ class Executor:
                 sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
                 b0, b1 = w.block
                 for p, (r0, r1, c0, c1) in aligned:
-                    src = self._local(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
+                    src = self._local_as_global(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
                     calls.append((src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]))
                 self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, start + woff, ops)
                 self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, start + soff, ops)
@@ -680,6 +681,16 @@ class Executor:
             )
         return local
 
+    def _local_as_global(self, name: str) -> _Shifted:
+        """This rank's shard of `name`, indexed in the tensor's global coordinates."""
+        b = self.sources[name]
+        if b.local_box is None:
+            raise WeightTransferError(
+                f"trainer rank {self.rank}: task reads {name!r} from its own shard, but the "
+                "shard is not a box (the plan and this rank's manifest disagree)"
+            )
+        return _Shifted(self._local(name), tuple(a for a, _ in b.local_box))
+
     def _ops_for_runs(
         self, engine: str, runs: Sequence[WriteRun], source: Region, base: int, ops: dict[str, list[WriteOp]]
     ) -> None:
@@ -693,7 +704,7 @@ class Executor:
         self,
         task: Task,
         w: SliceWrite,
-        fulls: Mapping[str, torch.Tensor],
+        fulls: Mapping[str, torch.Tensor | _Shifted],
         ops: dict[str, list[WriteOp]],
         blocks: list[tuple[int, int]],
         deadline: float,
@@ -721,7 +732,7 @@ class Executor:
     def _prepare_quant(
         self,
         w: QuantWrite,
-        fulls: Mapping[str, torch.Tensor],
+        fulls: Mapping[str, torch.Tensor | _Shifted],
         ops: dict[str, list[WriteOp]],
         blocks: list[tuple[int, int]],
         deadline: float,
@@ -770,6 +781,25 @@ class Executor:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):
                 pass
+
+
+class _Shifted:
+    """A local shard that slices like the global tensor: `[box]` takes global coordinates."""
+
+    __slots__ = ("device", "origin", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, origin: tuple[int, ...]) -> None:
+        self.tensor = tensor
+        self.origin = origin
+        self.device = tensor.device
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        shifted = tuple(
+            slice(s.start - o, s.stop - o) for s, o in zip(index, self.origin, strict=True)
+        )
+        for s, n in zip(shifted, self.tensor.shape, strict=True):
+            assert 0 <= s.start <= s.stop <= n, "a local task's box lies outside this rank's shard"
+        return self.tensor[shifted]
 
 
 def _block_aligned_parts(
