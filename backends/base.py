@@ -45,6 +45,7 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "UpdateAbortedError",
     "WeightTransferError",
     "WriteHandle",
     "WriteOp",
@@ -62,6 +63,7 @@ from weight_transfer.errors import (  # noqa: E402,F401
     TransportError,
     TransportTimeoutError,
     TransportUnavailableError,
+    UpdateAbortedError,
     WeightTransferError,
 )
 

@@ -238,7 +238,9 @@ class Controller:
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
-        decision = Decision(step=step, ok=not errors, error="; ".join(errors))
+        # Ranks that only stopped because another failed add nothing when the cause is known.
+        causes = [e for e in errors if " aborted: " not in e]
+        decision = Decision(step=step, ok=not errors, error="; ".join(causes or errors))
         out_key = "commit" if phase == "done" else "result"
         self.control.put(f"{out_key}/{step}", decision)
         if out_key == "result":
@@ -249,7 +251,7 @@ class Controller:
         """Delete the per-update keys of an old step, so the store does not grow per update."""
         if step < 1:
             return
-        keys = [f"go/{step}", f"commit/{step}", f"result/{step}"]
+        keys = [f"go/{step}", f"commit/{step}", f"result/{step}", f"abort/{step}"]
         for r in range(self.config.num_trainer_ranks):
             keys += [f"done/{step}/{r}", f"committed/{step}/{r}"]
         keys += [f"digest/{step}/{e}" for e in self.joins]

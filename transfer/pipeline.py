@@ -30,6 +30,7 @@ from weight_transfer.backends.base import (
     RegionRole,
     Transport,
     TransportTimeoutError,
+    UpdateAbortedError,
     WeightTransferError,
     WriteHandle,
     WriteOp,
@@ -54,8 +55,16 @@ _EVENT_SLICE_S = 1e-4
 prepared tasks again."""
 
 
+_CANCEL_POLL_S = 0.02
+"""How often the write loop asks whether another rank failed."""
+
+
 class _NotGraphable(Exception):
     """Why the ring/graph fast path does not apply to a schedule (internal)."""
+
+
+class _CollectiveError(WeightTransferError):
+    """A gather failed: its collective is broken, so the rank cannot drain the others."""
 
 
 class StagingArena:
@@ -234,6 +243,8 @@ class Executor:
         self._version_region = transport.register(self._version_buf, role=RegionRole.SOURCE)
         self._scratch_in_use = 0
         self._scratch_peak = 0
+        self._gathers_done = 0  # of the task being prepared (what a drain still owes)
+        self._quarantine: list[tuple[_Prepared, list[WriteHandle]]] = []
         self._lock = threading.Lock()
         # torch.cuda.Stream/Event constructors are unannotated in torch's stubs.
         self._stream = (
@@ -269,15 +280,38 @@ class Executor:
 
     # -- one update ------------------------------------------------------------------------
 
-    def run(self, step: int, timeout_s: float) -> UpdateStats:
+    def run(
+        self,
+        step: int,
+        timeout_s: float,
+        *,
+        cancelled: Callable[[], str | None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> UpdateStats:
         """Replay the schedule once. Blocks until every write completed.
+
+        On any failure (here, or another rank's, as `cancelled` reports it) the rank stops
+        posting writes, waits for the writes already posted to finish or fail (staging memory
+        a write may still read is never reused: what does not settle by the deadline stays
+        quarantined until a later update sees it settled), and keeps entering the collectives
+        of the rest of its schedule (gathers, mesh-group barriers) without preparing anything,
+        so ranks of its meshes never wait out a timeout in a collective it skipped. A failed
+        gather or barrier ends that: the collective itself is broken.
+
+        Args:
+            cancelled: polled about every 20 ms; a message when another rank failed.
+            on_failure: called at once, before draining, with this rank's own error (the
+                sender publishes it so the other ranks stop within a poll).
 
         Raises:
             TransportTimeoutError: the update ran past `timeout_s`.
-            WeightTransferError: a stage failed (the message names the task and peer).
+            UpdateAbortedError: `cancelled` reported another rank's failure.
+            WeightTransferError: a stage failed (the message names the task and peer); any
+                other exception of a stage is raised as it is.
         """
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
+        self._settle_quarantine()
         if self._stream is not None:
             # Preparation reads parameters the caller's stream (the optimizer) last wrote.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -287,25 +321,43 @@ class Executor:
         abort = threading.Event()
         records: list[TaskRecord] = []
 
+        def drain(task: Task, gathers_done: int) -> None:
+            """Enter the collectives of `task` that have not run yet; prepare nothing."""
+            if task.kind == "gather":
+                for name in task.gather[gathers_done:]:
+                    self._gather(task, name)
+
         def prepare_loop() -> None:
+            group = 0
+            failed = False
             try:
-                group = 0
                 for task in self.schedule.tasks:
-                    if abort.is_set():
-                        return
                     if task.task_id in self._static or task.task_id in self._graph_skip:
                         continue  # posted at the start, or part of an earlier task's graph
                     # Every rank enters every group's barrier, also groups it has no task in.
                     while group < task.mesh_group:
                         group += 1
                         self.barrier(group)
+                    if failed or abort.is_set():
+                        drain(task, 0)
+                        continue
                     rec = TaskRecord(task.task_id, task.kind, task.nbytes)
-                    if task.task_id in self._graphs:
-                        prepared = self._replay(task, rec, t0, deadline, abort)
-                    else:
-                        prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
-                    if prepared is None:
-                        return
+                    self._gathers_done = 0
+                    try:
+                        if task.task_id in self._graphs:
+                            prepared = self._replay(task, rec, t0, deadline, abort)
+                        else:
+                            prepared = self._admit_and_prepare(task, rec, t0, deadline, abort)
+                    except _CollectiveError:
+                        raise
+                    except BaseException as exc:  # the write stage raises it; keep draining
+                        ready.put(exc)
+                        failed = True
+                        drain(task, self._gathers_done)
+                        continue
+                    if prepared is None:  # aborted while waiting for memory
+                        drain(task, self._gathers_done)
+                        continue
                     ready.put(prepared)
                     # Let the write stage take the GIL now rather than at the next switch
                     # interval (5 ms), so writes start as soon as their task is ready.
@@ -314,7 +366,7 @@ class Executor:
                     group += 1
                     self.barrier(group)
                 ready.put(None)
-            except BaseException as exc:  # handed to the write stage, which raises it
+            except BaseException as exc:  # a broken collective: handed to the write stage
                 ready.put(exc)
 
         in_flight: list[tuple[_Prepared, list[WriteHandle]]] = []
@@ -323,20 +375,32 @@ class Executor:
         total = 0
         # Tasks that send straight from registered shards need no preparation: check once that
         # no parameter moved, then post their prepared write lists before anything else.
-        for name in self._static_sources:
-            self._local(name)
-        for task in self.schedule.tasks:
-            static = self._static.get(task.task_id)
-            if static is None:
-                continue
-            now = time.perf_counter() - t0
-            rec = TaskRecord(task.task_id, task.kind, task.nbytes, now, now, now, now)
-            handles = [self.transport.post_writes(peer, ops) for peer, ops in static[1].items()]
-            in_flight.append((_Prepared(task, rec, static[1], [], 0, None), handles))
         worker = threading.Thread(target=prepare_loop, name=f"wt-prepare-r{self.rank}", daemon=True)
-        worker.start()
+        next_poll = 0.0
         try:
+            for name in self._static_sources:
+                self._local(name)
+            for task in self.schedule.tasks:
+                static = self._static.get(task.task_id)
+                if static is None:
+                    continue
+                now = time.perf_counter() - t0
+                rec = TaskRecord(task.task_id, task.kind, task.nbytes, now, now, now, now)
+                handles: list[WriteHandle] = []
+                # In flight before posting: a failed post leaves the batches posted before it
+                # to be waited for.
+                in_flight.append((_Prepared(task, rec, static[1], [], 0, None), handles))
+                for peer, ops in static[1].items():
+                    handles.append(self.transport.post_writes(peer, ops))
+            worker.start()
             while not finished_preparing or waiting or in_flight:
+                if cancelled is not None and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + _CANCEL_POLL_S
+                    why = cancelled()
+                    if why:
+                        raise UpdateAbortedError(
+                            f"trainer rank {self.rank}: update {step} aborted: {why}"
+                        )
                 if time.monotonic() > deadline:
                     stuck = sorted({peer for p, _ in in_flight for peer in p.ops})
                     raise TransportTimeoutError(
@@ -362,10 +426,10 @@ class Executor:
                 while waiting and (waiting[0].event is None or waiting[0].event.query()):
                     p = waiting.pop(0)
                     p.record.write_start = time.perf_counter() - t0
-                    handles = [
-                        self.transport.post_writes(peer, ops) for peer, ops in p.ops.items()
-                    ]
-                    in_flight.append((p, handles))
+                    posted: list[WriteHandle] = []
+                    in_flight.append((p, posted))
+                    for peer, ops in p.ops.items():
+                        posted.append(self.transport.post_writes(peer, ops))
                     progressed = True
                 # Batches mostly complete in posting order: poll from the oldest and stop at
                 # the first unfinished one, so a long queue costs one poll per pass, not many.
@@ -398,13 +462,29 @@ class Executor:
                         event.wait(_EVENT_SLICE_S)
                     elif not self.transport.progress_driven:
                         time.sleep(2e-5)
-        except BaseException:
+        except BaseException as exc:
             abort.set()
-            worker.join(timeout=5.0)
-            for p, _ in in_flight:
-                self._release(p)
+            if on_failure is not None and not isinstance(exc, UpdateAbortedError):
+                try:
+                    on_failure(exc)
+                except Exception as report_exc:  # the update fails anyway; say why it was quiet
+                    log.warning("trainer rank %d: could not report the failure: %s", self.rank, report_exc)
+            # Writes already posted may still read their staging memory: let them settle first.
+            self._quiesce(in_flight, deadline)
+            if worker.ident is None:
+                worker.start()  # abort is set: it only enters this rank's collectives
+            worker.join(timeout=max(0.1, deadline - time.monotonic()))
+            if worker.is_alive():
+                log.warning("trainer rank %d: preparation of update %d still running at its deadline", self.rank, step)
             for p in waiting:
                 self._release(p)
+            while True:  # prepared but never posted
+                try:
+                    item = ready.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Prepared):
+                    self._release(item)
             raise
         worker.join(timeout=max(0.1, deadline - time.monotonic()))
         return UpdateStats(
@@ -503,17 +583,8 @@ class Executor:
         rec.prepare_start = time.perf_counter() - t0
         if task.kind == "gather":
             for name in task.gather:
-                try:
-                    fulls[name] = self.gather(self.sources[name].param)
-                except (RuntimeError, OSError) as exc:
-                    if isinstance(exc, WeightTransferError):
-                        raise
-                    # gloo/NCCL name the lost peer only by address; say which collective.
-                    raise WeightTransferError(
-                        f"trainer rank {self.rank}: gathering {name!r} (task {task.task_id}, "
-                        f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
-                        f"lost or timed out: {exc}"
-                    ) from exc
+                fulls[name] = self._gather(task, name)
+                self._gathers_done += 1
         elif task.gather:
             # A quantized unit whose source boxes lie inside this rank's own shards: no
             # collective. The shard starts at its local box, not at the tensor's origin.
@@ -532,6 +603,60 @@ class Executor:
         rec.prepare_end = time.perf_counter() - t0
         del fulls
         return _Prepared(task, rec, dict(ops), blocks, task.scratch_bytes, event)
+
+    def _gather(self, task: Task, name: str) -> torch.Tensor:
+        """`full_tensor()` of a source (a collective over its mesh)."""
+        try:
+            return self.gather(self.sources[name].param)
+        except Exception as exc:
+            # gloo/NCCL name the lost peer only by address; say which collective.
+            raise _CollectiveError(
+                f"trainer rank {self.rank}: gathering {name!r} (task {task.task_id}, "
+                f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
+                f"lost or timed out: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _quiesce(self, in_flight: list[tuple[_Prepared, list[WriteHandle]]], deadline: float) -> None:
+        """After a failure: wait (to the deadline) for posted writes to finish or fail, then
+        release their staging memory; what is still unsettled is quarantined, not freed."""
+        for p, handles in in_flight:
+            settled = True
+            for h in handles:
+                try:
+                    if not self.transport.poll(h):
+                        self.transport.wait(h, max(0.0, deadline - time.monotonic()))
+                except WeightTransferError:
+                    # Failed (finished) or still running at the deadline: tell them apart.
+                    try:
+                        self.transport.poll(h)
+                    except WeightTransferError:
+                        pass
+                    settled = settled and h.done
+            if settled:
+                self._release(p)
+            else:
+                self._quarantine.append((p, handles))
+        in_flight.clear()
+
+    def _settle_quarantine(self) -> None:
+        """Release quarantined staging memory whose writes have settled since."""
+        keep = []
+        for p, handles in self._quarantine:
+            for h in handles:
+                try:
+                    self.transport.poll(h)
+                except WeightTransferError:
+                    pass
+            if all(h.done for h in handles):
+                self._release(p)
+            else:
+                keep.append((p, handles))
+        if keep:
+            log.warning(
+                "trainer rank %d: %d task(s) of a failed update still have writes in flight; "
+                "their staging memory stays reserved", self.rank, len(keep),
+            )
+        self._quarantine = keep
 
     def _capture_graphs(self) -> dict[int, tuple[Any, dict[str, list[WriteOp]], int, int, tuple[str, ...], int]]:
         todo = [t for t in self.schedule.tasks if t.task_id not in self._static]

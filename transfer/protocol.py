@@ -10,6 +10,8 @@ Keys (under the session prefix):
     epoch/<e>/schedule/<rank>      RankPlan     the same for re-plan e > 0 (`Controller.replan`)
     epoch/<e>/plan_error           Failure      re-plan e failed
     go/<step>                      Go           start update `step`
+    abort/<step>                   Failure      the first failure of a rank in update `step`;
+                                                the other ranks stop within a poll (20 ms)
     done/<step>/<rank>             Done         rank finished its writes (ok or error)
     commit/<step>                  Decision     controller: write version words, or abort
     committed/<step>/<rank>        Done         rank wrote its engines' version words
