@@ -57,6 +57,9 @@ prepared tasks again."""
 
 _CANCEL_POLL_S = 0.02
 """How often the write loop asks whether another rank failed."""
+_QUIESCE_S = 1.0
+"""After a failure, longest the write stage waits for writes in flight to settle before it
+quarantines their staging memory and reports."""
 
 
 class _NotGraphable(Exception):
@@ -617,22 +620,26 @@ class Executor:
             ) from exc
 
     def _quiesce(self, in_flight: list[tuple[_Prepared, list[WriteHandle]]], deadline: float) -> None:
-        """After a failure: wait (to the deadline) for posted writes to finish or fail, then
-        release their staging memory; what is still unsettled is quarantined, not freed."""
+        """After a failure: wait (at most `_QUIESCE_S`) for posted writes to finish or fail,
+        then release their staging memory; what is still unsettled is quarantined, not freed,
+        so no write can read memory that a later task was given."""
+        until = time.monotonic() + _QUIESCE_S
         for p, handles in in_flight:
-            settled = True
             for h in handles:
-                try:
-                    if not self.transport.poll(h):
-                        self.transport.wait(h, max(0.0, deadline - time.monotonic()))
-                except WeightTransferError:
-                    # Failed (finished) or still running at the deadline: tell them apart.
+                while True:
                     try:
-                        self.transport.poll(h)
+                        if self.transport.poll(h):
+                            break
                     except WeightTransferError:
-                        pass
-                    settled = settled and h.done
-            if settled:
+                        break  # failed: the transport no longer reads its memory
+                    if time.monotonic() > until:
+                        break
+                    event = self.transport.completion_event(h)
+                    if event is not None:
+                        event.wait(0.01)
+                    elif not self.transport.progress_driven:
+                        time.sleep(1e-4)
+            if all(_settled(h) for h in handles):
                 self._release(p)
             else:
                 self._quarantine.append((p, handles))
@@ -647,7 +654,7 @@ class Executor:
                     self.transport.poll(h)
                 except WeightTransferError:
                     pass
-            if all(h.done for h in handles):
+            if all(_settled(h) for h in handles):
                 self._release(p)
             else:
                 keep.append((p, handles))
@@ -906,6 +913,11 @@ class Executor:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):
                 pass
+
+
+def _settled(h: WriteHandle) -> bool:
+    """The batch completed or failed: the transport reads none of its memory any more."""
+    return h.done or h.error is not None
 
 
 class _Shifted:
