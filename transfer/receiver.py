@@ -204,7 +204,10 @@ class WeightReceiver:
 
     @property
     def version(self) -> int:
-        """Number of the last update completely written into this engine (0 before any)."""
+        """This rank's version word: the last update completely written into it (0 before
+        any). While update k commits, one rank of a replica can read k an instant before
+        another, and a commit that fails is set back to k-1; `wait_for_version` returns only
+        updates whose words were written on every engine."""
         return int(self._version_view[0].item())
 
     def wait_for_version(self, step: int, timeout_s: float) -> int:
@@ -226,7 +229,7 @@ class WeightReceiver:
         next_check = time.monotonic()
         while True:
             v = self.version
-            if v >= step:
+            if v >= step and self._confirmed(v, step):
                 return v
             if time.monotonic() >= next_check:
                 self._raise_if_aborted(step)
@@ -237,6 +240,20 @@ class WeightReceiver:
                     f"(version is {v})"
                 )
             time.sleep(0.0005)
+
+    def _confirmed(self, v: int, step: int) -> bool:
+        """True once the controller's result for update `v` says every version word was
+        written; raises if it says the update failed (its words are being set back)."""
+        if not self._control.exists(f"result/{v}"):
+            time.sleep(0.0005)
+            return False
+        decision = self._control.get(f"result/{v}", Decision)
+        if not decision.ok:
+            raise WeightTransferError(
+                f"engine {self.engine!r}: update {v} failed while its version words were "
+                f"written and is rolled back (waiting for {step}): {decision.error}"
+            )
+        return True
 
     def _raise_if_aborted(self, step: int) -> None:
         for key in (f"commit/{step}", f"result/{step}"):

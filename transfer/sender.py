@@ -105,6 +105,7 @@ class WeightSender:
             control, server=False, member=f"trainer rank {rank}"
         )
         self._last_step = 0
+        self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, Any]] = []
         manifest = source_manifest(
             self._params, rank=rank, world_size=world_size, compute_device=self.device.type
@@ -223,7 +224,10 @@ class WeightSender:
         """Send the current weights as update `step`. Collective: every trainer rank calls it.
 
         Blocks until every engine's version word reads `step`, or raises on every rank with
-        the failing rank and peer named; on failure no version word advances.
+        the failing rank and peer named. Whole updates only: if writing the version words
+        fails anywhere, every rank sets the words it wrote back to the last complete update
+        before raising, so the ranks of a replica (and all engines) advance together or not
+        at all; `WeightReceiver.wait_for_version` never reports an update that was rolled back.
 
         Raises:
             ValueError: `step` is not larger than the previous one.
@@ -290,9 +294,17 @@ class WeightSender:
         result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
+            # Some words may read `step` already: set every word this rank wrote back to the
+            # last complete update, so no engine (no rank of a replica) shows a partial one.
+            try:
+                self._executor.write_versions(self._committed_step, timeout)
+            except Exception as exc:  # an engine that is gone keeps what it had
+                log.warning("trainer rank %d: rolling back version words of update %d: %s",
+                            self.rank, step, exc)
             raise WeightTransferError(
                 f"update {step}: version words not all written: {result.error}"
             ) from cause
+        self._committed_step = step
         assert stats is not None
         if self.config.record_trace:
             self._records.append((step, stats.records))
