@@ -1,4 +1,4 @@
-"""The `weight-transfer` command line: demo, bench, plan, simulate, doctor."""
+"""The `weight-transfer` command line: demo, bench, plan, simulate, doctor, token."""
 
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 
 @command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer.config import config_from_mapping, merge, read_toml
+    from weight_transfer.transfer.config import config_from_mapping, merge, new_token, read_toml
     from weight_transfer.transfer.demo import DemoConfig, UpdateReport, run_demo
 
     try:
-        # The TOML file and the flags fill the same dataclass; flags win.
-        data = read_toml(ns.config) if ns.config else {}
+        # The TOML file and the flags fill the same dataclass; flags win. The demo's processes
+        # share a fresh token of their own (a file's [control] table is checked, not used).
+        data = merge({"control": {"token": new_token()}}, read_toml(ns.config) if ns.config else {})
         if ns.backend is not None:
             data = merge(data, {"transport": ns.backend})
         tc = config_from_mapping(data)
@@ -83,6 +84,18 @@ def _demo(ns: argparse.Namespace) -> int:
         return 0
     print("FAILED: see errors above", file=sys.stderr)
     return 1
+
+
+def _token_args(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+@command("token", "print a fresh control plane token (256 random bits) for every member's config")(_token_args)
+def _token(ns: argparse.Namespace) -> int:
+    from weight_transfer.transfer.config import new_token
+
+    print(new_token())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

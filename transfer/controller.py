@@ -172,7 +172,12 @@ class Controller:
                 )
             deadline = time.monotonic() + cp.config.timeout_s
             while True:
-                self._read_slots(cp.add("engine_slots", 0))
+                claimed = self._slots_read
+                while cp.exists(f"claim/engine_slot/{claimed}"):
+                    claimed += 1
+                # A slot is claimed an instant before its join is published.
+                cp.wait([f"engine_slot/{i}" for i in range(self._slots_read, claimed)])
+                self._read_slots(claimed)
                 waiting = [
                     e for e in names
                     if e not in self._latest
@@ -255,6 +260,11 @@ class Controller:
         for r in range(self.config.num_trainer_ranks):
             keys += [f"done/{step}/{r}", f"committed/{step}/{r}"]
         keys += [f"digest/{step}/{e}" for e in self.joins]
+        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        keys += [
+            f"barrier/group/{step}/{g}/{r}"
+            for g in range(1, groups) for r in range(self.config.num_trainer_ranks)
+        ]
         for k in keys:
             self.control.delete(k)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,7 @@ from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, 
 from weight_transfer.transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.transfer.control import ControlPlane
 from weight_transfer.transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.transfer.protocol import Decision, Digests, EngineJoin
+from weight_transfer.transfer.protocol import Claim, Decision, Digests, EngineJoin
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first = self._control.claim(f"engine/{engine}")
+        first, _ = self._control.claim(
+            f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
+        )
         if rejoin and first:
             raise ConfigurationError(
                 f"engine {engine!r} cannot rejoin: it never joined this control plane session"
@@ -99,7 +102,11 @@ class WeightReceiver:
         self._transport: Transport = create_transport(transport)
         try:
             self._manifest = self._register()
-            slot = self._control.add("engine_slots", 1) - 1
+            slot = 0
+            while not self._control.claim(
+                f"engine_slot/{slot}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
+            )[0]:
+                slot += 1
             self._control.put(
                 f"engine_slot/{slot}",
                 EngineJoin(

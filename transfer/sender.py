@@ -214,7 +214,7 @@ class WeightSender:
             memory_budget_bytes=self.config.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
             barrier=lambda g: self._control.barrier(
-                f"group/{self._current_step}/{g}", self.world_size
+                f"group/{self._current_step}/{g}", self.world_size, self.rank
             ),
         )
 

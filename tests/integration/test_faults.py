@@ -210,7 +210,7 @@ def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = Fals
     ctx = mp.get_context("spawn")
     inbox = _Inbox(ctx)
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
-    port, token = free_port(), secrets.token_hex(8)
+    port, token = free_port(), secrets.token_hex(16)
     procs: dict[str, Any] = {}
     for r in range(world):
         procs[f"trainer{r}"] = ctx.Process(
@@ -419,7 +419,7 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     ctx = mp.get_context("spawn")
     inbox = _Inbox(ctx)
     finish = ctx.Event()
-    port, dist_port, token = free_port(), free_port(), secrets.token_hex(8)
+    port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
     procs = {f"trainer{r}": ctx.Process(target=gather_trainer_proc,
                                         args=(r, port, dist_port, token, inbox.reporter(), finish))
              for r in range(2)}

@@ -216,7 +216,7 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
     ctx = mp.get_context("spawn")
     inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the other
     paused, resume, link_up, finish = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
-    port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(8)
+    port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(16)
     procs = {
         "trainer": ctx.Process(target=trainer_proc, args=(backend, h["a"], h["va"], h["ip_a"], port,
                                                           token, inbox.reporter(), paused, resume,

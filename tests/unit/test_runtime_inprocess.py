@@ -25,7 +25,7 @@ from weight_transfer.transfer.sender import WeightSender
 
 def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
     return ControlPlaneConfig(
-        port=port or free_port(), token=token or secrets.token_hex(8), timeout_s=timeout_s
+        port=port or free_port(), token=token or secrets.token_hex(16), timeout_s=timeout_s
     )
 
 
@@ -102,7 +102,7 @@ def test_wrong_token_refused() -> None:
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)  # noqa: F841 (hosts the store)
     recipes, tensors, _ = engine_setup()
-    bad = ControlPlaneConfig(port=cp.port, token="not-the-token", timeout_s=5)
+    bad = ControlPlaneConfig(port=cp.port, token=secrets.token_hex(16), timeout_s=5)
     with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
         WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=bad)
 

@@ -54,7 +54,7 @@ def _resources(transports: list) -> dict[str, int]:
 
 
 def _rig(backend: str, num_engines: int = 2):
-    control = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=20)
+    control = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=num_engines), control)
     g = torch.Generator().manual_seed(7)
     src = {
