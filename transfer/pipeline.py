@@ -809,7 +809,8 @@ class Executor:
         if b.region is not None and local.untyped_storage().data_ptr() != b.storage_ptr:
             raise WeightTransferError(
                 f"trainer rank {self.rank}: parameter {name!r} was reallocated since the sender "
-                "registered it; call WeightSender.refresh() after changing parameters' storage"
+                "registered it (its storage changed); update parameters in place, or build "
+                "a new WeightSender after changing their storage"
             )
         return local
 
