@@ -102,19 +102,7 @@ class WeightReceiver:
         self._transport: Transport = create_transport(transport)
         try:
             self._manifest = self._register()
-            slot = 0
-            while not self._control.claim(
-                f"engine_slot/{slot}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
-            )[0]:
-                slot += 1
-            self._control.put(
-                f"engine_slot/{slot}",
-                EngineJoin(
-                    manifest=self._manifest,
-                    transport=self._transport.name,
-                    endpoint=self._transport.endpoint(),
-                ),
-            )
+            self._publish_join()
         except BaseException:
             self._transport.close()
             raise
@@ -122,6 +110,53 @@ class WeightReceiver:
             "engine %s: registered %d tensors in %d regions over %s",
             engine, len(self._manifest.tensors), len(self._manifest.regions), self._transport.name,
         )
+
+    def _publish_join(self) -> None:
+        """Claim the next free join slot and publish the manifest and endpoint in it."""
+        slot = 0
+        while not self._control.claim(
+            f"engine_slot/{slot}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )[0]:
+            slot += 1
+        self._control.put(
+            f"engine_slot/{slot}",
+            EngineJoin(
+                manifest=self._manifest,
+                transport=self._transport.name,
+                endpoint=self._transport.endpoint(),
+            ),
+        )
+
+    def join_new_session(self, control: ControlPlaneConfig | None = None) -> None:
+        """Join the control plane of a restarted controller, keeping memory and registrations.
+
+        When the controller (and with it usually the trainer job) restarts, it hosts a new
+        session with a new run id; a running engine calls this once (after `wait_for_version`
+        raised `PeerLostError`, say) instead of restarting: it connects to `control` (default:
+        the same address and token), claims its name there and publishes its unchanged
+        manifest and endpoint. The new trainers plan and connect as on a first start. Its
+        version word keeps the last update it received, so the new trainer job should continue
+        counting steps from there.
+
+        Raises:
+            TransportTimeoutError: the new control plane did not answer in time.
+            ConfigurationError: the engine's name is already registered in that session (the
+                controller did not restart: use `WeightSender.replan` with `rejoined`).
+        """
+        config = control or self._control.config
+        self._control.close()
+        self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
+        first, _ = self._control.claim(
+            f"engine/{self.engine}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )
+        if not first:
+            raise ConfigurationError(
+                f"engine {self.engine!r} is already registered in that control plane session "
+                "(the controller did not restart; a restarted engine passes rejoin=True)"
+            )
+        self._publish_join()
+        log.info("engine %s: joined a new control plane session (version %d)",
+                 self.engine, self.version)
 
     # -- setup -----------------------------------------------------------------------------
 

@@ -221,3 +221,52 @@ def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     finally:
         sender.close()
         rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_engines_join_a_restarted_controller_without_restarting() -> None:
+    """The trainer job (and the controller in it) restarts on the same port; the engines keep
+    running, lose the controller, call `join_new_session()` once each, and the new trainer job
+    updates them (a new run: new run id, new plan, new connections)."""
+    import gc
+
+    from weight_transfer.backends.base import PeerLostError
+
+    cp = control(timeout_s=10)
+    receivers, engine_tensors, rows = [], [], []
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+    for e in range(2):
+        recipes, tensors, r = engine_setup(e)
+        receivers.append(WeightReceiver(tensors, recipes, engine=f"e{e}", transport=TransportConfig(name="tcp"), control=cp))
+        engine_tensors.append(tensors)
+        rows.append(r)
+    src = trainer_tensors(1)
+    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+    try:
+        sender.update(1)
+        first_run = ctrl.control.run_id
+        # The trainer job ends: its sender, controller and the store it hosted go away.
+        sender.close()
+        ctrl.close()
+        del sender, ctrl
+        gc.collect()
+        with pytest.raises((PeerLostError, TransportTimeoutError)):
+            receivers[0].wait_for_version(2, 2.0)
+        ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+        assert ctrl.control.run_id != first_run
+        for rx in receivers:
+            rx.join_new_session()
+        with pytest.raises(ConfigurationError, match="already registered"):
+            receivers[0].join_new_session()  # twice in one session is a mistake, named
+        src = trainer_tensors(2)
+        sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+        sender.update(2)
+        for e in range(2):
+            assert receivers[e].wait_for_version(2, 5.0) == 2
+            a, b = rows[e]
+            assert torch.equal(engine_tensors[e]["a.weight"], src["a.weight"][a:b])
+            assert torch.equal(engine_tensors[e]["b.weight"], src["b.weight"])
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
