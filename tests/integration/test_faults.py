@@ -588,6 +588,7 @@ def test_plain_exception_while_gathers_remain_fails_fast() -> None:
         assert kind == "WeightTransferError", (r, kind, message)
         assert "trainer rank 1: KeyError" in message and "injected" in message, message
         # Well under gloo's own timeout, which a skipped gather would have cost rank 0.
+        print(f"trainer rank {r}: failed in {elapsed:.2f} s: {message}")
         assert elapsed < PG_TIMEOUT_S / 2, (r, elapsed)
         assert second[0] == "ok", (r, second)
     assert rep["engine"][0] == [0, 2], rep["engine"]
