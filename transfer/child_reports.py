@@ -62,9 +62,12 @@ class ReportInbox:
     def get(self, timeout: float) -> Any | None:
         """The next message, or None if none arrived within `timeout` seconds."""
         if not self._pending and self._readers:
-            for conn in mp_connection.wait(self._readers, timeout):
+            for ready in mp_connection.wait(self._readers, timeout):
+                conn: Any = ready  # one of our readers (wait's stubs return any waitable)
                 try:
-                    self._pending.append(msgpack.unpackb(conn.recv_bytes(), raw=False, strict_map_key=False))
+                    self._pending.append(
+                        msgpack.unpackb(conn.recv_bytes(), raw=False, strict_map_key=False)
+                    )
                 except (EOFError, OSError):  # that child exited or was killed
                     self._readers.remove(conn)
         elif not self._pending:
