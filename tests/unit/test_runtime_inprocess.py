@@ -256,6 +256,7 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         assert ctrl.control.run_id != first_run
         for rx in receivers:
             rx.join_new_session()
+            assert rx.wait_for_version(1, 1.0) == 1  # what it holds is still reported
         with pytest.raises(ConfigurationError, match="already registered"):
             receivers[0].join_new_session()  # twice in one session is a mistake, named
         src = trainer_tensors(2)
