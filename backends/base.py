@@ -46,6 +46,7 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "UpdateAbortedError",
     "WeightTransferError",
     "WriteHandle",
     "WriteOp",
@@ -63,6 +64,7 @@ from weight_transfer.errors import (  # noqa: E402,F401
     TransportError,
     TransportTimeoutError,
     TransportUnavailableError,
+    UpdateAbortedError,
     WeightTransferError,
 )
 

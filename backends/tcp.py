@@ -8,11 +8,24 @@ memoryviews over the addresses; ranges that continue one another are merged firs
 go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A refused batch writes nothing: its payload is drained and an error frame
 names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
 
+Authentication: every transport draws a random 256-bit key when it starts; it travels only
+inside its endpoint, which members exchange sealed on the control plane. A connecting client
+must prove it holds the key before anything else is read, and every batch's header (frame and
+op table) carries an HMAC-SHA256 under a per-connection key and the batch's sequence number, so
+a stranger who reaches the port can neither write nor replay a recorded batch; the header is
+checked before a single payload byte is read. (The payload itself rides the authenticated TCP
+stream; an attacker able to inject into an established stream is out of scope: use a private
+network.) Connections are bounded (`_MAX_CONNECTIONS` served, `_MAX_HANDSHAKES` unproven, each
+with a handshake deadline), and a refused batch makes the receiver read at most
+`_MAX_DRAIN_BYTES` more; a claim of more closes the connection.
+
 Wire format (network byte order, no pickle anywhere):
 - handshake: client sends `HELLO` (magic, version); the listener answers with `HELLO` plus its
-  64-bit listener id, which the client checks against the endpoint it was given.
+  64-bit listener id, which the client checks against the endpoint it was given, and a 16-byte
+  nonce; the client answers HMAC(key, "client" || nonce).
 - client -> listener: `FRAME` (type BATCH, number of ops, batch id), then number-of-ops `OP`
-  entries (region key, offset, length), then the payload of every op in table order.
+  entries (region key, offset, length), then the 32-byte tag HMAC(connection key, sequence ||
+  frame || table), then the payload of every op in table order.
 - listener -> client: `FRAME` (type ACK, 0, batch id) or (type ERROR, message length,
   batch id) followed by a UTF-8 message.
 """
@@ -21,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import hmac
 import logging
 import queue
 import secrets
@@ -52,8 +67,8 @@ __all__ = ["TcpTransport"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 1
-_MAGIC = b"WTT1"
+_VERSION = 2
+_MAGIC = b"WTT2"
 _HELLO = struct.Struct("!4sHxxQ")  # magic, version, listener id (0 from the client)
 _FRAME = struct.Struct("!BxxxIQ")  # type, count (ops or message bytes), batch id
 _OP = struct.Struct("!QQQ")  # region key, offset, length
@@ -65,6 +80,20 @@ _SEND_BYTES = 1 << 20  # bytes per send call
 _CHUNK_BYTES = 64 << 20  # bounce-buffer and drain chunk
 _JOIN_TIMEOUT_S = 10.0
 _ACCEPT_POLL_S = 0.2
+_NONCE_BYTES = 16
+_TAG_BYTES = 32
+_SEQ = struct.Struct("!Q")
+_MAX_CONNECTIONS = 256
+"""Connections served at once (every trainer rank opens one per engine it writes to)."""
+_MAX_HANDSHAKES = 32
+"""Connections accepted but not yet proven to hold the key; more are closed at once."""
+_HANDSHAKE_TIMEOUT_S = 5.0
+_MAX_DRAIN_BYTES = 64 << 20
+"""Most payload bytes a refused (authenticated) batch may make the receiver read and discard."""
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, nbytes: int) -> bytes | None:
@@ -164,6 +193,10 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class _Refused(Exception):
+    """A connection the listener closes: not proven, forged, or asking too much (internal)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Target:
     """A registered TARGET region, as the receive threads see it."""
@@ -187,10 +220,12 @@ class _BatchState:
 class _Link:
     """The sending side of one connection to a peer: a send thread and an ack-reader thread."""
 
-    def __init__(self, peer: str, sock: socket.socket, listener_id: int) -> None:
+    def __init__(self, peer: str, sock: socket.socket, listener_id: int, conn_key: bytes) -> None:
         self.peer = peer
         self.sock = sock
         self.listener_id = listener_id
+        self._conn_key = conn_key
+        self._seq = 0
         self.failure: BaseException | None = None
         self._pending: dict[int, _BatchState] = {}
         self._lock = threading.Lock()
@@ -231,7 +266,9 @@ class _Link:
                     self.sock.shutdown(socket.SHUT_WR)
                     return
                 batch_id, table, sources = item
-                views = [memoryview(table)]
+                tag = _mac(self._conn_key, _SEQ.pack(self._seq), table)
+                self._seq += 1
+                views = [memoryview(table), memoryview(tag)]
                 host: list[tuple[int, int]] = []
                 for region, offset, nbytes in sources:
                     if region.kind is MemoryKind.HOST:
@@ -324,6 +361,8 @@ class TcpTransport(Transport):
             memory_kinds=frozenset(kinds), one_sided=False, cross_host=True
         )
         self._listener_id = secrets.randbits(64)
+        self._key = secrets.token_bytes(32)  # who holds the endpoint may write; nobody else
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._targets: dict[int, _Target] = {}
         self._targets_lock = threading.Lock()
         self._region_keys: dict[int, int] = {}  # region id -> key
@@ -341,7 +380,7 @@ class TcpTransport(Transport):
         if host in ("0.0.0.0", "::"):
             host = socket.getfqdn()
         self._endpoint_bytes = msgpack.packb(
-            {"v": _VERSION, "host": host, "port": port, "id": self._listener_id},
+            {"v": _VERSION, "host": host, "port": port, "id": self._listener_id, "key": self._key},
             use_bin_type=True,
         )
         self._acceptor = threading.Thread(
@@ -395,27 +434,48 @@ class TcpTransport(Transport):
                 if not self._stopping.is_set():
                     log.error("tcp: accept failed, listener stops: %s", exc)
                 return
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("tcp: %d handshakes already pending; closing a connection from %s",
+                            _MAX_HANDSHAKES, addr)
+                conn.close()
+                continue
             thread = threading.Thread(
                 target=self._serve, args=(conn, addr), name=f"tcp-recv-{addr}", daemon=True
             )
             with self._conns_lock:
                 if self._stopping.is_set():
+                    self._handshakes.release()
                     conn.close()
                     return
+                if len(self._conns) >= _MAX_CONNECTIONS:
+                    self._handshakes.release()
+                    log.warning("tcp: %d connections already served; closing one from %s",
+                                _MAX_CONNECTIONS, addr)
+                    conn.close()
+                    continue
                 self._conns[conn] = thread
             thread.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         """Receive batches from one sender until EOF. Never lets an exception escape silently."""
+        proven = False
         try:
-            conn.settimeout(self.config.connect_timeout_s)
+            conn.settimeout(min(self.config.connect_timeout_s, _HANDSHAKE_TIMEOUT_S))
             hello = _recv_exact(conn, _HELLO.size)
             if hello is None:
                 return
             magic, version, _ = _HELLO.unpack(hello)
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake (magic {magic!r}, version {version})")
-            conn.sendall(_HELLO.pack(_MAGIC, _VERSION, self._listener_id))
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            conn.sendall(_HELLO.pack(_MAGIC, _VERSION, self._listener_id) + nonce)
+            proof = _recv_exact(conn, _TAG_BYTES)
+            if proof is None or not hmac.compare_digest(proof, _mac(self._key, b"client", nonce)):
+                raise _Refused("the client does not hold this transport's key")
+            proven = True
+            self._handshakes.release()
+            conn_key = _mac(self._key, b"conn", nonce)
+            seq = 0
             conn.settimeout(None)
             _tune(conn)
             while True:
@@ -425,13 +485,23 @@ class TcpTransport(Transport):
                 kind, num_ops, batch_id = _FRAME.unpack(raw)
                 if kind != _BATCH or not 0 < num_ops <= _MAX_OPS_PER_BATCH:
                     raise ConnectionError(f"bad frame (type {kind}, {num_ops} ops)")
-                table = _recv_exact(conn, num_ops * _OP.size)
+                table = _recv_exact(conn, num_ops * _OP.size + _TAG_BYTES)
                 if table is None:
                     raise ConnectionError("connection closed inside a batch")
+                table, tag = table[:-_TAG_BYTES], table[-_TAG_BYTES:]
+                if not hmac.compare_digest(tag, _mac(conn_key, _SEQ.pack(seq), raw, table)):
+                    raise _Refused(f"batch {batch_id} failed authentication")
+                seq += 1
                 ops = list(_OP.iter_unpack(table))
                 error, targets = self._check_batch(ops)
                 if error is not None:
-                    self._drain(conn, sum(length for _, _, length in ops))
+                    claimed = sum(length for _, _, length in ops)
+                    if claimed > _MAX_DRAIN_BYTES:
+                        raise _Refused(
+                            f"refused batch {batch_id} ({error}) claims {claimed} payload "
+                            f"bytes, more than the {_MAX_DRAIN_BYTES} a refusal may drain"
+                        )
+                    self._drain(conn, claimed)
                     message = error.encode()[:_MAX_ERROR_BYTES]
                     conn.sendall(_FRAME.pack(_ERROR, len(message), batch_id) + message)
                     log.warning("tcp: refused batch %d from %s: %s", batch_id, addr, error)
@@ -448,12 +518,16 @@ class TcpTransport(Transport):
                 if host:
                     _recv_views(conn, [host_view(a, n) for a, n in _coalesce(host)])
                 conn.sendall(_FRAME.pack(_ACK, 0, batch_id))
+        except _Refused as exc:
+            log.warning("tcp: closing the connection from %s: %s", addr, exc)
         except OSError as exc:
             if not self._stopping.is_set():
                 log.warning("tcp: connection from %s lost: %s", addr, exc)
         except Exception:  # the receive thread must never die silently
             log.exception("tcp: receive thread for %s failed; closing that connection", addr)
         finally:
+            if not proven:
+                self._handshakes.release()
             with self._conns_lock:
                 self._conns.pop(conn, None)
             conn.close()
@@ -505,6 +579,7 @@ class TcpTransport(Transport):
             and isinstance(obj.get("host"), str)
             and isinstance(obj.get("port"), int)
             and isinstance(obj.get("id"), int)
+            and isinstance(obj.get("key"), bytes)
         ):
             raise ValueError(f"tcp: endpoint of peer {peer!r} is not a tcp endpoint")
         address = (obj["host"], obj["port"])
@@ -521,9 +596,10 @@ class TcpTransport(Transport):
             ) from exc
         try:
             sock.sendall(_HELLO.pack(_MAGIC, _VERSION, 0))
-            reply = _recv_exact(sock, _HELLO.size)
+            reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES)
             if reply is None:
                 raise ConnectionError("closed during the handshake")
+            reply, nonce = reply[:_HELLO.size], reply[_HELLO.size:]
             magic, version, listener_id = _HELLO.unpack(reply)
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake reply (magic {magic!r}, version {version})")
@@ -532,6 +608,7 @@ class TcpTransport(Transport):
                     f"listener id {listener_id:#x} differs from the endpoint's {obj['id']:#x} "
                     "(a different transport now listens on that port)"
                 )
+            sock.sendall(_mac(obj["key"], b"client", nonce))
             sock.settimeout(None)
             _tune(sock)
         except TimeoutError as exc:
@@ -544,7 +621,7 @@ class TcpTransport(Transport):
             raise PeerLostError(
                 f"tcp: handshake with peer {peer!r} at {address} failed: {exc}"
             ) from exc
-        self._links[peer] = _Link(peer, sock, listener_id)
+        self._links[peer] = _Link(peer, sock, listener_id, _mac(obj["key"], b"conn", nonce))
 
     def _disconnect(self, peer: str) -> None:
         link = self._links.pop(peer, None)

@@ -203,13 +203,18 @@ def _settle(worker: ucx_native.UcxWorker, batch: _Batch) -> bool:
     try:
         if batch.flush is not None and worker.check(batch.flush):
             batch.flush = None
-        if batch.flush is None and batch.puts:
-            # Each put's own status: a failed put (peer gone) shows there, not in the flush.
-            batch.puts = worker.settle(batch.puts)
     except ucx_native.UcxError:
-        batch.puts = []  # settle released them
+        # check freed the failed flush; the puts are still live requests: release them too.
+        batch.flush = None
         _release(worker, batch)
         raise
+    if batch.flush is None and batch.puts:
+        try:
+            # Each put's own status: a failed put (peer gone) shows there, not in the flush.
+            batch.puts = worker.settle(batch.puts)
+        except ucx_native.UcxError:
+            batch.puts = []  # settle released every one of them
+            raise
     return batch.flush is None and not batch.puts
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from weight_transfer.backends.base import BACKENDS, TransportConfig, TransportError, load_backend
+from weight_transfer.backends.base import BACKENDS
 
 __all__ = [
     "available_backends",
@@ -58,23 +58,39 @@ def requires_module(name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing, reason=f"needs Python module {name!r}, not installed")
 
 
+_BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
+    "ucx": ("libucx", "pip install 'weight-transfer[ucx]'"),
+    "nixl": ("nixl_cu13", "pip install 'weight-transfer[nixl]'"),
+    "ibverbs": ("pyverbs", "apt-get install python3-pyverbs"),
+}
+"""Backend -> (the module it cannot run without, how to install it)."""
+
+
+def _module_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
 @functools.cache
 def backend_unavailable_reason(name: str) -> str | None:
-    """Why backend `name` cannot run here (load or construction failed), or None if it can.
+    """Why backend `name` cannot run on this host, or None if it should.
 
-    Constructs one transport with the default config and closes it again.
+    Only an absent package or absent hardware is a reason: the backend's own constructor is
+    not consulted, so a backend whose package is installed but whose constructor is broken
+    runs its tests, and they fail.
     """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
+    package = _BACKEND_PACKAGES.get(name)
+    if package is not None and _module_missing(package[0]):
+        return f"backend {name!r} needs Python module {package[0]!r}, not installed ({package[1]})"
     if name == "ibverbs" and not _rdma_devices():
         return f"backend 'ibverbs' needs an RDMA device ({_INFINIBAND_SYSFS} lists none)"
-    try:
-        cls = load_backend(name)
-        transport = cls(TransportConfig(name=name))
-    except (TransportError, ImportError, OSError) as exc:
-        return f"backend {name!r} cannot run here: {exc}"
-    transport.close()
     return None
 
 
 def available_backends() -> list[str]:
-    """Names from `BACKENDS` whose class loads and constructs on this host."""
+    """Names from `BACKENDS` whose packages and hardware are present on this host."""
     return [name for name in BACKENDS if backend_unavailable_reason(name) is None]

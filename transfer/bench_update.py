@@ -35,7 +35,6 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
-import queue
 import secrets
 import statistics
 import sys
@@ -619,25 +618,27 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
     from weight_transfer.transfer.demo import free_port
 
+    from weight_transfer.transfer.child_reports import ReportInbox
+
     ctx = mp.get_context("spawn")
-    outq: Any = ctx.Queue()
+    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
     ports = {"dist": free_port(), "control": free_port(), "baseline": free_port()}
     token = secrets.token_hex(16)
     procs = {}
     for r in range(_n_trainers(cfg)):
-        procs[f"trainer{r}"] = ctx.Process(target=trainer_main, args=(r, cfg, ports, token, outq))
+        procs[f"trainer{r}"] = ctx.Process(target=trainer_main, args=(r, cfg, ports, token, inbox.reporter()))
     for e in range(_n_engines(cfg)):
-        procs[f"engine{e}"] = ctx.Process(target=engine_main, args=(e, cfg, ports, token, outq))
+        procs[f"engine{e}"] = ctx.Process(target=engine_main, args=(e, cfg, ports, token, inbox.reporter()))
     for p in procs.values():
         p.start()
+    inbox.started()
     results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "errors": [], "machine": _machine()}
     deadline = time.monotonic() + cfg.timeout_s + 60
     expected = len(procs)
     got = 0
     while got < expected and time.monotonic() < deadline:
-        try:
-            msg = outq.get(timeout=1.0)
-        except queue.Empty:
+        msg = inbox.get(timeout=1.0)
+        if msg is None:
             if any(p.exitcode not in (None, 0) for p in procs.values()):
                 break
             continue
@@ -653,6 +654,7 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
             p.kill()
             results["errors"].append(f"{name} killed after the deadline")
         results.setdefault("exit_codes", {})[name] = p.exitcode
+    inbox.close()
     _summarize(results, cfg)
     with open(cfg.json_path, "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -1,4 +1,4 @@
-"""The `weight-transfer` command line: demo, bench, plan, simulate, doctor."""
+"""The `weight-transfer` command line: demo, bench, plan, simulate, doctor, token."""
 
 from __future__ import annotations
 
@@ -60,12 +60,14 @@ def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
 
 @command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer.config import config_from_mapping, merge, read_toml
+    from weight_transfer.transfer.config import config_from_mapping, merge, new_token, read_toml
     from weight_transfer.transfer.demo import DemoConfig, UpdateReport, preflight, run_demo
 
     try:
-        # The TOML file and the flags fill the same dataclass; flags win.
-        data = read_toml(ns.config) if ns.config else {}
+        # The TOML file and the flags fill the same dataclass; flags win. Without a [control]
+        # table the demo's processes share a fresh token and free ports of their own.
+        file_data = read_toml(ns.config) if ns.config else {}
+        data = merge({"control": {"token": new_token()}}, file_data)
         if ns.backend is not None:
             data = merge(data, {"transport": ns.backend})
         tc = config_from_mapping(data)
@@ -75,7 +77,7 @@ def _demo(ns: argparse.Namespace) -> int:
             trainer_dtype=ns.trainer_dtype, timeout_s=ns.timeout_s,
             transport_options=tc.transport_options,
             memory_budget_bytes=tc.sender.memory_budget_bytes,
-            **_control_fields(data, tc),
+            **_control_fields(file_data, tc),
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -114,11 +116,13 @@ def _token_args(p: argparse.ArgumentParser) -> None:
     del p  # no options
 
 
-@command("token", "print a fresh random control-plane token (128 bits, hex)")(_token_args)
+@command("token", "print a fresh control-plane token (256 random bits) for every member's config")(
+    _token_args
+)
 def _token(ns: argparse.Namespace) -> int:
-    import secrets
+    from weight_transfer.transfer.config import new_token
 
-    print(secrets.token_hex(16))
+    print(new_token())
     return 0
 
 

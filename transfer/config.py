@@ -9,6 +9,9 @@ The library never reads environment variables.
 from __future__ import annotations
 
 import dataclasses
+import math
+import secrets
+import string
 import sys
 import typing
 from collections.abc import Mapping
@@ -24,6 +27,41 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+MIN_TOKEN_BITS = 128
+"""Least randomness a control plane token must carry (as `token_bits` estimates it)."""
+
+
+def new_token() -> str:
+    """A fresh control plane token: 256 random bits, URL-safe base64 (43 characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_bits(token: str) -> float:
+    """An upper estimate of the randomness in `token`, in bits.
+
+    Length times log2 of the alphabet the characters come from (hex digits 16; otherwise the
+    union of the classes used: lower case 26, upper case 26, digits 10, other printable 33).
+    A string that uses far fewer distinct characters than a random one of its length would
+    ("aaaa...", a repeated word) counts only its distinct characters. A token from `new_token`
+    (or `secrets.token_hex(16)`, `openssl rand -hex 16`) passes 128 bits; short or repetitive
+    ones do not. (A long typed passphrase can still pass: use a generated token.)
+    """
+    if not token:
+        return 0.0
+    chars = set(token)
+    if chars <= set(string.hexdigits):
+        alphabet = 16
+    else:
+        classes = (string.ascii_lowercase, string.ascii_uppercase, string.digits)
+        alphabet = sum(len(c) for c in classes if chars & set(c))
+        if chars - set("".join(classes)):
+            alphabet += 33
+    expected = alphabet * (1 - (1 - 1 / alphabet) ** len(token))
+    if len(chars) < 0.6 * expected:
+        return len(chars) * math.log2(alphabet)
+    return len(token) * math.log2(alphabet)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ControlPlaneConfig:
     """Where the control plane (a torch.distributed TCPStore) lives and how to join it."""
@@ -33,7 +71,8 @@ class ControlPlaneConfig:
     port: int = 29700
     """TCP port of the store."""
     token: str = dataclasses.field(default="", repr=False)
-    """Shared secret every member must know; messages are authenticated with it."""
+    """Shared secret every member must know, with at least 128 bits of randomness (make one
+    with `weight-transfer token`); keys are derived from it. No default. Never shown by repr."""
     timeout_s: float = 60.0
     """Longest any control-plane wait may take (joining, manifests, signals)."""
     session: str = "default"
@@ -44,8 +83,17 @@ class ControlPlaneConfig:
             raise ValueError("control plane host must be non-empty")
         if not 0 < self.port < 65536:
             raise ValueError(f"control plane port {self.port} is out of range")
-        if len(self.token) < 8:
-            raise ValueError("control plane token must be at least 8 characters")
+        if not self.token:
+            raise ValueError(
+                "control plane token is required (there is no default): make one with "
+                "`weight-transfer token` and give every member the same"
+            )
+        bits = token_bits(self.token)
+        if bits < MIN_TOKEN_BITS:
+            raise ValueError(
+                f"control plane token carries about {bits:.0f} bits of randomness, fewer than "
+                f"the {MIN_TOKEN_BITS} required: make one with `weight-transfer token`"
+            )
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         if not self.session or "/" in self.session:
@@ -122,10 +170,8 @@ class TransferConfig:
     """Backend-specific options (key, value)."""
     connect_timeout_s: float = 30.0
     """How long connecting to a peer may take."""
-    control: ControlPlaneConfig = dataclasses.field(
-        default_factory=lambda: ControlPlaneConfig(token="change-me-please")
-    )
-    """Control plane."""
+    control: ControlPlaneConfig
+    """Control plane (required: its token has no default)."""
     sender: SenderConfig = dataclasses.field(default_factory=SenderConfig)
     """Trainer-side settings."""
     receiver: ReceiverConfig = dataclasses.field(default_factory=ReceiverConfig)

@@ -1,12 +1,21 @@
 """The control plane: encrypted, authenticated, schema-checked messages over a TCPStore.
 
-Every value is `nonce || AES-256-GCM(key, nonce, msgpack(message), aad=store key)`, the AES key
-derived from the shared token (PBKDF2-HMAC-SHA256, salted with the session). A reader
-authenticates and decrypts before decoding anything, then decodes with the message's schema
-(`planner.codec`), never pickle: whoever reaches the port cannot run code, cannot read memory
-keys (region descriptors) or manifests, and a member with the wrong token learns nothing and is
-refused on its first read. Binding the value to its store key stops replays under another key.
-Only the atomic counters (`add`, `claim`) are plain integers; nothing decides on data with them.
+Every value is `nonce || AES-256-GCM(key, nonce, msgpack(message), aad=run id || store key)`.
+The controller draws a fresh random run id (128 bits) when it starts and publishes it in the
+`hello` value, sealed under a key derived from the token alone; every other key of the run is
+derived with HKDF-SHA256 from the token, salted with the run id, so a value recorded in an
+earlier run with the same token (a `commit/k` that said ok) authenticates in no later run. The
+token itself must carry at least 128 bits of randomness (`weight-transfer token` prints one), so
+no dictionary attack on a sealed value is worth trying. A reader authenticates and decrypts
+before decoding anything, then decodes with the message's schema (`planner.codec`), never
+pickle: whoever reaches the port cannot run code, cannot read memory keys (region descriptors)
+or manifests, and a member with the wrong token learns nothing and is refused on its first read.
+
+Membership is sealed too: names are claimed with an atomic compare-and-set of a sealed value,
+join slots likewise, and a barrier is one sealed arrival per member, so a stranger on the port
+cannot pre-claim a name, inflate a slot count or release a barrier early; what it writes fails
+authentication and is reported (`ControlPlaneAuthError`). A stranger can still delete keys or
+flood the store (the members then time out, naming what they waited for): firewall the port.
 
 The store binds the configured host only (torch's TCPStore server would listen on every
 interface: the listening socket is created here and handed over). Every wait has a timeout, and
@@ -16,7 +25,6 @@ losing the store's host (the controller) raises `PeerLostError` naming it.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import os
 import socket
@@ -27,7 +35,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from weight_transfer.backends.base import (
     ControlPlaneAuthError,
@@ -37,7 +47,7 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.planner import codec
 from weight_transfer.transfer.config import ControlPlaneConfig
-from weight_transfer.transfer.protocol import Hello
+from weight_transfer.transfer.protocol import Go, Hello
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +56,18 @@ R = TypeVar("R")
 
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
-_KDF_ITERATIONS = 100_000
-PROTOCOL_VERSION = 2
+_RUN_ID_BYTES = 16
+PROTOCOL_VERSION = 3
 
 
-def derive_key(token: str, session: str) -> bytes:
-    """The AES-256 key of a control plane session (PBKDF2-HMAC-SHA256 of the token)."""
-    salt = b"weight-transfer/v2/" + session.encode()
-    return hashlib.pbkdf2_hmac("sha256", token.encode(), salt, _KDF_ITERATIONS)
+def derive_key(token: str, session: str, run_id: bytes) -> bytes:
+    """The AES-256 key of one run of a control plane session: HKDF-SHA256 of the token,
+    salted with the run id (empty for the `hello` key, which only carries the run id)."""
+    hkdf = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=run_id or None,
+        info=b"weight-transfer/v3/control/" + session.encode(),
+    )
+    return hkdf.derive(token.encode())
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -133,7 +147,7 @@ class ControlPlane:
         """
         self.config = config
         self.member = member
-        self._aead = AESGCM(derive_key(config.token, config.session))
+        self._hello_aead = AESGCM(derive_key(config.token, config.session, b""))
         self._prefix = f"wt/{config.session}/"
         timeout = datetime.timedelta(seconds=config.timeout_s)
         try:
@@ -153,11 +167,20 @@ class ControlPlane:
                 f"{member}: could not {what} the control plane at {config.host}:{config.port} "
                 f"within {config.timeout_s:.0f} s: {exc}"
             ) from exc
+        full = self._prefix + "hello"
         if server:
-            self.put("hello", Hello(protocol=PROTOCOL_VERSION, session=config.session))
+            self.run_id = os.urandom(_RUN_ID_BYTES)
+            hello = Hello(protocol=PROTOCOL_VERSION, session=config.session, run_id=self.run_id)
+            nonce = os.urandom(_NONCE_BYTES)
+            value = nonce + self._hello_aead.encrypt(
+                nonce, codec.to_msgpack(hello), full.encode()
+            )
+            self._call("publishing 'hello'", lambda: self._store.set(full, value))  # type: ignore[arg-type]
         else:
+            self.wait(["hello"])
+            raw = self._call("reading 'hello'", lambda: self._store.get(full))
             try:
-                hello = self.get("hello", Hello)
+                hello = codec.from_msgpack(Hello, self._open(self._hello_aead, full, b"", raw))
             except ControlPlaneAuthError:
                 self._note_auth_failure()
                 raise
@@ -166,6 +189,10 @@ class ControlPlane:
                     f"{member}: control plane speaks protocol {hello.protocol}, "
                     f"this process {PROTOCOL_VERSION}"
                 )
+            if len(hello.run_id) != _RUN_ID_BYTES:
+                raise ControlPlaneAuthError(f"{member}: the control plane's run id is malformed")
+            self.run_id = hello.run_id
+        self._aead = AESGCM(derive_key(config.token, config.session, self.run_id))
 
     # -- members refused for their token -----------------------------------------------------
 
@@ -204,27 +231,31 @@ class ControlPlane:
     # -- encrypted, authenticated values ----------------------------------------------------
 
     def seal(self, full_key: str, payload: bytes) -> bytes:
-        """Encrypt and authenticate `payload` for the store key `full_key`."""
+        """Encrypt and authenticate `payload` for the store key `full_key` in this run."""
         nonce = os.urandom(_NONCE_BYTES)
-        return nonce + self._aead.encrypt(nonce, payload, full_key.encode())
+        return nonce + self._aead.encrypt(nonce, payload, self.run_id + full_key.encode())
 
     def unseal(self, full_key: str, raw: bytes) -> bytes:
         """Authenticate and decrypt a stored value; the inverse of `seal`.
 
         Raises:
-            ControlPlaneAuthError: too short, tampered with, moved from another key, or sealed
-                with another token.
+            ControlPlaneAuthError: too short, tampered with, moved from another key, recorded
+                in another run, or sealed with another token.
         """
+        return self._open(self._aead, full_key, self.run_id, raw)
+
+    def _open(self, aead: AESGCM, full_key: str, run_id: bytes, raw: bytes) -> bytes:
         if len(raw) < _NONCE_BYTES + _TAG_BYTES:
             raise ControlPlaneAuthError(
                 f"{self.member}: control message {full_key!r} is too short ({len(raw)} bytes)"
             )
         try:
-            return self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], full_key.encode())
+            return aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], run_id + full_key.encode())
         except InvalidTag:
             raise ControlPlaneAuthError(
-                f"{self.member}: control message {full_key!r} failed authentication: the control "
-                "plane's members do not share this token"
+                f"{self.member}: control message {full_key!r} failed authentication: it was "
+                "sealed with another token or in another run (the control plane's members do "
+                "not share this token, or someone without it writes to the store)"
             ) from None
 
     def put(self, key: str, message: object) -> None:
@@ -298,43 +329,48 @@ class ControlPlane:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def barrier(self, name: str, count: int, timeout_s: float | None = None) -> None:
-        """Block until `count` members have entered the barrier `name` (used once per name).
+    def barrier(
+        self, name: str, count: int, index: int, timeout_s: float | None = None
+    ) -> None:
+        """Block until members 0..`count`-1 have entered the barrier `name` (used once per
+        name); this member is `index`. Each arrival is a sealed value: a stranger's write
+        fails authentication instead of releasing the barrier early.
 
         Raises:
-            TransportTimeoutError: fewer than `count` arrived in time.
+            TransportTimeoutError: not every member arrived in time (names the missing ones).
+            ControlPlaneAuthError: an arrival was not sealed with this run's key.
         """
-        self.add(f"barrier/{name}", 1)
-        t = self.config.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + t
-        delay = 0.0005
-        while self.add(f"barrier/{name}", 0) < count:
-            if time.monotonic() > deadline:
-                n = self.add(f"barrier/{name}", 0)
-                raise TransportTimeoutError(
-                    f"{self.member}: barrier {name!r}: {n} of {count} members arrived in {t:.1f} s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        if not 0 <= index < count:
+            raise ValueError(f"barrier {name!r}: member index {index} not in [0, {count})")
+        self.put(f"barrier/{name}/{index}", Go(step=index))
+        keys = [f"barrier/{name}/{i}" for i in range(count)]
+        self.wait(keys, timeout_s)
+        for i, k in enumerate(keys):
+            if self.get(k, Go, timeout_s).step != i:
+                raise ControlPlaneAuthError(f"{self.member}: barrier arrival {k!r} was moved")
 
     def exists(self, key: str) -> bool:
         """True if `key` has been published."""
         full = self._prefix + key
         return bool(self._call(f"checking {key!r}", lambda: self._store.check([full])))
 
-    def claim(self, key: str) -> bool:
-        """Atomically claim a name; True for the first claimant only."""
+    def claim(self, key: str, message: object) -> tuple[bool, bytes]:
+        """Atomically claim `key` with a sealed `message`; (True, b"") for the first claimant,
+        else (False, the first claimant's authenticated payload).
+
+        Raises:
+            ControlPlaneAuthError: the key holds a value not sealed in this run (a stranger
+                claimed it first), naming the key.
+        """
         full = self._prefix + "claim/" + key
-        return int(self._call(f"claiming {key!r}", lambda: self._store.add(full, 1))) == 1
-
-    def add(self, key: str, amount: int) -> int:
-        """Atomic counter (unauthenticated: use only for counts, never for decisions on data)."""
-        full = self._prefix + "count/" + key
-        return int(self._call(f"counting {key!r}", lambda: self._store.add(full, amount)))
-
-    def poll_until(self, key: str, cls: type[T], deadline: float) -> T:
-        """Like `get`, with an absolute monotonic deadline."""
-        return self.get(key, cls, max(0.001, deadline - time.monotonic()))
+        mine = self.seal(full, codec.to_msgpack(message))
+        got = self._call(
+            f"claiming {key!r}",
+            lambda: self._store.compare_set(full, "", mine),  # type: ignore[arg-type]
+        )
+        if got == mine:
+            return True, b""
+        return False, self.unseal(full, got)
 
     def close(self) -> None:
         """Drop the connection (the server's store lives until the process ends)."""

@@ -211,7 +211,12 @@ class Controller:
                 )
             deadline = time.monotonic() + cp.config.timeout_s
             while True:
-                self._read_slots(cp.add("engine_slots", 0))
+                claimed = self._slots_read
+                while cp.exists(f"claim/engine_slot/{claimed}"):
+                    claimed += 1
+                # A slot is claimed an instant before its join is published.
+                cp.wait([f"engine_slot/{i}" for i in range(self._slots_read, claimed)])
+                self._read_slots(claimed)
                 waiting = [
                     e for e in names
                     if e not in self._latest
@@ -279,7 +284,9 @@ class Controller:
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
-        decision = Decision(step=step, ok=not errors, error="; ".join(errors))
+        # Ranks that only stopped because another failed add nothing when the cause is known.
+        causes = [e for e in errors if " aborted: " not in e]
+        decision = Decision(step=step, ok=not errors, error="; ".join(causes or errors))
         self.control.put(f"{phase.verdict_key}/{step}", decision)
         if phase is Phase.COMMITTED:
             self._forget(step - _KEEP_STEPS)
@@ -289,10 +296,15 @@ class Controller:
         """Delete the per-update keys of an old step, so the store does not grow per update."""
         if step < 1:
             return
-        keys = [f"go/{step}", f"commit/{step}", f"result/{step}"]
+        keys = [f"go/{step}", f"commit/{step}", f"result/{step}", f"abort/{step}"]
         for r in range(self.config.num_trainer_ranks):
             keys += [f"done/{step}/{r}", f"committed/{step}/{r}"]
         keys += [f"digest/{step}/{e}" for e in self.joins]
+        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        keys += [
+            f"barrier/group/{step}/{g}/{r}"
+            for g in range(1, groups) for r in range(self.config.num_trainer_ranks)
+        ]
         for k in keys:
             self.control.delete(k)
 

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import queue
 import secrets
 import socket
 import time
@@ -118,7 +117,7 @@ class DemoResult:
 
 
 def _pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """Tensors as (dtype, shape, raw bytes): plain data for the result queue, so nothing depends
+    """Tensors as (dtype, shape, raw bytes): plain data for the report pipe, so nothing depends
     on the sending process staying alive (torch's shared-memory handles would)."""
     out = {}
     for n, t in tensors.items():
@@ -386,40 +385,40 @@ def run_demo(
     cfg: DemoConfig, *, on_update: Callable[[UpdateReport], None] | None = None
 ) -> DemoResult:
     """Start the processes, wait for them (with `cfg.timeout_s`), and report what happened."""
+    from weight_transfer.transfer.child_reports import ReportInbox
+
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
+    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
     port = cfg.control_port or free_port()
     dist_port = free_port()
     token = cfg.control_token or secrets.token_hex(16)
     procs: dict[str, Any] = {}
     for e in range(cfg.engine_ranks):
         procs[f"engine{e}"] = ctx.Process(
-            target=engine_main, args=(e, cfg, port, token, out), name=f"wt-engine{e}"
+            target=engine_main, args=(e, cfg, port, token, inbox.reporter()), name=f"wt-engine{e}"
         )
     for r in range(cfg.train_ranks):
         procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_main, args=(r, cfg, port, dist_port, token, out), name=f"wt-trainer{r}"
+            target=trainer_main, args=(r, cfg, port, dist_port, token, inbox.reporter()),
+            name=f"wt-trainer{r}",
         )
     # The controller (trainer 0) hosts the control plane: start it first.
     order = [f"trainer{r}" for r in range(cfg.train_ranks)] + [f"engine{e}" for e in range(cfg.engine_ranks)]
     for name in order:
         procs[name].start()
+    inbox.started()
     result = DemoResult(updates=[], exit_codes={}, errors=[], engine_tensors={}, expected={})
     deadline = time.monotonic() + cfg.timeout_s
     try:
         while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            try:
-                msg = out.get(timeout=0.2)
-            except queue.Empty:
+            msg = inbox.get(timeout=0.2)
+            if msg is None:
                 if any(p.exitcode not in (None, 0) for p in procs.values()):
                     break
                 continue
             _handle(msg, result, on_update)
-        while True:
-            try:
-                _handle(out.get(timeout=0.2), result, on_update)
-            except queue.Empty:
-                break
+        while (msg := inbox.get(timeout=0.2)) is not None:
+            _handle(msg, result, on_update)
     finally:
         failed = any(p.exitcode not in (None, 0) for p in procs.values())
         for name, p in procs.items():
@@ -434,6 +433,7 @@ def run_demo(
             result.exit_codes[name] = p.exitcode
             if p.exitcode not in (0, None):
                 result.errors.append(f"{name} exited with code {p.exitcode}")
+        inbox.close()
     if len(result.updates) != cfg.steps:
         result.errors.append(f"{len(result.updates)} of {cfg.steps} updates reported")
     return result

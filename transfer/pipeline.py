@@ -38,6 +38,7 @@ from weight_transfer.backends.base import (
     RegionRole,
     Transport,
     TransportTimeoutError,
+    UpdateAbortedError,
     WeightTransferError,
     WriteHandle,
     WriteOp,
@@ -62,8 +63,19 @@ _EVENT_SLICE_S = 1e-4
 prepared tasks again."""
 
 
+_CANCEL_POLL_S = 0.02
+"""How often the write loop asks whether another rank failed."""
+_QUIESCE_S = 1.0
+"""After a failure, longest the write stage waits for writes in flight to settle before it
+quarantines their staging memory and reports."""
+
+
 class _NotGraphable(Exception):
     """Why the ring/graph fast path does not apply to a schedule (internal)."""
+
+
+class _CollectiveError(WeightTransferError):
+    """A gather failed: its collective is broken, so the rank cannot drain the others."""
 
 
 class StagingArena:
@@ -238,6 +250,9 @@ class _RunState:
     num_writes: int = 0
     post_seconds: float = 0.0
     """Host time spent in the transport's post calls."""
+    cancelled: Callable[[], str | None] | None = None
+    """Polled about every `_CANCEL_POLL_S`: a message once another rank failed."""
+    next_poll: float = 0.0
 
 
 _GROUP_BYTES = 1 << 30
@@ -338,6 +353,9 @@ class Executor:
         self._scratch_in_use = 0
         self._scratch_peak = 0
         self._lock = threading.Lock()
+        self._gathers_done = 0  # of the task being prepared (what a drain still owes)
+        self._quarantine: list[_InFlight] = []
+        """Batches of failed updates that had not settled: their staging stays reserved."""
         # torch.cuda.Stream/Event constructors are unannotated in torch's stubs.
         self._stream = (
             torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -375,7 +393,14 @@ class Executor:
 
     # -- one update ------------------------------------------------------------------------
 
-    def run(self, step: int, timeout_s: float) -> UpdateStats:
+    def run(
+        self,
+        step: int,
+        timeout_s: float,
+        *,
+        cancelled: Callable[[], str | None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> UpdateStats:
         """Replay the schedule once. Blocks until every write completed.
 
         Everything it reads is ordered after the work queued so far on the caller's current
@@ -383,37 +408,52 @@ class Executor:
         waits on that stream, and writes straight from the parameters are posted only once an
         event recorded on it at the start has completed.
 
+        On any failure (here, or another rank's, as `cancelled` reports it) the rank stops
+        posting writes, waits for the writes already posted to finish or fail (staging memory
+        a write may still read is never reused: what does not settle by the deadline stays
+        quarantined until a later update sees it settled), and keeps entering the collectives
+        of the rest of its schedule (gathers, mesh-group barriers) without preparing anything,
+        so ranks of its meshes never wait out a timeout in a collective it skipped. A failed
+        gather or barrier ends that: the collective itself is broken.
+
+        Args:
+            cancelled: polled about every 20 ms; a message when another rank failed.
+            on_failure: called at once, before draining, with this rank's own error (the
+                sender publishes it so the other ranks stop within a poll).
+
         Raises:
             TransportTimeoutError: the update ran past `timeout_s`.
-            WeightTransferError: a stage failed (the message names the task and peer).
+            UpdateAbortedError: `cancelled` reported another rank's failure.
+            WeightTransferError: a stage failed (the message names the task and peer); any
+                other exception of a stage is raised as it is.
         """
         st = _RunState(
             step=step, t0=time.perf_counter(), deadline=time.monotonic() + timeout_s,
             timeout_s=timeout_s, ready=queue.Queue(), abort=threading.Event(),
+            cancelled=cancelled,
         )
+        self._settle_quarantine()
         caller_done = self._order_after_caller()
         self.arena.peak = self.arena.in_use
         self._scratch_peak = self._scratch_in_use
         worker = threading.Thread(
             target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}", daemon=True
         )
+        # Preparation starts at once; a failure while posting the static batches sets `abort`,
+        # and the prepare stage then only enters its collectives.
         worker.start()
         try:
             self._post_static(st, caller_done)
             while not st.finished_preparing or st.waiting or st.in_flight:
+                self._check_cancelled(st)
                 self._check_deadline(st)
                 progressed = self._take_ready(st)
                 progressed |= self._post_waiting(st)
                 progressed |= self._reap(st)
                 if not progressed and (st.in_flight or st.waiting):
                     self._idle(st)
-        except BaseException:
-            st.abort.set()
-            worker.join(timeout=5.0)
-            for f in st.in_flight:
-                self._release(f.prepared)
-            for p in st.waiting:
-                self._release(p)
+        except BaseException as exc:
+            self._fail(st, worker, exc, on_failure)
             raise
         worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
         return UpdateStats(
@@ -427,6 +467,52 @@ class Executor:
             num_writes=st.num_writes,
             post_seconds=st.post_seconds,
         )
+
+    def _fail(
+        self,
+        st: _RunState,
+        worker: threading.Thread,
+        exc: BaseException,
+        on_failure: Callable[[BaseException], None] | None,
+    ) -> None:
+        """After a failure: report it, let posted writes settle, keep the collectives going
+        (the prepare stage drains), and release what no write can read any more."""
+        st.abort.set()
+        if on_failure is not None and not isinstance(exc, UpdateAbortedError):
+            try:
+                on_failure(exc)
+            except Exception as report_exc:  # the update fails anyway; say why it was quiet
+                log.warning(
+                    "trainer rank %d: could not report the failure: %s", self.rank, report_exc
+                )
+        # Writes already posted may still read their staging memory: let them settle first.
+        self._quiesce(st.in_flight)
+        if worker.ident is None:
+            worker.start()  # abort is set: it only enters this rank's collectives
+        worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
+        if worker.is_alive():
+            log.warning(
+                "trainer rank %d: preparation of update %d still running at its deadline",
+                self.rank, st.step,
+            )
+        for p in st.waiting:
+            self._release(p)
+        while True:  # prepared but never posted
+            try:
+                item = st.ready.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Prepared):
+                self._release(item)
+
+    def _check_cancelled(self, st: _RunState) -> None:
+        """Raise once another rank reported a failure of this update."""
+        if st.cancelled is None or time.monotonic() < st.next_poll:
+            return
+        st.next_poll = time.monotonic() + _CANCEL_POLL_S
+        why = st.cancelled()
+        if why:
+            raise UpdateAbortedError(f"trainer rank {self.rank}: update {st.step} aborted: {why}")
 
     def _order_after_caller(self) -> Any:
         """Order this update after the caller's current stream: the prepare stream waits on it
@@ -451,25 +537,42 @@ class Executor:
             time.sleep(2e-5)
 
     def _prepare_loop(self, st: _RunState) -> None:
-        """The prepare stage (its own thread): tasks in order, handed to the write stage."""
+        """The prepare stage (its own thread): tasks in order, handed to the write stage.
+
+        After a failure (its own, or `abort` set by the write stage) it prepares nothing more
+        but still enters the collectives left in the schedule (`_drain`), so the other ranks of
+        its meshes do not wait in them until they time out.
+        """
+        group = 0
+        failed = False
         try:
-            group = 0
             for task in self.schedule.tasks:
-                if st.abort.is_set():
-                    return
                 if task.task_id in self._static or task.task_id in self._graph_skip:
                     continue  # posted at the start, or part of an earlier task's graph
                 # Every rank enters every group's barrier, also groups it has no task in.
                 while group < task.mesh_group:
                     group += 1
                     self.barrier(group)
+                if failed or st.abort.is_set():
+                    self._drain(task, 0)
+                    continue
                 rec = TaskRecord(task.task_id, task.kind, task.nbytes)
-                if task.task_id in self._graphs:
-                    prepared = self._replay(task, rec, st.t0, st.deadline, st.abort)
-                else:
-                    prepared = self._admit_and_prepare(task, rec, st.t0, st.deadline, st.abort)
-                if prepared is None:
-                    return
+                self._gathers_done = 0
+                try:
+                    if task.task_id in self._graphs:
+                        prepared = self._replay(task, rec, st.t0, st.deadline, st.abort)
+                    else:
+                        prepared = self._admit_and_prepare(task, rec, st.t0, st.deadline, st.abort)
+                except _CollectiveError:
+                    raise
+                except BaseException as exc:  # the write stage raises it; keep draining
+                    st.ready.put(exc)
+                    failed = True
+                    self._drain(task, self._gathers_done)
+                    continue
+                if prepared is None:  # aborted while waiting for memory
+                    self._drain(task, self._gathers_done)
+                    continue
                 st.ready.put(prepared)
                 # Let the write stage take the GIL now rather than at the next switch
                 # interval (5 ms), so writes start as soon as their task is ready.
@@ -478,8 +581,14 @@ class Executor:
                 group += 1
                 self.barrier(group)
             st.ready.put(None)
-        except BaseException as exc:  # handed to the write stage, which raises it
+        except BaseException as exc:  # a broken collective: handed to the write stage
             st.ready.put(exc)
+
+    def _drain(self, task: Task, gathers_done: int) -> None:
+        """Enter the collectives of `task` that have not run yet; prepare nothing."""
+        if task.kind == "gather":
+            for name in task.gather[gathers_done:]:
+                self._gather(task, name)
 
     def _post_static(self, st: _RunState, caller_done: Any) -> None:
         """Tasks that send straight from registered shards need no preparation: check once
@@ -499,14 +608,17 @@ class Executor:
             for tid in batch.task_ids:
                 task = self._task_by_id[tid]
                 recs.append(TaskRecord(tid, task.kind, task.nbytes, now, now, now, now))
-            t_post = time.perf_counter()
-            handle = self.transport.post_prepared(batch.prepared)
-            st.post_seconds += time.perf_counter() - t_post
-            st.num_writes += len(batch.ops)
             first = self._task_by_id[batch.task_ids[0]] if batch.task_ids else self.schedule.tasks[0]
             rec = recs[0] if recs else TaskRecord(first.task_id, first.kind, 0)
             p = _Prepared(first, rec, {batch.peer: batch.ops}, [], 0, None)
-            st.in_flight.append(_InFlight(p, [handle], recs))
+            # In flight before posting: a failed post leaves the batches posted before it to be
+            # waited for.
+            handles: list[WriteHandle] = []
+            st.in_flight.append(_InFlight(p, handles, recs))
+            t_post = time.perf_counter()
+            handles.append(self.transport.post_prepared(batch.prepared))
+            st.post_seconds += time.perf_counter() - t_post
+            st.num_writes += len(batch.ops)
         if not first_update:
             # After the first update the check runs while the copies run: a parameter that
             # moved since then is still registered (its Region keeps the old memory alive),
@@ -558,18 +670,20 @@ class Executor:
             t_post = time.perf_counter()
             p.record.write_start = t_post - st.t0
             group = self._graphs.get(p.task.task_id)
+            # In flight before posting, as in `_post_static`.
+            handles: list[WriteHandle] = []
+            st.in_flight.append(_InFlight(p, handles, [p.record]))
             if group is not None:
-                handles = []
                 for peer, ops in p.ops.items():
                     prepared = group.prepared.get(peer)
                     if prepared is None:
                         prepared = group.prepared[peer] = self.transport.prepare_writes(peer, ops)
                     handles.append(self.transport.post_prepared(prepared))
             else:
-                handles = [self.transport.post_writes(peer, ops) for peer, ops in p.ops.items()]
+                for peer, ops in p.ops.items():
+                    handles.append(self.transport.post_writes(peer, ops))
             st.post_seconds += time.perf_counter() - t_post
             st.num_writes += sum(len(ops) for ops in p.ops.values())
-            st.in_flight.append(_InFlight(p, handles, [p.record]))
             posted = True
         return posted
 
@@ -689,25 +803,17 @@ class Executor:
         blocks: list[tuple[int, int]],
     ) -> _Prepared:
         rec.admit = time.perf_counter() - t0
-        fulls: dict[str, torch.Tensor] = {}
+        fulls: dict[str, torch.Tensor | _Shifted] = {}
         rec.prepare_start = time.perf_counter() - t0
         if task.kind == "gather":
             for name in task.gather:
-                try:
-                    fulls[name] = self.gather(self.sources[name].param)
-                except (RuntimeError, OSError) as exc:
-                    if isinstance(exc, WeightTransferError):
-                        raise
-                    # gloo/NCCL name the lost peer only by address; say which collective.
-                    raise WeightTransferError(
-                        f"trainer rank {self.rank}: gathering {name!r} (task {task.task_id}, "
-                        f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
-                        f"lost or timed out: {exc}"
-                    ) from exc
+                fulls[name] = self._gather(task, name)
+                self._gathers_done += 1
         elif task.gather:
-            # A quantized unit whose sources this rank holds whole: no collective needed.
+            # A quantized unit whose source boxes lie inside this rank's own shards: no
+            # collective. The shard starts at its local box, not at the tensor's origin.
             for name in task.gather:
-                fulls[name] = self._local(name)
+                fulls[name] = self._local_as_global(name)
         ops: dict[str, list[WriteOp]] = defaultdict(list)
         for w in task.writes:
             if isinstance(w, SliceWrite):
@@ -801,7 +907,7 @@ class Executor:
                     sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
                 b0, b1 = w.block
                 for p, (r0, r1, c0, c1) in aligned:
-                    src = self._local(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
+                    src = self._local_as_global(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
                     calls.append(_QuantCall(
                         src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]
                     ))
@@ -918,9 +1024,78 @@ class Executor:
         if b.region is not None and local.untyped_storage().data_ptr() != b.storage_ptr:
             raise WeightTransferError(
                 f"trainer rank {self.rank}: parameter {name!r} was reallocated since the sender "
-                "registered it; call WeightSender.refresh() after changing parameters' storage"
+                "registered it (its storage changed); update parameters in place, or build "
+                "a new WeightSender after changing their storage"
             )
         return local
+
+    def _local_as_global(self, name: str) -> _Shifted:
+        """This rank's shard of `name`, indexed in the tensor's global coordinates."""
+        b = self.sources[name]
+        if b.local_box is None:
+            raise WeightTransferError(
+                f"trainer rank {self.rank}: task reads {name!r} from its own shard, but the "
+                "shard is not a box (the plan and this rank's manifest disagree)"
+            )
+        return _Shifted(self._local(name), tuple(a for a, _ in b.local_box))
+
+    def _gather(self, task: Task, name: str) -> torch.Tensor:
+        """`full_tensor()` of a source (a collective over its mesh)."""
+        try:
+            return self.gather(self.sources[name].param)
+        except Exception as exc:
+            # gloo/NCCL name the lost peer only by address; say which collective.
+            raise _CollectiveError(
+                f"trainer rank {self.rank}: gathering {name!r} (task {task.task_id}, "
+                f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
+                f"lost or timed out: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _quiesce(self, in_flight: list[_InFlight]) -> None:
+        """After a failure: wait (at most `_QUIESCE_S`) for posted writes to finish or fail,
+        then release their staging memory; what is still unsettled is quarantined, not freed,
+        so no write can read memory that a later task was given."""
+        until = time.monotonic() + _QUIESCE_S
+        for f in in_flight:
+            for h in f.handles:
+                while True:
+                    try:
+                        if self.transport.poll(h):
+                            break
+                    except WeightTransferError:
+                        break  # failed: the transport no longer reads its memory
+                    if time.monotonic() > until:
+                        break
+                    event = self.transport.completion_event(h)
+                    if event is not None:
+                        event.wait(0.01)
+                    elif not self.transport.progress_driven:
+                        time.sleep(1e-4)
+            if all(_settled(h) for h in f.handles):
+                self._release(f.prepared)
+            else:
+                self._quarantine.append(f)
+        in_flight.clear()
+
+    def _settle_quarantine(self) -> None:
+        """Release quarantined staging memory whose writes have settled since."""
+        keep = []
+        for f in self._quarantine:
+            for h in f.handles:
+                try:
+                    self.transport.poll(h)
+                except WeightTransferError:
+                    pass
+            if all(_settled(h) for h in f.handles):
+                self._release(f.prepared)
+            else:
+                keep.append(f)
+        if keep:
+            log.warning(
+                "trainer rank %d: %d task(s) of a failed update still have writes in flight; "
+                "their staging memory stays reserved", self.rank, len(keep),
+            )
+        self._quarantine = keep
 
     def _ops_for_runs(
         self, engine: str, runs: Sequence[WriteRun], source: Region, base: int, ops: dict[str, list[WriteOp]]
@@ -935,7 +1110,7 @@ class Executor:
         self,
         task: Task,
         w: SliceWrite,
-        fulls: Mapping[str, torch.Tensor],
+        fulls: Mapping[str, torch.Tensor | _Shifted],
         ops: dict[str, list[WriteOp]],
         blocks: list[tuple[int, int]],
         deadline: float,
@@ -963,7 +1138,7 @@ class Executor:
     def _prepare_quant(
         self,
         w: QuantWrite,
-        fulls: Mapping[str, torch.Tensor],
+        fulls: Mapping[str, torch.Tensor | _Shifted],
         ops: dict[str, list[WriteOp]],
         blocks: list[tuple[int, int]],
         deadline: float,
@@ -1042,6 +1217,30 @@ def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) ->
                     batch.sources.append(n)
             sizes[peer] += sum(op.nbytes for op in ops)
     return out
+
+
+def _settled(h: WriteHandle) -> bool:
+    """The batch completed or failed: the transport reads none of its memory any more."""
+    return h.done or h.error is not None
+
+
+class _Shifted:
+    """A local shard that slices like the global tensor: `[box]` takes global coordinates."""
+
+    __slots__ = ("device", "origin", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, origin: tuple[int, ...]) -> None:
+        self.tensor = tensor
+        self.origin = origin
+        self.device = tensor.device
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        shifted = tuple(
+            slice(s.start - o, s.stop - o) for s, o in zip(index, self.origin, strict=True)
+        )
+        for s, n in zip(shifted, self.tensor.shape, strict=True):
+            assert 0 <= s.start <= s.stop <= n, "a local task's box lies outside this rank's shard"
+        return self.tensor[shifted]
 
 
 def _block_aligned_parts(

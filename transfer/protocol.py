@@ -1,24 +1,29 @@
 """Control-plane messages: the only things that travel between members, besides raw bytes.
 
 Keys (under the session prefix):
-    hello                          Hello        written by the controller
+    hello                          Hello        written by the controller: protocol, run id
+    claim/engine/<name>            Claim        an engine name, claimed once per session run
+    claim/engine_slot/<i>          Claim        join slot i, claimed by one engine join
     trainer/<rank>                 TrainerJoin  a trainer rank's source manifest
-    engine/<name>                  EngineJoin   an engine's destination manifest and endpoint
-    engines                        EngineList   names of the engines, in join order
+    engine_slot/<i>                EngineJoin   an engine's destination manifest and endpoint
     schedule/<rank>                RankPlan     a trainer rank's part of the schedule
     plan_error                     Failure      set instead of schedules if planning failed
     epoch/<e>/schedule/<rank>      RankPlan     the same for re-plan e > 0 (`Controller.replan`)
     epoch/<e>/plan_error           Failure      re-plan e failed
     go/<step>                      Go           start update `step`
+    barrier/group/<step>/<g>/<r>   Go           trainer rank r reached mesh group g's barrier
+    abort/<step>                   Failure      the first failure of a rank in update `step`;
+                                                the other ranks stop within a poll (20 ms)
     done/<step>/<rank>             Done         rank finished its writes (ok or error)
     commit/<step>                  Decision     controller: write version words, or abort
     committed/<step>/<rank>        Done         rank wrote its engines' version words
     result/<step>                  Decision     final outcome every rank raises on if not ok
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
 
-Every value is encrypted and authenticated with the session token (`transfer.control`); the
-per-update keys of a step are deleted 8 steps later. Join slots (`engine_slot/<i>`) are
-numbered by an atomic counter; a restarted engine takes a new slot under its old name.
+Every value is encrypted and authenticated under the run's key, bound to its store key and run
+id (`transfer.control`); nothing is a plain counter. The per-update keys of a step are deleted
+8 steps later. Join slots are claimed in order with an atomic compare-and-set; a restarted
+engine takes a new slot under its old name.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ class Hello:
 
     protocol: int
     session: str
+    run_id: bytes
+    """Fresh random bytes per controller start: the salt of the run's key."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """A sealed claim of a name or slot (`ControlPlane.claim`)."""
+
+    member: str
+    nonce: bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,13 +65,6 @@ class EngineJoin:
     manifest: DestManifest
     transport: str
     endpoint: bytes
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineList:
-    """Engines known to the controller."""
-
-    names: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

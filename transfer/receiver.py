@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,7 @@ from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, 
 from weight_transfer.transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.transfer.control import ControlPlane
 from weight_transfer.transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.transfer.protocol import Decision, Digests, EngineJoin
+from weight_transfer.transfer.protocol import Claim, Decision, Digests, EngineJoin
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,11 @@ class WeightReceiver:
         self.recipes = tuple(recipes)
         self._tensors = named_tensors(tensors)
         self._check_tensors()
+        self._known_complete = 0  # newest version whose commit the controller confirmed
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first = self._control.claim(f"engine/{engine}")
+        first, _ = self._control.claim(
+            f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
+        )
         if rejoin and first:
             raise ConfigurationError(
                 f"engine {engine!r} cannot rejoin: it never joined this control plane session"
@@ -99,15 +103,7 @@ class WeightReceiver:
         self._transport: Transport = create_transport(transport)
         try:
             self._manifest = self._register()
-            slot = self._control.add("engine_slots", 1) - 1
-            self._control.put(
-                f"engine_slot/{slot}",
-                EngineJoin(
-                    manifest=self._manifest,
-                    transport=self._transport.name,
-                    endpoint=self._transport.endpoint(),
-                ),
-            )
+            self._publish_join()
         except BaseException:
             self._transport.close()
             raise
@@ -115,6 +111,56 @@ class WeightReceiver:
             "engine %s: registered %d tensors in %d regions over %s",
             engine, len(self._manifest.tensors), len(self._manifest.regions), self._transport.name,
         )
+
+    def _publish_join(self) -> None:
+        """Claim the next free join slot and publish the manifest and endpoint in it."""
+        slot = 0
+        while not self._control.claim(
+            f"engine_slot/{slot}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )[0]:
+            slot += 1
+        self._control.put(
+            f"engine_slot/{slot}",
+            EngineJoin(
+                manifest=self._manifest,
+                transport=self._transport.name,
+                endpoint=self._transport.endpoint(),
+            ),
+        )
+
+    def join_new_session(self, control: ControlPlaneConfig | None = None) -> None:
+        """Join the control plane of a restarted controller, keeping memory and registrations.
+
+        When the controller (and with it usually the trainer job) restarts, it hosts a new
+        session with a new run id; a running engine calls this once (after `wait_for_version`
+        raised `PeerLostError`, say) instead of restarting: it connects to `control` (default:
+        the same address and token), claims its name there and publishes its unchanged
+        manifest and endpoint. The new trainers plan and connect as on a first start. Its
+        version word keeps the last update it received, so the new trainer job should continue
+        counting steps from there.
+
+        Raises:
+            TransportTimeoutError: the new control plane did not answer in time.
+            ConfigurationError: the engine's name is already registered in that session (the
+                controller did not restart: use `WeightSender.replan` with `rejoined`).
+        """
+        config = control or self._control.config
+        # The old session's results are gone with it: what the word reads now is what this
+        # engine last received.
+        self._known_complete = self.version
+        self._control.close()
+        self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
+        first, _ = self._control.claim(
+            f"engine/{self.engine}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )
+        if not first:
+            raise ConfigurationError(
+                f"engine {self.engine!r} is already registered in that control plane session "
+                "(the controller did not restart; a restarted engine passes rejoin=True)"
+            )
+        self._publish_join()
+        log.info("engine %s: joined a new control plane session (version %d)",
+                 self.engine, self.version)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -204,7 +250,10 @@ class WeightReceiver:
 
     @property
     def version(self) -> int:
-        """Number of the last update completely written into this engine (0 before any)."""
+        """This rank's version word: the last update completely written into it (0 before
+        any). While update k commits, one rank of a replica can read k an instant before
+        another, and a commit that fails is set back to k-1; `wait_for_version` returns only
+        updates whose words were written on every engine."""
         return int(self._version_view[0].item())
 
     def wait_for_version(self, step: int, timeout_s: float) -> int:
@@ -226,7 +275,7 @@ class WeightReceiver:
         next_check = time.monotonic()
         while True:
             v = self.version
-            if v >= step:
+            if v >= step and self._confirmed(v, step):
                 return v
             if time.monotonic() >= next_check:
                 self._raise_if_aborted(step)
@@ -237,6 +286,23 @@ class WeightReceiver:
                     f"(version is {v})"
                 )
             time.sleep(0.0005)
+
+    def _confirmed(self, v: int, step: int) -> bool:
+        """True once the controller's result for update `v` says every version word was
+        written; raises if it says the update failed (its words are being set back)."""
+        if v <= self._known_complete:
+            return True
+        if not self._control.exists(f"result/{v}"):
+            time.sleep(0.0005)
+            return False
+        decision = self._control.get(f"result/{v}", Decision)
+        if not decision.ok:
+            raise WeightTransferError(
+                f"engine {self.engine!r}: update {v} failed while its version words were "
+                f"written and is rolled back (waiting for {step}): {decision.error}"
+            )
+        self._known_complete = v
+        return True
 
     def _raise_if_aborted(self, step: int) -> None:
         for key in (f"commit/{step}", f"result/{step}"):

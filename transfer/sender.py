@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from weight_transfer.backends.base import (
     RegionRole,
     Transport,
     TransportConfig,
+    UpdateAbortedError,
     WeightTransferError,
     create_transport,
 )
@@ -104,6 +105,7 @@ class WeightSender:
             control, server=False, member=f"trainer rank {rank}"
         )
         self._last_step = 0
+        self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, float, Any]] = []
         """(step, start in seconds since this sender was made, task records) of recent updates."""
         self._t_created = time.perf_counter()
@@ -214,7 +216,7 @@ class WeightSender:
             memory_budget_bytes=self.config.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
             barrier=lambda g: self._control.barrier(
-                f"group/{self._current_step}/{g}", self.world_size
+                f"group/{self._current_step}/{g}", self.world_size, self.rank
             ),
         )
 
@@ -224,7 +226,10 @@ class WeightSender:
         """Send the current weights as update `step`. Collective: every trainer rank calls it.
 
         Blocks until every engine's version word reads `step`, or raises on every rank with
-        the failing rank and peer named; on failure no version word advances.
+        the failing rank and peer named. Whole updates only: if writing the version words
+        fails anywhere, every rank sets the words it wrote back to the last complete update
+        before raising, so the ranks of a replica (and all engines) advance together or not
+        at all; `WeightReceiver.wait_for_version` never reports an update that was rolled back.
 
         Raises:
             ValueError: `step` is not larger than the previous one.
@@ -242,12 +247,25 @@ class WeightSender:
             cp.get(f"go/{step}", Go, timeout)
         stats: UpdateStats | None = None
         error = ""
+        cause: BaseException | None = None
         t0 = time.perf_counter()
         try:
-            stats = self._executor.run(step, timeout)
-        except WeightTransferError as exc:
-            error = str(exc)
-            log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
+            stats = self._executor.run(
+                step, timeout,
+                cancelled=self._peer_failure(step),
+                on_failure=lambda exc: cp.put(
+                    f"abort/{step}", Failure(message=self._describe(exc))
+                ),
+            )
+        except Exception as exc:  # any stage, any exception: every rank must hear of it
+            cause = exc
+            error = self._describe(exc)
+            if isinstance(exc, UpdateAbortedError):
+                log.info("trainer rank %d: %s", self.rank, exc)
+            elif isinstance(exc, WeightTransferError):
+                log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
+            else:
+                log.exception("trainer rank %d: update %d failed", self.rank, step)
         cp.put(
             f"done/{step}/{self.rank}",
             Done(rank=self.rank, step=step, ok=not error, error=error,
@@ -258,12 +276,17 @@ class WeightSender:
         decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
-            raise WeightTransferError(f"update {step} failed, no engine advanced: {decision.error}")
+            raise WeightTransferError(
+                f"update {step} failed, no engine advanced: {decision.error}"
+            ) from cause
         error = ""
         try:
             self._executor.write_versions(step, timeout)
-        except WeightTransferError as exc:
-            error = str(exc)
+        except Exception as exc:  # reported like any other failure, then raised on every rank
+            cause = exc
+            error = self._describe(exc)
+            log.error("trainer rank %d: writing version words of update %d failed: %s",
+                      self.rank, step, error)
         cp.put(
             f"committed/{step}/{self.rank}",
             Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0),
@@ -273,12 +296,39 @@ class WeightSender:
         result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
-            raise WeightTransferError(f"update {step}: version words not all written: {result.error}")
+            # Some words may read `step` already: set every word this rank wrote back to the
+            # last complete update, so no engine (no rank of a replica) shows a partial one.
+            try:
+                self._executor.write_versions(self._committed_step, timeout)
+            except Exception as exc:  # an engine that is gone keeps what it had
+                log.warning("trainer rank %d: rolling back version words of update %d: %s",
+                            self.rank, step, exc)
+            raise WeightTransferError(
+                f"update {step}: version words not all written: {result.error}"
+            ) from cause
+        self._committed_step = step
         assert stats is not None
         if self.config.record_trace:
             self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]
         return stats
+
+    def _describe(self, exc: BaseException) -> str:
+        """One line naming this rank and the exception (its type unless it is one of ours)."""
+        text = str(exc) if isinstance(exc, WeightTransferError) else f"{type(exc).__name__}: {exc}"
+        who = f"trainer rank {self.rank}"
+        return text if text.startswith(who) else f"{who}: {text}"
+
+    def _peer_failure(self, step: int) -> Callable[[], str | None]:
+        """For `Executor.run`: another rank's failure report for `step`, if one was published."""
+        key = f"abort/{step}"
+
+        def check() -> str | None:
+            if not self._control.exists(key):
+                return None
+            return self._control.get(key, Failure).message
+
+        return check
 
     def trace_events(self) -> list[dict[str, Any]]:
         """Chrome/Perfetto events of the recent updates on this rank, one after another on one

@@ -210,7 +210,7 @@ def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = Fals
     ctx = mp.get_context("spawn")
     inbox = _Inbox(ctx)
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
-    port, token = free_port(), secrets.token_hex(8)
+    port, token = free_port(), secrets.token_hex(16)
     procs: dict[str, Any] = {}
     for r in range(world):
         procs[f"trainer{r}"] = ctx.Process(
@@ -419,7 +419,7 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     ctx = mp.get_context("spawn")
     inbox = _Inbox(ctx)
     finish = ctx.Event()
-    port, dist_port, token = free_port(), free_port(), secrets.token_hex(8)
+    port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
     procs = {f"trainer{r}": ctx.Process(target=gather_trainer_proc,
                                         args=(r, port, dist_port, token, inbox.reporter(), finish))
              for r in range(2)}
@@ -458,3 +458,137 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     kind, message, elapsed, version = rep["engine"][0]
     assert kind != "ok" and "trainer rank 1" in message and version == 0, message
     assert rep["untouched"][0]
+
+
+DRAIN_TENSORS = 4
+
+
+def raising_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: Any,
+                         finish: Any) -> None:
+    """Two ranks shard four tensors (gloo); rank 1's quantizer raises a plain exception at its
+    first unit, while gathers of later tensors are still ahead of both ranks."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.transfer.controller import Controller
+    from weight_transfer.transfer.sender import WeightSender
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(3)
+    params = {f"w{i}": distribute_tensor(torch.randn(GATHER_SHAPE, generator=g), mesh, [Shard(0)])
+              for i in range(DRAIN_TENSORS)}
+    controller = None
+    if rank == 0:
+        controller = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1),
+                                _control(port, token))
+    sender = WeightSender(params, rank=rank, world_size=2, transport=TransportConfig(name="tcp"),
+                          control=_control(port, token), controller=controller,
+                          config=SenderConfig(update_timeout_s=CONTROL_TIMEOUT_S))
+    ex = sender._executor
+    out.put(("tasks", rank, [t.kind for t in sender.schedule.tasks].count("gather")))
+    real_quantize = ex.quantize
+    armed = [rank == 1]
+
+    def quantize(*args: Any) -> None:
+        if armed[0]:
+            raise KeyError("injected in rank 1's quantizer")
+        real_quantize(*args)
+
+    ex.quantize = quantize
+    results = []
+    for step in (1, 2):
+        t0 = time.monotonic()
+        try:
+            sender.update(step)
+            results.append(["ok", "", time.monotonic() - t0])
+        except WeightTransferError as exc:
+            results.append([type(exc).__name__, str(exc), time.monotonic() - t0])
+        armed[0] = False
+    out.put(("trainer", rank, results))
+    finish.wait(60)
+    sender.close()
+    _exit_now(out)
+
+
+def drain_engine_proc(port: int, token: str, out: Any) -> None:
+    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.planner.recipes import identity, scale_name, with_fp8
+    from weight_transfer.transfer.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(9)
+    tensors: dict[str, torch.Tensor] = {}
+    recipes = []
+    for i in range(DRAIN_TENSORS):
+        tensors[f"w{i}"] = torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn)
+        tensors[scale_name(f"w{i}")] = torch.rand(2, 1, generator=g) + 0.5
+        recipes.append(with_fp8(identity(f"w{i}", f"w{i}", GATHER_SHAPE)))
+    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(name="tcp"),
+                        control=_control(port, token))
+    versions = []
+    try:
+        versions.append(rx.version)
+        rx.wait_for_version(2, CONTROL_TIMEOUT_S * 2)
+        versions.append(rx.version)
+        out.put(("engine", 0, versions))
+    except WeightTransferError as exc:
+        out.put(("engine", 0, versions + [str(exc)]))
+    finally:
+        rx.close()
+    _exit_now(out)
+
+
+@pytest.mark.timeout(420)
+def test_plain_exception_while_gathers_remain_fails_fast() -> None:
+    """The rank that raised keeps entering the gathers left in its schedule, so the other rank's
+    gather completes instead of waiting out gloo's timeout; both raise naming rank 1 and the
+    exception, and the next update lands."""
+    ctx = mp.get_context("spawn")
+    inbox = _Inbox(ctx)
+    finish = ctx.Event()
+    port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
+    procs = {f"trainer{r}": ctx.Process(target=raising_trainer_proc,
+                                        args=(r, port, dist_port, token, inbox.reporter(), finish))
+             for r in range(2)}
+    procs["e0"] = ctx.Process(target=drain_engine_proc, args=(port, token, inbox.reporter()))
+    for p in procs.values():
+        p.start()
+    inbox.started()
+    rep: dict[str, Any] = {"trainer": {}, "engine": {}, "tasks": {}}
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and not (len(rep["trainer"]) == 2 and rep["engine"]):
+            msg = inbox.get(timeout=0.2)
+            if msg is not None:
+                rep[msg[0]][msg[1]] = msg[2]
+    finally:
+        finish.set()
+        codes = {}
+        for name, p in procs.items():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+                codes[name] = "hung"
+            else:
+                codes[name] = p.exitcode
+    assert codes == {"trainer0": 0, "trainer1": 0, "e0": 0}, (codes, rep)
+    assert rep["tasks"][0] == rep["tasks"][1] == DRAIN_TENSORS, rep["tasks"]
+    for r in (0, 1):
+        (kind, message, elapsed), second = rep["trainer"][r]
+        assert kind == "WeightTransferError", (r, kind, message)
+        assert "trainer rank 1: KeyError" in message and "injected" in message, message
+        # Well under gloo's own timeout, which a skipped gather would have cost rank 0.
+        print(f"trainer rank {r}: failed in {elapsed:.2f} s: {message}")
+        assert elapsed < PG_TIMEOUT_S / 2, (r, elapsed)
+        assert second[0] == "ok", (r, second)
+    assert rep["engine"][0] == [0, 2], rep["engine"]

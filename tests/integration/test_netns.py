@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
-import queue
 import secrets
 import shutil
 import subprocess
@@ -34,6 +33,7 @@ import pytest
 import torch
 
 from tests.markers import requires_module
+from weight_transfer.transfer.child_reports import ReportInbox
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
@@ -214,18 +214,20 @@ def two_hosts() -> Iterator[dict[str, str]]:
 def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str, str]) -> None:
     h = two_hosts
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
+    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the other
     paused, resume, link_up, finish = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
-    port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(8)
+    port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(16)
     procs = {
         "trainer": ctx.Process(target=trainer_proc, args=(backend, h["a"], h["va"], h["ip_a"], port,
-                                                          token, out, paused, resume, link_up,
+                                                          token, inbox.reporter(), paused, resume,
+                                                          link_up,
                                                           finish)),
         "engine": ctx.Process(target=engine_proc, args=(backend, h["b"], h["vb"], h["ip_b"], h["ip_a"],
-                                                        port, token, out)),
+                                                        port, token, inbox.reporter())),
     }
     for p in procs.values():
         p.start()
+    inbox.started()
     reports: dict[tuple[str, int], Any] = {}
     deadline = time.monotonic() + 200
     try:
@@ -233,12 +235,12 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
             if paused.is_set() and not resume.is_set():
                 _ip("-n", h["a"], "link", "set", h["va"], "down")
                 resume.set()
-            try:
-                msg = out.get(timeout=0.1)
-            except queue.Empty:
+            got = inbox.get(timeout=0.1)
+            if got is None:
                 if any(p.exitcode not in (None, 0) for p in procs.values()):
                     break
                 continue
+            msg = tuple(got)
             reports[(msg[0], msg[1])] = msg[2:]
             if msg[:2] == ("trainer", 2):
                 _ip("-n", h["a"], "link", "set", h["va"], "up")

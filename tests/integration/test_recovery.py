@@ -38,7 +38,7 @@ BACKENDS = [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")]
 
 
 def _control(timeout_s: float = 15.0) -> ControlPlaneConfig:
-    return ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=timeout_s)
+    return ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=timeout_s)
 
 
 def _engine(name: str, backend: str, cp: ControlPlaneConfig, *, tp_rank: int = 0, tp: int = 1,

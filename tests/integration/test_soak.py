@@ -54,7 +54,7 @@ def _resources(transports: list) -> dict[str, int]:
 
 
 def _rig(backend: str, num_engines: int = 2):
-    control = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=20)
+    control = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=num_engines), control)
     g = torch.Generator().manual_seed(7)
     src = {
@@ -138,7 +138,7 @@ def test_500_verified_updates_without_resource_growth(backend: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_verification_reports_corrupted_tensor_by_name_and_its_cost() -> None:
+def test_verification_reports_corrupted_tensor_by_name() -> None:
     ctrl, src, receivers, sender = _rig("loopback")
     try:
         sender.update(1)
@@ -159,18 +159,3 @@ def test_verification_reports_corrupted_tensor_by_name_and_its_cost() -> None:
         sender.close()
         for r in receivers:
             r.close()
-
-
-@pytest.mark.timeout(120)
-def test_verification_cost_is_measured() -> None:
-    """Digest cost on 64 MiB: documented in docs/faults.md; asserted only to be finite."""
-    from weight_transfer.transfer.receiver import tensor_digest
-
-    t = torch.randn(16 << 20, generator=torch.Generator().manual_seed(3))  # 64 MiB float32
-    tensor_digest(t)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        tensor_digest(t)
-    per_gib = (time.perf_counter() - t0) / 3 / (t.numel() * 4 / (1 << 30))
-    log.warning("verification: sha256 of engine tensors costs %.3f s per GiB on this host", per_gib)
-    assert 0 < per_gib < 60

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.transfer.config import (
     ControlPlaneConfig,
     SenderConfig,
-    TransferConfig,
     config_from_mapping,
     load_toml,
     merge,
+    new_token,
     read_toml,
+    token_bits,
 )
+
+TOKEN = new_token()
 
 TOML = """
 transport = "tcp"
@@ -21,7 +26,7 @@ connect_timeout_s = 5.0
 [control]
 host = "127.0.0.1"
 port = 29811
-token = "a-long-shared-secret"
+token = "xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"
 [sender]
 memory_budget_bytes = 268435456
 [planner]
@@ -37,7 +42,7 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
     path.write_text(TOML)
     cfg = load_toml(path)
     assert cfg.transport == "tcp"
-    assert cfg.control == ControlPlaneConfig(host="127.0.0.1", port=29811, token="a-long-shared-secret")
+    assert cfg.control == ControlPlaneConfig(host="127.0.0.1", port=29811, token="xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8")
     assert cfg.sender == SenderConfig(memory_budget_bytes=256 << 20)
     assert cfg.planner.max_write_bytes == 1 << 20
     assert cfg.transport_options == (("UCX_TLS", "rc,cuda_ipc"),)
@@ -59,14 +64,14 @@ def test_cli_overrides_win_over_the_file(tmp_path):
         ({"transport": "carrier-pigeon"}, "unknown transport"),
         ({"tranport": "tcp"}, "unknown setting 'tranport'"),
         ({"sender": {"memory_budget_bytes": 0}}, "memory_budget_bytes must be positive"),
-        ({"control": {"token": "short"}}, "at least 8 characters"),
+        ({"control": {"token": "short"}}, "fewer than the 128 required"),
         ({"control": {"port": 70000}}, "out of range"),
         ({"planner": {"max_write_bytes": 1 << 30, "memory_budget_bytes": 1 << 30}}, "at most half"),
     ],
 )
 def test_bad_values_are_named(data, message):
     with pytest.raises(ValueError, match=message):
-        config_from_mapping(data)
+        config_from_mapping(merge({"control": {"token": TOKEN}}, data))
 
 
 def test_invalid_toml_is_a_clear_error(tmp_path):
@@ -76,6 +81,35 @@ def test_invalid_toml_is_a_clear_error(tmp_path):
         load_toml(path)
 
 
-def test_defaults_are_valid():
-    TransferConfig()
-    PlannerConfig()
+def test_defaults_are_valid_and_the_token_has_none():
+    assert PlannerConfig() == config_from_mapping({"control": {"token": TOKEN}}).planner
+    with pytest.raises(ValueError, match="missing.*'control'"):
+        config_from_mapping({})
+    with pytest.raises(ValueError, match="token is required"):
+        ControlPlaneConfig()
+
+
+@pytest.mark.parametrize("token", [
+    "change-me-please", "a-long-shared-secret", secrets.token_hex(8), "ab" * 32, "a" * 100,
+])
+def test_weak_tokens_are_refused(token):
+    with pytest.raises(ValueError, match="fewer than the 128 required"):
+        ControlPlaneConfig(token=token)
+
+
+def test_generated_tokens_pass():
+    for _ in range(200):
+        ControlPlaneConfig(token=new_token())
+        ControlPlaneConfig(token=secrets.token_hex(16))
+    assert token_bits(new_token()) >= 250
+
+
+def test_cli_prints_a_fresh_token(capsys):
+    from weight_transfer.transfer.cli import main
+
+    assert main(["token"]) == 0
+    first = capsys.readouterr().out.strip()
+    assert main(["token"]) == 0
+    second = capsys.readouterr().out.strip()
+    assert first != second and token_bits(first) >= 250
+    ControlPlaneConfig(token=first)

@@ -58,7 +58,7 @@ def test_token_is_required() -> None:
 
 
 def test_store_binds_only_the_configured_host() -> None:
-    cp = ControlPlaneConfig(host="127.0.0.1", port=free_port(), token=secrets.token_hex(8))
+    cp = ControlPlaneConfig(host="127.0.0.1", port=free_port(), token=secrets.token_hex(16))
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     try:
         addrs = _listening_addresses(cp.port)
@@ -70,7 +70,7 @@ def test_store_binds_only_the_configured_host() -> None:
 
 @pytest.mark.timeout(60)
 def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
-    token = secrets.token_hex(8)
+    token = secrets.token_hex(16)
     cp = ControlPlaneConfig(port=free_port(), token=token, timeout_s=10)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     g = torch.Generator().manual_seed(1)
@@ -93,9 +93,9 @@ def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
             with pytest.raises(ValueError):
                 codec.from_msgpack(Decision, raw)  # no structure visible to decode
             # A guessed token does not open it either.
-            wrong = AESGCM(derive_key("guessed-token", "default"))
+            wrong = AESGCM(derive_key(secrets.token_hex(16), "default", ctrl.control.run_id))
             with pytest.raises(InvalidTag):
-                wrong.decrypt(raw[:12], raw[12:], f"wt/default/{key}".encode())
+                wrong.decrypt(raw[:12], raw[12:], ctrl.control.run_id + f"wt/default/{key}".encode())
         # Forge "update 1 committed" as an outsider: every member refuses it.
         forged = codec.to_msgpack(Decision(step=1, ok=True, error=""))
         outsider.set("wt/default/commit/1", forged + b"\0" * 28)
@@ -113,10 +113,10 @@ def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
 
 @pytest.mark.timeout(60)
 def test_wrong_token_member_is_refused_on_join() -> None:
-    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=5)
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5)
     server = ControlPlane(cp, server=True, member="controller")
     try:
-        bad = ControlPlaneConfig(port=cp.port, token="another-token-123", timeout_s=5)
+        bad = ControlPlaneConfig(port=cp.port, token=secrets.token_hex(16), timeout_s=5)
         with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
             ControlPlane(bad, server=False, member="intruder")
     finally:
@@ -141,7 +141,7 @@ def test_no_pickle_in_library_code() -> None:
 
 
 def test_sealed_values_are_not_plain_msgpack() -> None:
-    cp = ControlPlane(ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8)),
+    cp = ControlPlane(ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16)),
                       server=True, member="controller")
     try:
         sealed = cp.seal("wt/default/k", codec.to_msgpack(Decision(step=1, ok=True, error="")))
@@ -152,3 +152,84 @@ def test_sealed_values_are_not_plain_msgpack() -> None:
         assert obj != {"step": 1, "ok": True, "error": ""}
     finally:
         cp.close()
+
+
+# -- replay across runs, and strangers on the port ----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_value_recorded_in_an_earlier_run_is_refused() -> None:
+    """Same token, same session, same port, a new controller: a `commit/1` that said ok in run
+    1 does not authenticate in run 2 (fresh run id in the key and in every value's AAD), and
+    neither does run 1's `hello` planted before run 2's members join."""
+    token, port = secrets.token_hex(16), free_port()
+    cfg = ControlPlaneConfig(port=port, token=token, timeout_s=5)
+    run1 = ControlPlane(cfg, server=True, member="controller (run 1)")
+    run1.put("commit/1", Decision(step=1, ok=True, error=""))
+    outsider = _raw_client(port)
+    recorded = {k: outsider.get(f"wt/default/{k}") for k in ("commit/1", "hello")}
+    member1 = ControlPlane(cfg, server=False, member="trainer rank 1")
+    assert member1.get("commit/1", Decision).ok  # genuine in its own run
+    del outsider, member1
+    run1._store = None  # the first controller ends; its store goes with the object
+    run1.close()
+    import gc
+
+    gc.collect()
+    run2 = ControlPlane(cfg, server=True, member="controller (run 2)")
+    try:
+        assert run2.run_id != run1.run_id
+        outsider = _raw_client(port)
+        outsider.set("wt/default/commit/1", recorded["commit/1"])
+        member = ControlPlane(cfg, server=False, member="trainer rank 1")
+        with pytest.raises(ControlPlaneAuthError, match="another run"):
+            member.get("commit/1", Decision, 1)
+        # The old hello replayed: a member that joins now takes run 1's id and fails on its
+        # first read of a run-2 value instead of accepting anything recorded.
+        run2.put("go/1", Decision(step=1, ok=True, error=""))
+        outsider.set("wt/default/hello", recorded["hello"])
+        late = ControlPlane(cfg, server=False, member="engine 'e9'")
+        assert late.run_id == run1.run_id
+        with pytest.raises(ControlPlaneAuthError):
+            late.get("go/1", Decision, 1)
+    finally:
+        run2.close()
+
+
+@pytest.mark.timeout(60)
+def test_stranger_cannot_pre_claim_an_engine_name_or_a_join_slot() -> None:
+    from weight_transfer.backends.base import TransportConfig as TC
+
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    try:
+        outsider = _raw_client(cp.port)
+        outsider.set("wt/default/claim/engine/e0", b"x" * 40)
+        g = torch.Generator().manual_seed(2)
+        tensors = {"w": torch.randn(4, 4, generator=g)}
+        with pytest.raises(ControlPlaneAuthError, match="claim/engine/e0"):
+            WeightReceiver(tensors, [identity("w", "w", (4, 4))], engine="e0",
+                           transport=TC(name="loopback"), control=cp)
+        # A forged join slot is refused, not counted: the next engine reports it.
+        outsider.set("wt/default/claim/engine_slot/0", b"y" * 40)
+        with pytest.raises(ControlPlaneAuthError, match="claim/engine_slot/0"):
+            WeightReceiver(tensors, [identity("w", "w", (4, 4))], engine="e1",
+                           transport=TC(name="loopback"), control=cp)
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.timeout(60)
+def test_stranger_cannot_release_a_barrier_early() -> None:
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5)
+    server = ControlPlane(cp, server=True, member="controller")
+    try:
+        outsider = _raw_client(cp.port)
+        outsider.set("wt/default/barrier/group/1/1/1", b"z" * 40)  # "rank 1 arrived"
+        with pytest.raises(ControlPlaneAuthError, match="barrier/group/1/1/1"):
+            server.barrier("group/1/1", 2, 0, timeout_s=2)
+        # Without the forgery, a missing member is a timeout that names it.
+        with pytest.raises(Exception, match=r"barrier/group/2/1/1"):
+            server.barrier("group/2/1", 2, 0, timeout_s=0.5)
+    finally:
+        server.close()

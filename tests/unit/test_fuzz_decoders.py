@@ -54,7 +54,7 @@ plain = st.recursive(
 
 def test_every_message_class_is_fuzzed() -> None:
     assert {c.__name__ for c in MESSAGES} >= {
-        "Hello", "TrainerJoin", "EngineJoin", "EngineList", "RankPlan", "Failure", "Go", "Done",
+        "Hello", "Claim", "TrainerJoin", "EngineJoin", "RankPlan", "Failure", "Go", "Done",
         "Decision", "Digests",
     }
 
@@ -90,7 +90,7 @@ _VALID = [
     protocol.Done(rank=1, step=3, ok=False, error="x", nbytes=10, seconds=0.5),
     protocol.Decision(step=2, ok=True, error=""),
     protocol.Digests(engine="e0", step=1, version=1, digests=(("a", "00"),)),
-    protocol.EngineList(names=("e0", "e1")),
+    protocol.Claim(member="engine 'e0'", nonce=bytes(range(16))),
 ]
 
 
@@ -120,7 +120,7 @@ def test_region_descriptor_random_bytes(data: bytes) -> None:
 @pytest.fixture(scope="module")
 def control_plane():
     cp = ControlPlane(
-        ControlPlaneConfig(port=free_port(), token=secrets.token_hex(8), timeout_s=5),
+        ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5),
         server=True, member="fuzz",
     )
     yield cp

@@ -25,7 +25,7 @@ from weight_transfer.transfer.sender import WeightSender
 
 def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
     return ControlPlaneConfig(
-        port=port or free_port(), token=token or secrets.token_hex(8), timeout_s=timeout_s
+        port=port or free_port(), token=token or secrets.token_hex(16), timeout_s=timeout_s
     )
 
 
@@ -106,7 +106,7 @@ def test_wrong_token_refused() -> None:
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)  # noqa: F841 (hosts the store)
     recipes, tensors, _ = engine_setup()
-    bad = ControlPlaneConfig(port=cp.port, token="not-the-token", timeout_s=5)
+    bad = ControlPlaneConfig(port=cp.port, token=secrets.token_hex(16), timeout_s=5)
     with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
         WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=bad)
 
@@ -249,3 +249,53 @@ def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None
         sender.close()
         rx.close()
         ctrl.close()
+
+
+@pytest.mark.timeout(120)
+def test_engines_join_a_restarted_controller_without_restarting() -> None:
+    """The trainer job (and the controller in it) restarts on the same port; the engines keep
+    running, lose the controller, call `join_new_session()` once each, and the new trainer job
+    updates them (a new run: new run id, new plan, new connections)."""
+    import gc
+
+    from weight_transfer.backends.base import PeerLostError
+
+    cp = control(timeout_s=10)
+    receivers, engine_tensors, rows = [], [], []
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+    for e in range(2):
+        recipes, tensors, r = engine_setup(e)
+        receivers.append(WeightReceiver(tensors, recipes, engine=f"e{e}", transport=TransportConfig(name="tcp"), control=cp))
+        engine_tensors.append(tensors)
+        rows.append(r)
+    src = trainer_tensors(1)
+    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+    try:
+        sender.update(1)
+        first_run = ctrl.control.run_id
+        # The trainer job ends: its sender, controller and the store it hosted go away.
+        sender.close()
+        ctrl.close()
+        del sender, ctrl
+        gc.collect()
+        with pytest.raises((PeerLostError, TransportTimeoutError)):
+            receivers[0].wait_for_version(2, 2.0)
+        ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
+        assert ctrl.control.run_id != first_run
+        for rx in receivers:
+            rx.join_new_session()
+            assert rx.wait_for_version(1, 1.0) == 1  # what it holds is still reported
+        with pytest.raises(ConfigurationError, match="already registered"):
+            receivers[0].join_new_session()  # twice in one session is a mistake, named
+        src = trainer_tensors(2)
+        sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+        sender.update(2)
+        for e in range(2):
+            assert receivers[e].wait_for_version(2, 5.0) == 2
+            a, b = rows[e]
+            assert torch.equal(engine_tensors[e]["a.weight"], src["a.weight"][a:b])
+            assert torch.equal(engine_tensors[e]["b.weight"], src["b.weight"])
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()

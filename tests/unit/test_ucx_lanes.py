@@ -137,3 +137,46 @@ def test_a_failing_lane_fails_the_batch_naming_the_peer() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+class _FakeWorker:
+    """Stands in for UcxWorker's request bookkeeping: which requests were given up on."""
+
+    def __init__(self, flush_fails: bool) -> None:
+        self.flush_fails = flush_fails
+        self.released: list[int] = []
+
+    def check(self, request):
+        from weight_transfer.backends import ucx_native
+
+        request.ptr = None  # the real check frees the request whatever its status
+        if self.flush_fails:
+            raise ucx_native.UcxError("UCX request", -3, "Endpoint timeout")
+        return True
+
+    def settle(self, requests):
+        return []
+
+    def release_all(self, requests):
+        self.released.extend(requests)
+
+    def release(self, request):
+        if request.ptr is not None:
+            self.released.append(request.ptr)
+            request.ptr = None
+
+
+def test_settle_releases_the_puts_when_the_flush_fails() -> None:
+    """A failed flush used to drop the batch's outstanding put requests without releasing
+    them (leaked UCX requests); now every one is given up on before the error propagates."""
+    from weight_transfer.backends import ucx, ucx_native
+
+    worker = _FakeWorker(flush_fails=True)
+    batch = ucx._Batch(puts=[0x1000, 0x2000, 0x3000], flush=ucx_native.Request(0x9000, 1))
+    with pytest.raises(ucx_native.UcxError, match="Endpoint timeout"):
+        ucx._settle(worker, batch)
+    assert worker.released == [0x1000, 0x2000, 0x3000]
+    assert batch.puts == [] and batch.flush is None
+    ok = _FakeWorker(flush_fails=False)
+    batch = ucx._Batch(puts=[0x1000], flush=ucx_native.Request(0x9000, 1))
+    assert ucx._settle(ok, batch) and ok.released == []

@@ -25,6 +25,7 @@ from weight_transfer.errors import (
     TransportError,
     TransportTimeoutError,
     TransportUnavailableError,
+    UpdateAbortedError,
     WeightTransferError,
 )
 from weight_transfer.planner.presets.models import (
@@ -66,6 +67,7 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "UpdateAbortedError",
     "WeightReceiver",
     "WeightSender",
     "WeightTransferError",

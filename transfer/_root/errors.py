@@ -13,6 +13,7 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "UpdateAbortedError",
     "WeightTransferError",
 ]
 
@@ -54,3 +55,7 @@ class TransportTimeoutError(WeightTransferError, TimeoutError):
 
 class ControlPlaneAuthError(WeightTransferError):
     """A control-plane message failed authentication (wrong token or tampered data)."""
+
+
+class UpdateAbortedError(WeightTransferError):
+    """This rank stopped an update because another rank failed (named in the message)."""

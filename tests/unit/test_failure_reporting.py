@@ -1,0 +1,123 @@
+"""Any exception in any stage of any rank fails the update on every rank at once.
+
+Three trainer ranks (FSDP2 shards) update four FP8 engines (tp=4) in one process through the
+real runtime (`tests.unit._inprocess`). One rank is made to raise a plain exception (not one of
+ours) in one stage: preparation (the quantizer), posting writes, or writing version words. Every
+rank must raise within seconds (the timeouts are 30 s), naming the failing rank and the
+exception; no engine's version word advances (after a failure while version words are written,
+the words already written are set back: every rank of a replica shows the same update, and
+`wait_for_version` never reports the failed one); the next update lands exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from weight_transfer.backends.base import WeightTransferError
+from weight_transfer.transfer.sender import WeightSender
+
+from tests.unit._inprocess import Cluster
+from tests.unit.test_layouts import TINY, check_engine, expected_vllm, hf_weights, make_engines, shards_for
+
+FAIL_WITHIN_S = 5.0
+"""Every rank raises within this (the control plane and update timeouts are 30 s)."""
+
+
+class Boom(Exception):
+    """The injected failure: deliberately not a WeightTransferError."""
+
+
+def _inject(stage: str, armed: dict[str, bool]):
+    def wrap(s: WeightSender) -> None:
+        if s.rank != 2:
+            return
+        ex = s._executor
+        if stage == "prepare":
+            real_q = ex.quantize
+
+            def quantize(*args):
+                if armed["on"]:
+                    raise Boom("injected in the quantizer")
+                real_q(*args)
+
+            ex.quantize = quantize
+        elif stage == "write":
+            tr = ex.transport
+            real_post = tr.post_writes
+
+            def post_writes(peer, ops):
+                if armed["on"]:
+                    raise Boom(f"injected posting to {peer}")
+                return real_post(peer, ops)
+
+            tr.post_writes = post_writes  # type: ignore[method-assign]
+        else:
+            real_wv = ex.write_versions
+
+            def write_versions(step, timeout_s):
+                real_wv(step, timeout_s)
+                if armed["on"] and step > 0:
+                    # The words landed (as when an acknowledgement is lost): record what the
+                    # engines show before the roll-back, then fail.
+                    armed["before_rollback"] = [rx.version for rx in armed["receivers"]]
+                    raise Boom("injected writing version words")
+
+            ex.write_versions = write_versions  # type: ignore[method-assign]
+
+    return wrap
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ["prepare", "write", "commit"])
+def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
+    hf = hf_weights(TINY, 7)
+    engines, befores = make_engines(TINY, 4, fp8=True, block=(128, 128), seed=70)
+    armed: dict = {"on": True, "receivers": []}
+    with Cluster(
+        monkeypatch, hf, shards_for(hf, 3, "fsdp", 1), engines, world=3,
+        timeout_s=30.0, update_timeout_s=30.0, wrap=_inject(stage, armed),
+    ) as cluster:
+        armed["receivers"] = cluster.receivers
+        seen: dict[str, object] = {}
+
+        def watch(rx) -> None:
+            try:
+                seen[rx.engine] = rx.wait_for_version(1, 20.0)
+            except WeightTransferError as exc:
+                seen[rx.engine] = exc
+
+        watchers = [threading.Thread(target=watch, args=(rx,)) for rx in cluster.receivers]
+        for t in watchers:
+            t.start()
+        out = cluster.update(1)
+        for t in watchers:
+            t.join(30)
+        for r in range(3):
+            exc = out.results[r]
+            assert isinstance(exc, WeightTransferError), f"rank {r} returned {exc!r}"
+            text = str(exc)
+            assert "update 1" in text and "trainer rank 2" in text and "Boom: injected" in text, text
+            assert out.seconds[r] < FAIL_WITHIN_S, f"rank {r} took {out.seconds[r]:.1f} s to fail"
+        assert isinstance(out.results[2].__cause__, Boom)
+        # Whole updates: no engine shows update 1, also after a failure while the version
+        # words were being written (the words other ranks wrote are set back), and no
+        # engine waiting for it was told it arrived.
+        if stage == "commit":
+            assert 1 in armed["before_rollback"], armed["before_rollback"]
+        for rx in cluster.receivers:
+            assert rx.version == 0, (stage, rx.engine, rx.version)
+            assert isinstance(seen[rx.engine], WeightTransferError), (rx.engine, seen[rx.engine])
+        armed["on"] = False
+        with torch.no_grad():
+            for t in hf.values():
+                t.mul_(-1)
+        cluster.refresh_locals()
+        ok = cluster.update(2)
+        bad = {r: v for r, v in ok.results.items() if isinstance(v, BaseException)}
+        assert not bad, f"the update after the failure failed: {bad}"
+        for r, e in enumerate(engines):
+            assert cluster.receivers[r].wait_for_version(2, 5.0) == 2
+            check_engine(e.name, e.tensors, befores[r], expected_vllm(TINY, hf, r, 4), fp8=True, block=(128, 128))
