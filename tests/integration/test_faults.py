@@ -88,21 +88,25 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
         config=SenderConfig(memory_budget_bytes=1 << 30, update_timeout_s=UPDATE_TIMEOUT_S),
     )
     out.put(("tasks", rank, len(sender.schedule.tasks)))
-    post = sender._transport.post_writes
+    transport = sender._transport
+    post, post_prepared = transport.post_writes, transport.post_prepared
     posted = [0]
 
-    def faulty_post(peer: str, ops: Any) -> Any:
+    def faulty(do_post: Any) -> Any:
+        # The fault lands at the first batch posted, whichever way it is posted (batches that
+        # repeat every update go through prepare_writes/post_prepared).
         posted[0] += 1
         if posted[0] == 1 and fault in ("kill_engine", "stall"):
             paused.set()  # the test kills or stops an engine now, before the first batch
             resume.wait(60)
-        handle = post(peer, ops)
+        handle = do_post()
         if posted[0] == 1:
             if (fault == "kill_trainer" and rank == 1) or (fault == "kill_controller" and rank == 0):
                 os.kill(os.getpid(), signal.SIGKILL)
         return handle
 
-    sender._transport.post_writes = faulty_post  # type: ignore[method-assign]
+    transport.post_writes = lambda peer, ops: faulty(lambda: post(peer, ops))  # type: ignore[method-assign]
+    transport.post_prepared = lambda prepared: faulty(lambda: post_prepared(prepared))  # type: ignore[method-assign]
     t0 = time.monotonic()
     try:
         sender.update(1)

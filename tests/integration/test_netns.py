@@ -128,17 +128,21 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
                       transport=_transport(backend, host, dev),
                       control=_control(host, port, token), controller=ctrl,
                       config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S))
-    post = tx._transport.post_writes
+    transport = tx._transport
+    post, post_prepared = transport.post_writes, transport.post_prepared
     pause_next = [False]
 
-    def maybe_paused_post(peer: str, ops: Any) -> Any:
+    def maybe_paused(do_post: Any) -> Any:
+        # Before the first batch of the update, however it is posted (repeating batches go
+        # through prepare_writes/post_prepared).
         if pause_next[0]:
             pause_next[0] = False
             paused.set()  # the test cuts the link now
             resume.wait(60)
-        return post(peer, ops)
+        return do_post()
 
-    tx._transport.post_writes = maybe_paused_post  # type: ignore[method-assign]
+    transport.post_writes = lambda peer, ops: maybe_paused(lambda: post(peer, ops))  # type: ignore[method-assign]
+    transport.post_prepared = lambda prepared: maybe_paused(lambda: post_prepared(prepared))  # type: ignore[method-assign]
     for step in (1, 2, 3):
         if step == 3:
             link_up.wait(120)
