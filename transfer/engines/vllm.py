@@ -190,8 +190,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.receiver: WeightReceiver | None = None
         self._signal: ControlPlane | None = None
         self.weight_version = 0
-        self.last_finish_s = 0.0
+        self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
+        self._pending = 0
 
     # -- construction checks ------------------------------------------------------------------
 
@@ -284,7 +285,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             raise WeightTransferError("weight_transfer: start_weight_update before init")
 
     def receive_weights(self, update_info: EngineUpdateInfo) -> None:
-        """Announce readiness, then wait (bounded) until update `version` is complete.
+        """Announce readiness, wait (bounded) until update `version` is complete, refresh.
+
+        The refresh (vLLM's processing of the layers that derive kernel state) runs here, not
+        in `finish_weight_update`, so that between the first write and the refreshed state the
+        worker's thread never leaves this call and no forward pass can run in between.
 
         Raises:
             TransportTimeoutError: not complete within `update_info.timeout_s`.
@@ -297,6 +302,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         t0 = time.perf_counter()
         self.receiver.wait_for_version(k, update_info.timeout_s)
         self.last_receive_s = time.perf_counter() - t0
+        # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
+        self._refresh()
         self._pending = k
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -306,8 +313,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def finish_weight_update(self) -> None:
-        """Re-run vLLM's processing for the layers that derive kernel state; set the version.
+    def _refresh(self) -> None:
+        """Re-run vLLM's processing for the layers that derive kernel state from the weights.
 
         Raises:
             WeightTransferError: vLLM's processing moved a parameter registered in place
@@ -318,20 +325,24 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             module = self.model.get_submodule(mod_name)
             wname = mod_name + ".weight"
             if wname in self._buffers:
+                # vLLM's processing reads layer.weight: hand it the buffer (no copy).
                 module.weight = nn.Parameter(self._buffers[wname], requires_grad=False)
             module.quant_method.process_weights_after_loading(module)
+        live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
                 continue
-            live = dict(self.model.named_parameters()).get(name)
-            if live is None or live.data_ptr() != self._targets[name].data_ptr():
+            if name not in live or live[name].data_ptr() != self._targets[name].data_ptr():
                 raise WeightTransferError(
                     f"weight_transfer: vLLM's processing moved {name!r}; its registration is stale"
                 )
-        self.last_finish_s = time.perf_counter() - t0
-        self.weight_version = getattr(self, "_pending", self.weight_version)
-        log.info("weight_transfer: update %d finished, %d modules re-processed in %.4f s",
-                 self.weight_version, len(self._reprocess), self.last_finish_s)
+        self.last_refresh_s = time.perf_counter() - t0
+
+    def finish_weight_update(self) -> None:
+        """Record the version of the update `receive_weights` completed."""
+        self.weight_version = self._pending
+        log.info("weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
+                 self.weight_version, len(self._reprocess), self.last_refresh_s)
 
     def shutdown(self) -> None:
         """Leave the control plane; the model keeps serving its current weights."""
@@ -347,7 +358,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
             "extra_bytes": self.extra_bytes,
-            "last_finish_s": self.last_finish_s,
+            "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
             "weight_version": self.weight_version,
         }

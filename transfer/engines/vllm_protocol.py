@@ -204,9 +204,11 @@ class WeightSyncClient(Protocol):
 class LLMWeightSyncClient:
     """`WeightSyncClient` over an in-process `vllm.LLM` (vLLM 0.32's `LLM` has no such methods).
 
-    Each phase is vLLM's own worker method reached through `LLM.collective_rpc`;
-    `finish_weight_update` also resets vLLM's prefix cache (cached KV blocks were computed with
-    the old weights) and sets the engine's weight version. Not thread-safe: one phase at a time.
+    Each phase is vLLM's own worker method reached through `LLM.collective_rpc`. Around the
+    update the scheduler is paused with vLLM's own level-0 sleep in "keep" mode (requests in
+    flight stay queued, no step runs) and resumed after `finish_weight_update`, which also
+    resets vLLM's prefix cache (cached KV blocks were computed with the old weights) and sets the
+    engine's weight version. Not thread-safe: one phase at a time.
     """
 
     def __init__(self, llm: Any) -> None:
@@ -218,19 +220,31 @@ class LLMWeightSyncClient:
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        """Every worker starts an update session."""
-        self.llm.collective_rpc("start_weight_update")
+        """Pause scheduling (requests kept), then every worker starts an update session."""
+        self.llm.sleep(level=0, mode="keep")
+        try:
+            self.llm.collective_rpc("start_weight_update")
+        except BaseException:
+            self.llm.wake_up(tags=["scheduling"])
+            raise
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Every worker waits (bounded) until the update's writes are complete."""
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Every worker refreshes derived state; prefix cache reset; weight version set."""
-        self.llm.collective_rpc("finish_weight_update")
-        self.llm.reset_prefix_cache()
-        if weight_version is not None:
-            self.llm.llm_engine.set_weight_version(weight_version)
+        """Every worker records the update; prefix cache reset; version set; scheduling resumed."""
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+            self.llm.reset_prefix_cache()
+            if weight_version is not None:
+                self.llm.llm_engine.set_weight_version(weight_version)
+        finally:
+            self.llm.wake_up(tags=["scheduling"])
+
+    def abort_weight_update(self) -> None:
+        """Resume scheduling after a failed update (the engine keeps its previous version)."""
+        self.llm.wake_up(tags=["scheduling"])
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Every worker leaves the transfer (inference goes on)."""
@@ -330,6 +344,19 @@ class OneSidedUpdater:
         client = self.client
         timeout = self.init_info.update_timeout_s
         client.start_weight_update()
+        try:
+            stats = self._transfer(step, client, timeout)
+        except BaseException:
+            abort = getattr(client, "abort_weight_update", None)
+            if abort is not None:
+                abort()
+            raise
+        t0 = time.perf_counter()
+        client.finish_weight_update(str(step))
+        log.info("update %d: vLLM finish_weight_update took %.3f s", step, time.perf_counter() - t0)
+        return stats
+
+    def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
         errors: list[BaseException] = []
 
         def receive() -> None:
@@ -351,9 +378,6 @@ class OneSidedUpdater:
             )
         if errors:
             raise WeightTransferError(f"update {step}: vLLM's update_weights failed: {errors[0]}")
-        t0 = time.perf_counter()
-        client.finish_weight_update(str(step))
-        log.info("update %d: vLLM finish_weight_update took %.3f s", step, time.perf_counter() - t0)
         return stats
 
     def _wait_ready(
