@@ -540,3 +540,26 @@ def test_uncovered_model_family_is_refused(tmp_path: Path) -> None:
                        text=True, timeout=300)
     assert r.returncode != 0
     assert "GPT2LMHeadModel is not covered by the vLLM preset" in r.stdout + r.stderr
+
+
+# -- the README's example ------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_readme_example_runs_as_written() -> None:
+    """The README's "Use with vLLM" code is examples/vllm_update.py, and it runs and verifies."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Use with vLLM", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    example = REPO / "examples" / "vllm_update.py"
+    assert block == example.read_text()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert [ln.split(",")[1].strip() for ln in lines if ln.startswith("update ")] == [
+        f"vLLM weight version {k}" for k in (1, 2, 3)
+    ]
+    assert lines[-1] == "verified: vLLM generates the trained model's greedy tokens"
