@@ -563,3 +563,16 @@ def test_readme_example_runs_as_written() -> None:
         f"vLLM weight version {k}" for k in (1, 2, 3)
     ]
     assert lines[-1] == "verified: vLLM generates the trained model's greedy tokens"
+
+
+def test_demo_vllm_command_verifies() -> None:
+    """`weight-transfer demo-vllm` runs verified updates into a real vLLM and says so."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+    r = subprocess.run(
+        [sys.executable, "-m", "weight_transfer.transfer.cli", "demo-vllm", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert [ln.endswith(", ok") for ln in lines if ln.startswith("update ")] == [True, True]
+    assert lines[-1].startswith("verified 2 update(s) into vLLM")

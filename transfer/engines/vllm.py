@@ -189,6 +189,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             log.debug("weight_transfer: %s -> %s", p.name, p.path)
         self.receiver: WeightReceiver | None = None
         self._signal: ControlPlane | None = None
+        self._publish_digests = False
         self.weight_version = 0
         self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
@@ -275,7 +276,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         )
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
-        self._receive_timeout_s = control.timeout_s
+        self._publish_digests = init_info.publish_digests
         log.info("weight_transfer: %s joined %s:%d session %r over %s", engine, control.host,
                  control.port, control.session, init_info.transport)
 
@@ -305,6 +306,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
         self._refresh()
         self._pending = k
+        if self._publish_digests:
+            self.receiver.publish_digests(k)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's entry point; skips the base class's device synchronize on CPU."""

@@ -85,6 +85,9 @@ class EngineInitInfo:
     """Backend options (key, value)."""
     engine_prefix: str = "vllm"
     """Engine ranks are named `{engine_prefix}/rank{global worker rank}`."""
+    publish_digests: bool = False
+    """Verification mode: after each update every engine rank publishes a sha256 of every
+    tensor it received (one read of all of them) for `Controller.verify`."""
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON: normalise to the frozen form.
@@ -165,6 +168,8 @@ class TrainerInitInfo:
     """Per-rank temporary memory of the sender."""
     engine_prefix: str = "vllm"
     """Engine-rank name prefix (one per vLLM deployment sharing a control plane)."""
+    publish_digests: bool = False
+    """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -186,6 +191,7 @@ class TrainerInitInfo:
             host=self.host, port=self.port, token=self.token, session=self.session,
             timeout_s=self.timeout_s, transport=self.transport,
             transport_options=self.transport_options, engine_prefix=self.engine_prefix,
+            publish_digests=self.publish_digests,
         )
 
 
