@@ -88,6 +88,9 @@ class EngineInitInfo:
     publish_digests: bool = False
     """Verification mode: after each update every engine rank publishes a sha256 of every
     tensor it received (one read of all of them) for `Controller.verify`."""
+    hf_moe_layout: str = "per_expert"
+    """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
+    (transformers >= 5 modules); see `planner.presets.models`."""
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON: normalise to the frozen form.
@@ -97,6 +100,8 @@ class EngineInitInfo:
         self.control()  # validates host, port, token, session, timeout
         if not self.engine_prefix or "/" in self.engine_prefix:
             raise ValueError("engine_prefix must be non-empty and contain no '/'")
+        if self.hf_moe_layout not in ("per_expert", "fused"):
+            raise ValueError(f"hf_moe_layout must be per_expert or fused, got {self.hf_moe_layout!r}")
 
     def control(self) -> ControlPlaneConfig:
         """The `ControlPlaneConfig` this describes."""
@@ -170,6 +175,8 @@ class TrainerInitInfo:
     """Engine-rank name prefix (one per vLLM deployment sharing a control plane)."""
     publish_digests: bool = False
     """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
+    hf_moe_layout: str = "per_expert"
+    """How this trainer holds MoE experts (`EngineInitInfo.hf_moe_layout`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -191,7 +198,7 @@ class TrainerInitInfo:
             host=self.host, port=self.port, token=self.token, session=self.session,
             timeout_s=self.timeout_s, transport=self.transport,
             transport_options=self.transport_options, engine_prefix=self.engine_prefix,
-            publish_digests=self.publish_digests,
+            publish_digests=self.publish_digests, hf_moe_layout=self.hf_moe_layout,
         )
 
 
