@@ -151,7 +151,10 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
         updater = OneSidedUpdater(info, model, _ProxyClient(req, resp, cfg.timeout_s)
                                   if rank == 0 else None)
         shape = get_model_shape("tiny")
-        ref = LlamaForCausalLM(_llama_config(cfg.dtype)).to(dtype).eval() if rank == 0 else None
+        ref = (
+            LlamaForCausalLM(_llama_config(cfg.dtype)).to(dtype).eval()  # type: ignore[no-untyped-call]
+            if rank == 0 else None
+        )
         g = torch.Generator().manual_seed(1)
         for step in range(1, cfg.steps + 1):
             tokens = torch.randint(0, shape.vocab_size, (2, 32), generator=g)
@@ -160,7 +163,11 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
             opt.zero_grad()
             stats = updater.update(step)
             with torch.no_grad():
-                full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+                # FSDP2 parameters are DTensors.
+                full = {
+                    n: p.full_tensor().detach()  # type: ignore[attr-defined]
+                    for n, p in model.named_parameters()
+                }
             if rank == 0:
                 assert updater.controller is not None and ref is not None
                 expected = {}
@@ -206,11 +213,11 @@ def run_vllm_demo(
     with tempfile.TemporaryDirectory(prefix="wt-demo-vllm-") as tmp:
         model_dir = Path(tmp) / "model"
         torch.manual_seed(0)
-        LlamaForCausalLM(_llama_config(cfg.dtype)).to(getattr(torch, cfg.dtype)).save_pretrained(
-            model_dir
-        )
+        LlamaForCausalLM(_llama_config(cfg.dtype)).to(  # type: ignore[no-untyped-call]
+            getattr(torch, cfg.dtype)
+        ).save_pretrained(model_dir)
         t0 = time.monotonic()
-        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=cfg.dtype,
+        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=cfg.dtype,  # type: ignore[arg-type]
                   enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.08,
                   tensor_parallel_size=cfg.engine_ranks, seed=0,
                   weight_transfer_config={"backend": BACKEND})
