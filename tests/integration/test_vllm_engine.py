@@ -459,6 +459,41 @@ class TestTP1:
             ctl.close()
         assert [list(o.outputs[0].token_ids) for o in _generate(llm)] == before
 
+    def test_vllms_trainer_factory_drives_an_update(self, engines: Any) -> None:
+        """vLLM's own trainer registry builds the plug-in's trainer engine; send_weights runs all
+        four phases and vLLM then generates what the trainer's model generates."""
+        from transformers import LlamaForCausalLM
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+        from weight_transfer.transfer.engines.vllm import register
+        from weight_transfer.transfer.engines.vllm_protocol import (
+            LLMWeightSyncClient,
+            TrainerInitInfo,
+        )
+
+        d, llm, _ = engines
+        register()  # vLLM loaded the plug-in in this process already; registering is idempotent
+        model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0, world_size=1, num_engines=1, port=_free_port(),
+                            token=secrets.token_hex(16)),
+            client=LLMWeightSyncClient(llm), source=ModuleSource(model),
+        )
+        try:
+            engine.send_weights(200)
+        finally:
+            engine.shutdown()
+        assert llm.llm_engine.get_weight_version() == "200"
+        with torch.no_grad():
+            for p, o in zip(PROMPTS, _generate(llm), strict=True):
+                seq = list(p)
+                for _ in range(MAX_TOKENS):
+                    seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                assert seq[len(p):] == list(o.outputs[0].token_ids)
+
     def test_recipe_mismatch_is_refused_before_registering(self, engines: Any) -> None:
         _, llm, _ = engines
         (msg,) = llm.collective_rpc(_construct_mismatched)
