@@ -9,4 +9,5 @@ from weight_transfer.transfer import (  # noqa: F401
     cli_bench,
     cli_doctor,
     cli_plan,  # noqa: F401
+    cli_vllm,  # noqa: F401
 )

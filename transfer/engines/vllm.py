@@ -1,0 +1,453 @@
+"""vLLM weight-transfer plug-in: one-sided updates straight into a running vLLM's memory.
+
+Registered with vLLM by `register()` (the `vllm.general_plugins` entry point of this
+distribution) under the backend name `weight_transfer`, so an engine started with
+``weight_transfer_config={"backend": "weight_transfer"}`` builds
+`OneSidedWeightTransferEngine` in every worker over its live model, with no vLLM patch.
+
+Worker side (`OneSidedWeightTransferEngine`): on construction it derives the recipes of the
+live model (its HF config, vLLM's tensor-parallel rank and size) with this project's presets,
+checks each against the live parameters (name, shape, dtype, contiguity, device) and refuses
+with one error naming the first mismatch before anything is allocated or registered. Each
+written parameter then takes one of three paths, logged once:
+
+* ``in-place``: vLLM computes from the parameter itself (norms; linears and embeddings where
+  vLLM keeps them as they are): its live storage is registered, no copy, no allocation;
+* ``in-place+reprocess``: the parameter stays live but vLLM derives kernel state from it at
+  load time (the CPU backend's oneDNN handle of `lm_head`); the storage is registered in place
+  and `finish_weight_update` re-runs vLLM's own `process_weights_after_loading` for the layer;
+* ``buffer+reprocess``: vLLM's processing replaced the parameter (the CPU backend's
+  `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` packs a linear for oneDNN and
+  leaves an empty `weight`): one persistent buffer in the checkpoint layout is allocated and
+  registered once, receives the writes, and `finish_weight_update` points `layer.weight` at it
+  and re-runs vLLM's processing for exactly that layer (the buffer itself is never
+  reallocated; vLLM builds its packed copy from it as it does at load).
+
+`init_transfer_engine` joins the control plane (a `WeightReceiver`); `receive_weights` announces
+readiness and waits, bounded, for the update's version word; the writes land while the worker's
+thread is inside that call, so no forward pass reads a partial update.
+
+Trainer side: `OneSidedTrainerWeightTransferEngine`, vLLM's `TrainerWeightTransferEngine` over
+`vllm_protocol.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
+weight_transfer` never does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Self
+
+import torch
+from torch import nn
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+)
+from weight_transfer.errors import ConfigurationError, WeightTransferError
+from weight_transfer.planner.presets.models import from_hf_config
+from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes
+from weight_transfer.planner.recipes import engine_tensor_specs
+from weight_transfer.transfer.control import ControlPlane
+from weight_transfer.transfer.engines.vllm_protocol import (
+    BACKEND,
+    EngineInitInfo,
+    EngineUpdateInfo,
+    OneSidedUpdater,
+    Ready,
+    TrainerInitInfo,
+    WeightSyncClient,
+    ready_key,
+)
+from weight_transfer.transfer.manifest import dtype_name, torch_dtype
+from weight_transfer.transfer.receiver import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""vLLM model classes whose parameters the vLLM preset describes and whose update was verified
+(or shares its layers with one that was)."""
+
+REFUSED_ARCHITECTURES = {
+    "Qwen2MoeForCausalLM": "MoE",
+    "Qwen3MoeForCausalLM": "MoE",
+}
+"""Described by the preset, but refused: on vLLM 0.32's CPU backend a tiny Qwen3-MoE updated in
+place (and also updated by vLLM's own `reload_weights`) computed differently from a fresh engine
+on the same weights, so some state vLLM derives from the expert weights is not refreshed yet
+(docs/vllm.md)."""
+
+IN_PLACE = "in-place"
+IN_PLACE_REPROCESS = "in-place+reprocess"
+BUFFER_REPROCESS = "buffer+reprocess"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamPath:
+    """How one engine parameter receives updates."""
+
+    name: str
+    path: str
+    """`IN_PLACE`, `IN_PLACE_REPROCESS` or `BUFFER_REPROCESS`."""
+    module: str
+    """The module owning the parameter (re-processed for the two *reprocess* paths)."""
+
+
+def _check_model(vllm_config: Any, model: nn.Module) -> None:
+    arch = type(model).__name__
+    if arch in REFUSED_ARCHITECTURES:
+        raise ConfigurationError(
+            f"weight_transfer: {arch} ({REFUSED_ARCHITECTURES[arch]}) is not supported yet: an "
+            "in-place update of vLLM's MoE experts is not verified to refresh what vLLM derives "
+            "from them (docs/vllm.md); nothing was registered"
+        )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigurationError(
+            f"weight_transfer: vLLM model class {arch} is not covered by the vLLM preset "
+            f"(covered: {', '.join(SUPPORTED_ARCHITECTURES)}); nothing was registered"
+        )
+    quant = vllm_config.model_config.quantization
+    if quant is not None:
+        raise ConfigurationError(
+            f"weight_transfer: quantization {quant!r} is not supported in a running vLLM yet "
+            "(FP8 recipes are checked against vLLM's FP8 layers but an FP8 update into a running "
+            "vLLM has not run); nothing was registered"
+        )
+
+
+def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
+    for name in params:
+        if name.startswith("model.layers.0.") and name.endswith(".w13_weight"):
+            return name[len("model.layers.0."):-len(".w13_weight")]
+    return DEFAULT_MOE_PREFIX
+
+
+class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):  # type: ignore[type-var]
+    """Worker-side engine: the live model's memory becomes a `WeightReceiver` target.
+
+    Built by vLLM in every worker after the model loaded (`WeightTransferEngineFactory`). Not
+    thread-safe; vLLM calls its phases from the worker's one thread.
+    """
+
+    init_info_cls = EngineInitInfo
+    update_info_cls = EngineUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module
+    ) -> None:
+        """Derive and check the recipes, choose each parameter's path, allocate buffers.
+
+        Raises:
+            ConfigurationError: a model family or quantization the presets do not cover, or
+                the first recipe that does not match the live parameters (nothing registered).
+        """
+        super().__init__(config, vllm_config, device, model)
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        _check_model(vllm_config, model)
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        pc = vllm_config.parallel_config
+        self.global_rank = pc.data_parallel_index * pc.world_size + pc.rank if hasattr(
+            pc, "data_parallel_index"
+        ) else pc.rank
+        try:
+            shape = from_hf_config(vllm_config.model_config.hf_config)
+        except ValueError as exc:
+            raise ConfigurationError(f"weight_transfer: {exc}; nothing was registered") from None
+        params = dict(model.named_parameters())
+        dtype = dtype_name(vllm_config.model_config.dtype)
+        self._shape, self._moe_prefix = shape, _moe_prefix(params)
+        self.recipes = vllm_recipes(shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix)
+        specs = engine_tensor_specs(self.recipes, param_dtype=dtype)
+        self.paths: dict[str, ParamPath] = {}
+        self._targets: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        plan = self._check(specs, params)
+        for name, (path, module, view) in plan.items():
+            self.paths[name] = ParamPath(name=name, path=path, module=module)
+            if path == BUFFER_REPROCESS:
+                spec = next(s for s in specs if s.name == name)
+                live = params[name]
+                buf = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=live.device)
+                self._buffers[name] = buf
+                self._targets[name] = buf
+            else:
+                assert view is not None
+                self._targets[name] = view
+        self._reprocess = sorted(
+            {p.module for p in self.paths.values() if p.path != IN_PLACE}
+        )
+        self.extra_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        counts = {k: sum(p.path == k for p in self.paths.values())
+                  for k in (IN_PLACE, IN_PLACE_REPROCESS, BUFFER_REPROCESS)}
+        log.info(
+            "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed per update; "
+            "%d extra bytes of checkpoint-layout buffers",
+            self.global_rank, self.tp_rank, self.tp_size, counts, len(self._reprocess),
+            self.extra_bytes,
+        )
+        for p in self.paths.values():
+            log.debug("weight_transfer: %s -> %s", p.name, p.path)
+        self.receiver: WeightReceiver | None = None
+        self._signal: ControlPlane | None = None
+        self._publish_digests = False
+        self.weight_version = 0
+        self.last_refresh_s = 0.0
+        self.last_receive_s = 0.0
+        self._pending = 0
+
+    # -- construction checks ------------------------------------------------------------------
+
+    def _check(
+        self, specs: Any, params: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[str, str, torch.Tensor | None]]:
+        """name -> (path, module name, registered view or None for a buffer); raises on the
+        first mismatch."""
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        def refuse(msg: str) -> ConfigurationError:
+            return ConfigurationError(
+                f"weight_transfer: rank {self.global_rank} (tp {self.tp_rank}/{self.tp_size}): "
+                f"{msg}; nothing was registered"
+            )
+
+        written = {s.name for s in specs}
+        for name in params:
+            if name not in written:
+                raise refuse(f"live parameter {name!r} is written by no recipe")
+        out: dict[str, tuple[str, str, torch.Tensor | None]] = {}
+        for spec in specs:
+            name, want_shape, want_dtype = spec.name, tuple(spec.shape), torch_dtype(spec.dtype)
+            if name not in params:
+                raise refuse(f"recipe writes {name!r}, which the live model does not have")
+            live = params[name]
+            mod_name = name.rsplit(".", 1)[0]
+            module = self.model.get_submodule(mod_name)
+            if live.dtype != want_dtype:
+                raise refuse(f"{name!r}: live dtype {live.dtype}, recipe {want_dtype}")
+            if live.device.type not in ("cpu", "cuda"):
+                raise refuse(f"{name!r}: unsupported device {live.device}")
+            removed = (
+                live.numel() == 0 and isinstance(module, LinearBase) and name.endswith(".weight")
+            )
+            if removed:
+                # Column/row-parallel layers record their per-partition sizes; replicated ones
+                # (routers) only their full sizes.
+                dims = [getattr(module, f"{k}_size_per_partition", getattr(module, f"{k}_size", None))
+                        for k in ("output", "input")]
+                if None in dims:
+                    raise refuse(f"{name!r}: vLLM removed it and its layer has no size to check")
+                got = (int(dims[0]), int(dims[1]))
+                if got != want_shape:
+                    raise refuse(
+                        f"{name!r}: vLLM removed it after processing; its layer is "
+                        f"{got[0]}x{got[1]} per partition, recipe {want_shape}"
+                    )
+                out[name] = (BUFFER_REPROCESS, mod_name, None)
+                continue
+            if not live.is_contiguous():
+                raise refuse(f"{name!r} is not contiguous")
+            view = live.data
+            if isinstance(module, VocabParallelEmbedding):
+                # The recipe covers the rank's real vocabulary rows, a prefix of the padded shard.
+                if tuple(live.shape[1:]) != want_shape[1:] or live.shape[0] < want_shape[0]:
+                    raise refuse(
+                        f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} "
+                        "(a prefix of the padded vocabulary shard)"
+                    )
+                view = live.data[: want_shape[0]]
+            elif tuple(live.shape) != want_shape:
+                raise refuse(f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape}")
+            reprocess = getattr(module, "quant_method", None) is not None
+            out[name] = (IN_PLACE_REPROCESS if reprocess else IN_PLACE, mod_name, view)
+        return out
+
+    # -- vLLM's phases ------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: EngineInitInfo) -> None:
+        """Join the control plane: register the targets once and publish them.
+
+        A second call (a new trainer) first leaves the previous session.
+
+        Raises:
+            WeightTransferError: the control plane refused or cannot be reached (wrong token,
+                wrong address); the engine keeps serving its current weights.
+        """
+        self.shutdown()
+        if self._shape.is_moe:
+            # Sources follow the trainer's expert layout; destinations (checked) are the same.
+            self.recipes = vllm_recipes(
+                self._shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix,
+                hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
+            )
+        engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
+        control = init_info.control()
+        self.receiver = WeightReceiver(
+            self._targets, self.recipes, engine=engine,
+            transport=init_info.transport_config(), control=control,
+        )
+        self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
+        self._engine_name = engine
+        self._publish_digests = init_info.publish_digests
+        log.info("weight_transfer: %s joined %s:%d session %r over %s", engine, control.host,
+                 control.port, control.session, init_info.transport)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: targets are registered once (writes land in `receive_weights`)."""
+        if self.receiver is None:
+            raise WeightTransferError("weight_transfer: start_weight_update before init")
+
+    def receive_weights(self, update_info: EngineUpdateInfo) -> None:
+        """Announce readiness, wait (bounded) until update `version` is complete, refresh.
+
+        The refresh (vLLM's processing of the layers that derive kernel state) runs here, not
+        in `finish_weight_update`, so that between the first write and the refreshed state the
+        worker's thread never leaves this call and no forward pass can run in between.
+
+        Raises:
+            TransportTimeoutError: not complete within `update_info.timeout_s`.
+            WeightTransferError: the trainer aborted the update (version stays).
+        """
+        if self.receiver is None or self._signal is None:
+            raise WeightTransferError("weight_transfer: update_weights before init")
+        k = update_info.version
+        self._signal.put(ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name))
+        t0 = time.perf_counter()
+        self.receiver.wait_for_version(k, update_info.timeout_s)
+        self.last_receive_s = time.perf_counter() - t0
+        # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
+        self._refresh()
+        self._pending = k
+        if self._publish_digests:
+            self.receiver.publish_digests(k)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's entry point; skips the base class's device synchronize on CPU."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        """Re-run vLLM's processing for the layers that derive kernel state from the weights.
+
+        Raises:
+            WeightTransferError: vLLM's processing moved a parameter registered in place
+                (its registration would be stale).
+        """
+        t0 = time.perf_counter()
+        for mod_name in self._reprocess:
+            module = self.model.get_submodule(mod_name)
+            wname = mod_name + ".weight"
+            if wname in self._buffers:
+                # vLLM's processing reads layer.weight: hand it the buffer (no copy).
+                module.weight = nn.Parameter(self._buffers[wname], requires_grad=False)
+            module.quant_method.process_weights_after_loading(module)
+        live = dict(self.model.named_parameters())
+        for name, p in self.paths.items():
+            if p.path == BUFFER_REPROCESS:
+                continue
+            if name not in live or live[name].data_ptr() != self._targets[name].data_ptr():
+                raise WeightTransferError(
+                    f"weight_transfer: vLLM's processing moved {name!r}; its registration is stale"
+                )
+        self.last_refresh_s = time.perf_counter() - t0
+
+    def finish_weight_update(self) -> None:
+        """Record the version of the update `receive_weights` completed."""
+        self.weight_version = self._pending
+        log.info("weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
+                 self.weight_version, len(self._reprocess), self.last_refresh_s)
+
+    def shutdown(self) -> None:
+        """Leave the control plane; the model keeps serving its current weights."""
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self._signal is not None:
+            self._signal.close()
+            self._signal = None
+
+    def stats(self) -> dict[str, Any]:
+        """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
+        return {
+            "paths": {n: p.path for n, p in self.paths.items()},
+            "extra_bytes": self.extra_bytes,
+            "last_refresh_s": self.last_refresh_s,
+            "last_receive_s": self.last_receive_s,
+            "weight_version": self.weight_version,
+        }
+
+
+class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type: ignore[type-arg]
+    """Trainer-side engine (vLLM's `WeightTransferTrainerFactory`), over `OneSidedUpdater`.
+
+    `trainer_init` on every trainer rank (rank 0 hosts the control plane and drives vLLM
+    through `client`); `send_weights(step)` on every rank, once per update.
+    """
+
+    init_info_cls = TrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any, is_sender: bool, updater: OneSidedUpdater):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.updater = updater
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: TrainerInitInfo,  # type: ignore[override]
+        *,
+        client: WeightSyncClient,  # type: ignore[override]
+        source: WeightSource | None = None,
+    ) -> Self:
+        """Join and plan (collective over the trainer ranks).
+
+        Args:
+            source: vLLM's `ModuleSource` over the trainer's (FSDP2) module; its parameters
+                are sent shard to shard, never gathered whole.
+        """
+        module = getattr(source, "_module", None)
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                "weight_transfer: the trainer engine needs vllm's ModuleSource(model) as source"
+            )
+        updater = OneSidedUpdater(init_info, module, client if init_info.is_sender else None)
+        return cls(client=client, source=source, is_sender=init_info.is_sender, updater=updater)
+
+    def send_weights(self, step: int | None = None) -> None:  # type: ignore[override]
+        """One update (default number: last + 1), all four vLLM phases. Collective."""
+        self.updater.update(step)
+
+    def shutdown(self) -> None:
+        """Release the sender and the control plane."""
+        self.updater.close()
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: register both engines (idempotent)."""
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls_name in (
+        (WeightTransferEngineFactory, "OneSidedWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "OneSidedTrainerWeightTransferEngine"),
+    ):
+        try:
+            factory.register_engine(BACKEND, __name__, cls_name)
+        except ValueError:  # vLLM loads plug-ins once per process, but may call us again
+            pass
