@@ -33,6 +33,8 @@ def test_readme_blocks_are_the_example_files() -> None:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
+        # As the control plane binds it: a connection in TIME_WAIT does not make it taken.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
