@@ -40,6 +40,7 @@ from weight_transfer.transfer.protocol import (
     Failure,
     Go,
     RankPlan,
+    Seen,
     TrainerJoin,
 )
 
@@ -98,6 +99,8 @@ class Controller:
         self._slot_of: dict[str, int] = {}  # engine -> join slot the current plan uses
         self._latest: dict[str, tuple[int, EngineJoin]] = {}  # engine -> newest join seen
         self._slots_read = 0
+        self._last_committed = 0
+        """Last update whose version words were all written (what `close` lingers for)."""
 
     def plan(self) -> Schedule:
         """Wait for every trainer rank and engine to join, plan, publish each rank's part.
@@ -288,6 +291,8 @@ class Controller:
         causes = [e for e in errors if " aborted: " not in e]
         decision = Decision(step=step, ok=not errors, error="; ".join(causes or errors))
         self.control.put(f"{phase.verdict_key}/{step}", decision)
+        if phase is Phase.COMMITTED and decision.ok:
+            self._last_committed = step
         if phase is Phase.COMMITTED:
             self._forget(step - _KEEP_STEPS)
         return decision
@@ -326,6 +331,29 @@ class Controller:
                     bad.append(f"{engine}:{name}")
         return bad
 
-    def close(self) -> None:
-        """Stop hosting (the store lives until the process ends)."""
+    def close(self, linger_s: float = 5.0) -> None:
+        """Stop hosting (the store lives until the process ends).
+
+        An engine learns that an update is complete from the controller's result, so first wait,
+        at most `linger_s`, until every engine that acknowledges updates (its
+        `wait_for_version` returned one before) has seen the last committed update. Engines
+        that only read `receiver.version` never acknowledge and are not waited for.
+        """
+        if self._last_committed and self.joins and linger_s > 0:
+            deadline = time.monotonic() + linger_s
+            waiting = [e for e in sorted(self.joins) if self._has_seen(e, 1)]
+            while waiting and time.monotonic() < deadline:
+                waiting = [e for e in waiting if not self._has_seen(e, self._last_committed)]
+                if waiting:
+                    time.sleep(0.01)
+            if waiting:
+                log.info("controller: closing before engine(s) %s saw update %d", waiting,
+                         self._last_committed)
         self.control.close()
+
+    def _has_seen(self, engine: str, step: int) -> bool:
+        key = f"seen/{engine}"
+        try:
+            return self.control.exists(key) and self.control.get(key, Seen, 1.0).step >= step
+        except WeightTransferError:
+            return False

@@ -19,9 +19,12 @@ Keys (under the session prefix):
     committed/<step>/<rank>        Done         rank wrote its engines' version words
     result/<step>                  Decision     final outcome every rank raises on if not ok
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
+    seen/<engine>                  Seen         the last update an engine saw complete
+                                                (`Controller.close` lingers for it)
 
 Every value is encrypted and authenticated under the run's key, bound to its store key and run
-id (`transfer.control`); nothing is a plain counter. The per-update keys of a step are deleted
+id (`transfer.control`); nothing is decided on a plain counter (`auth_failures` only
+makes a join fail early). The per-update keys of a step are deleted
 8 steps later. Join slots are claimed in order with an atomic compare-and-set; a restarted
 engine takes a new slot under its old name.
 """
@@ -91,6 +94,14 @@ class Failure:
 class Go:
     """Start update `step`."""
 
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Seen:
+    """An engine saw update `step` complete (`wait_for_version` returned it)."""
+
+    engine: str
     step: int
 
 

@@ -28,7 +28,7 @@ from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, 
 from weight_transfer.transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.transfer.control import ControlPlane
 from weight_transfer.transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.transfer.protocol import Claim, Decision, Digests, EngineJoin
+from weight_transfer.transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +302,12 @@ class WeightReceiver:
                 f"written and is rolled back (waiting for {step}): {decision.error}"
             )
         self._known_complete = v
+        try:
+            # Lets a trainer job that is ending keep the control plane up until its engines
+            # have seen the last update complete (`Controller.close`).
+            self._control.put(f"seen/{self.engine}", Seen(engine=self.engine, step=v))
+        except WeightTransferError as exc:
+            log.debug("engine %r: could not acknowledge update %d: %s", self.engine, v, exc)
         return True
 
     def _raise_if_aborted(self, step: int) -> None:
