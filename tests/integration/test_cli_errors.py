@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import secrets
 import socket
 import subprocess
 import sys
@@ -195,7 +196,7 @@ def test_token_mismatch_is_reported_by_the_controller_at_once() -> None:
     good = ControlPlaneConfig(port=port, token=TOKEN, timeout_s=30.0)
     controller = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), good)
     try:
-        bad = ControlPlaneConfig(port=port, token="f" * 32, timeout_s=30.0)
+        bad = ControlPlaneConfig(port=port, token=secrets.token_hex(16), timeout_s=30.0)
         with pytest.raises(ControlPlaneAuthError):
             ControlPlane(bad, server=False, member="engine0")
         t0 = time.monotonic()
