@@ -402,7 +402,7 @@ class TestTP1:
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
             TrainerInitInfo(rank=0, world_size=1, num_engines=1, port=_free_port(),
-                            token=secrets.token_hex(8)),
+                            token=secrets.token_hex(16)),
             params, client,
         )
         results: list[Any] = []
@@ -448,7 +448,7 @@ class TestTP1:
         try:
             with pytest.raises(Exception, match="do not share this token"):
                 client.init_weight_transfer_engine(
-                    EngineInitInfo(host="127.0.0.1", port=port, token="wrong-token-123",
+                    EngineInitInfo(host="127.0.0.1", port=port, token=secrets.token_hex(16),
                                    timeout_s=5).to_dict())
             with pytest.raises(Exception, match="within 3 s|timed out|Timeout"):
                 client.init_weight_transfer_engine(
