@@ -21,7 +21,9 @@ straight into the engine's memory where the transport maps it on this GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -259,6 +261,21 @@ _GROUP_BYTES = 1 << 30
 """Output bytes of one captured graph group, at most (unless one task is larger)."""
 _GROUP_CALLS = 4096
 """Quantize kernels in one captured graph group, at most (unless one task has more)."""
+
+_TABLE_QUANT = os.environ.get("WT_TABLE_QUANT", "1") != "0"
+"""Graph groups quantize through one `QuantTable` launch per block shape and dtype (default);
+WT_TABLE_QUANT=0 captures one kernel per call instead (the benchmarks' comparison)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TableLaunch:
+    """One launch over a `QuantTable` (kept alive by the graph group that captured it)."""
+
+    table: Any
+
+    def __call__(self) -> None:
+        self.table.launch()
+
 
 _STATIC_BATCH_BYTES = 1 << 30
 """Static tasks' writes to one engine are posted in prepared batches of about this size."""
@@ -917,14 +934,17 @@ class Executor:
                 self._ops_for_runs(w.engine, w.weight_runs, self.arena.region, start + woff, ops)
                 self._ops_for_runs(w.engine, w.scale_runs, self.arena.region, start + soff, ops)
             assert self._stream is not None
+            launches = self._group_launches(calls)
             with torch.cuda.stream(self._stream):
-                for c in calls:  # compile and warm up outside the capture
-                    self.quantize(c.src, c.block, c.q, c.scale)
+                for launch in launches:  # compile and warm up outside the capture
+                    launch()
             self._stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
-                for c in calls:
-                    self.quantize(c.src, c.block, c.q, c.scale)
+                for launch in launches:
+                    launch()
+            keep += [t for launch in launches if isinstance(launch, _TableLaunch)
+                     for t in (launch.table.units, launch.table.block_unit)]
             first = members[0][0]
             names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
             nbytes = sum(t.nbytes for t, _, _ in members)
@@ -934,6 +954,27 @@ class Executor:
             for t, _, _ in members[1:]:
                 self._graph_skip.add(t.task_id)
         return graphs
+
+    def _group_launches(self, calls: Sequence[_QuantCall]) -> list[Callable[[], None]]:
+        """The launches that quantize a graph group's calls. With the default quantizer, calls
+        of one block shape and input dtype that the table kernel takes become one launch over a
+        `QuantTable` (a MoE layer's experts: one launch, not hundreds of small ones); the rest
+        (and any custom `quantize`) are one call each."""
+        if self.quantize is not default_quantize or not _TABLE_QUANT:
+            return [functools.partial(self.quantize, c.src, c.block, c.q, c.scale) for c in calls]
+        from weight_transfer.transfer.kernels.fp8_triton import QuantTable
+
+        tables: dict[tuple[tuple[int, int], torch.dtype], list[_QuantCall]] = {}
+        launches: list[Callable[[], None]] = []
+        for c in calls:
+            if QuantTable.why_not(c.src, c.q, c.scale, c.block) is None:
+                tables.setdefault((c.block, c.src.dtype), []).append(c)
+            else:
+                launches.append(functools.partial(self.quantize, c.src, c.block, c.q, c.scale))
+        for (block, _dtype), members in tables.items():
+            table = QuantTable([(c.src, c.q, c.scale) for c in members], block)
+            launches.append(_TableLaunch(table))
+        return launches
 
     def _direct_views(self, w: QuantWrite) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The unit's weight and scale as views of the engine's own memory, where the transport

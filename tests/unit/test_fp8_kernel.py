@@ -288,6 +288,46 @@ def _case_non_finite() -> None:
     assert torch.equal(got_b[~got_nan], want_b[~want_nan])
 
 
+def _case_quant_table() -> None:
+    # One launch over many matrices of mixed shapes (edges, views, a frame of large values
+    # around each view) equals the reference on each; and an aligned table (vectorized path).
+    big = torch.full((530, 710), 3e4, dtype=torch.bfloat16)
+    big[5:525, 5:705] = _make((520, 700), torch.bfloat16, seed=21)
+    inputs = [
+        _make((256, 384), torch.bfloat16, seed=22),
+        _make((130, 129), torch.bfloat16, seed=23),
+        _make((5, 7), torch.bfloat16, seed=24),
+        big[10:300, 64:320],
+        big[6:200, 5:333],
+    ]
+    aligned = [_make((256, 128), torch.bfloat16, seed=25), _make((128, 384), torch.bfloat16, seed=26)]
+    for group in (inputs, aligned):
+        outs = []
+        for x in group:
+            q = torch.full(x.shape, _SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            outs.append((x, q, torch.full(scale_shape(tuple(x.shape), (128, 128)), -1.0)))
+        table = fp8_triton.QuantTable(outs, (128, 128))
+        assert table._aligned == (group is aligned)
+        table.launch()
+        for i, (x, q, s) in enumerate(outs):
+            try:
+                _assert_same((q, s), quantize_fp8_blockwise(x.contiguous(), (128, 128)))
+            except AssertionError as exc:
+                raise AssertionError(f"table call {i} {tuple(x.shape)}: {exc}") from exc
+    x = _make((256, 384), torch.float32, seed=27)
+    x[3, 5] = float("nan")
+    q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(2, 3)
+    fp8_triton.QuantTable([(x, q, s)], (128, 128)).launch()
+    assert bool(s.isnan()[0, 0]) and int(s.isnan().sum()) == 1
+    assert torch.equal(s[~s.isnan()], quantize_fp8_blockwise(x)[1][~s.isnan()])
+    try:
+        fp8_triton.QuantTable([(big[5:305, 5:405].t(), q, s)], (128, 128))
+    except ConfigurationError as exc:
+        assert "stride" in str(exc) or "match" in str(exc), exc
+    else:
+        raise AssertionError("a transposed input was accepted")
+
+
 def _case_kernel_is_interpreted() -> None:
     # Guards the harness itself: the cases above must have run the Triton kernel.
     assert fp8_triton._is_interpreted(fp8_triton._jit_module().fp8_block_quant_kernel)
@@ -300,6 +340,7 @@ INTERPRETER_CASES = {
     "strided_inputs": _case_strided_inputs,
     "out_slices": _case_out_slices,
     "non_finite": _case_non_finite,
+    "quant_table": _case_quant_table,
     "kernel_is_interpreted": _case_kernel_is_interpreted,
 }
 
@@ -410,6 +451,44 @@ def test_sm90_code_uses_ieee_division_and_rne_cast(in_dtype: str) -> None:
         assert approx not in ptx, approx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+
+
+def _compile_table_for_sm90(aligned: bool) -> str:
+    import triton.language as tl
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = fp8_triton._jit_module().fp8_table_quant_kernel
+    names = [p.name for p in kernel.params]
+    constexprs = {
+        "X_DTYPE": tl.bfloat16, "ALIGNED": aligned, "BLOCK_R": 128, "BLOCK_C": 128,
+        "TILE_R": 128, "TILE_C": 128, "FP8_MAX": 448.0, "SOFTWARE_CVT": False,
+    }
+    signature = {"units_ptr": "*i64", "block_unit_ptr": "*i32", "amax_floor": "fp32"}
+    signature.update({n: "constexpr" for n in constexprs})
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("units_ptr", "block_unit_ptr")},
+    )
+    compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm["cubin"], "ptxas produced no cubin"
+    return str(compiled.asm["ptx"])
+
+
+@requires_module("triton")
+def test_sm90_table_kernel_is_exact_and_vectorized_when_aligned() -> None:
+    if fp8_triton._is_interpreted(fp8_triton._jit_module().fp8_table_quant_kernel):
+        pytest.skip("TRITON_INTERPRET is set for this process; nothing is compiled")
+    ptx = _compile_table_for_sm90(aligned=True)
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    for approx in ("div.full", "div.approx", "rcp.approx"):
+        assert approx not in ptx, approx
+    # The addresses come from a table, so only the ALIGNED hints make the accesses vectorized.
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert "ld.global.v4" not in _compile_table_for_sm90(aligned=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from weight_transfer.planner.fp8 import AMAX_FLOOR, FP8_MAX, quantize_fp8_blockw
 
 __all__ = [
     "SUPPORTED_INPUT_DTYPES",
+    "QuantTable",
     "quantize_fp8",
     "quantize_fp8_blockwise_gpu",
     "triton_available",
@@ -344,3 +345,131 @@ def quantize_fp8(
         out_scale.copy_(scale)
         scale = out_scale
     return q, scale
+
+
+_UNIT_FIELDS = 16
+"""int64 fields per matrix in a `QuantTable`'s unit table (10 used, padded to 128 bytes)."""
+
+_TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""Input dtypes the table kernel reads (float64 inputs take the per-call kernel)."""
+
+
+class QuantTable:
+    """Many FP8 block quantizations as one kernel launch over a table on the device.
+
+    A MoE layer's experts are hundreds of small matrices: one `quantize_fp8_blockwise_gpu`
+    launch each (a fraction of a wave on a large GPU, plus a launch gap) leaves the GPU mostly
+    idle. A table lists every matrix once (addresses, sizes, row strides) and maps each program
+    to its matrix, so a whole group is one launch that fills the GPU. The results are those of
+    `quantize_fp8_blockwise_gpu`, bit for bit (tested through triton's interpreter, and on an
+    H200 by `benchmarks/gpu_fp8_kernel_check.py`).
+
+    The table holds raw addresses: the caller keeps every tensor alive and in place while the
+    table is used (the pipeline's graph groups do). `launch` runs on the current stream.
+    """
+
+    def __init__(
+        self,
+        calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        block: tuple[int, int],
+        *,
+        num_warps: int = 8,
+        software_cast: bool | None = None,
+    ) -> None:
+        """Check and tabulate `calls`: (x, out_q, out_scale) triples, each as
+        `quantize_fp8_blockwise_gpu(x, block, out_q, out_scale)` would take them.
+
+        Raises:
+            ConfigurationError: a call the table kernel cannot take (see `accepts`); nothing is
+                launched.
+        """
+        block = _check_block(block)
+        if not calls:
+            raise ConfigurationError("a QuantTable needs at least one call")
+        dtype, device = calls[0][0].dtype, calls[0][0].device
+        units: list[list[int]] = []
+        counts: list[int] = []
+        aligned = True
+        for i, (x, q, s) in enumerate(calls):
+            why = self.why_not(x, q, s, block)
+            if why is None and (x.dtype != dtype or x.device != device):
+                why = f"dtype/device {x.dtype}/{x.device} differs from the first call's"
+            if why is not None:
+                raise ConfigurationError(f"QuantTable call {i}: {why}")
+            rows, cols = x.shape
+            nrb, ncb = s.shape
+            isz = x.element_size()
+            aligned &= (
+                x.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
+                and x.stride(0) % 16 == 0 and q.stride(0) % 16 == 0
+                and cols % 16 == 0 and block[1] % 16 == 0 and isz in (2, 4)
+            )
+            units.append([
+                x.data_ptr(), q.data_ptr(), s.data_ptr(), rows, cols, ncb, sum(counts),
+                x.stride(0), q.stride(0), s.stride(0),
+            ] + [0] * (_UNIT_FIELDS - 10))
+            counts.append(nrb * ncb)
+        self.block = block
+        self.num_programs = sum(counts)
+        self.num_units = len(units)
+        self._dtype = dtype
+        self._aligned = aligned
+        self._num_warps = num_warps
+        self._software = (not calls[0][0].is_cuda) if software_cast is None else software_cast
+        unit_table = torch.tensor(units, dtype=torch.int64)
+        block_unit = torch.repeat_interleave(
+            torch.arange(len(units), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
+        )
+        self.units = unit_table.to(device)
+        self.block_unit = block_unit.to(device)
+        self.device = device
+
+    @staticmethod
+    def why_not(
+        x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]
+    ) -> str | None:
+        """Why the table kernel cannot take this call (None when it can): it takes 2-D inputs
+        of float32/bfloat16/float16 whose last dims are contiguous, with outputs shaped as
+        `quantize_fp8_blockwise_gpu` checks them, all on one device."""
+        if x.dim() != 2 or x.dtype not in _TRITON_DTYPES:
+            return f"input of shape {tuple(x.shape)} and dtype {x.dtype} (2-D float32/bf16/fp16 only)"
+        if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != tuple(x.shape):
+            return f"weight output {tuple(q.shape)} {q.dtype} does not match the input"
+        if s.dtype != torch.float32 or tuple(s.shape) != scale_shape(tuple(x.shape), block):
+            return f"scale output {tuple(s.shape)} {s.dtype} does not match the input"
+        for what, t in (("input", x), ("weight output", q), ("scale output", s)):
+            if t.shape[-1] > 1 and t.stride(-1) != 1:
+                return f"{what}'s last dim has stride {t.stride(-1)} (must be contiguous)"
+            if t.shape[0] > 1 and t.stride(0) == 0:
+                return f"{what} is a broadcast view"
+            if t.device != x.device:
+                return f"{what} is on {t.device}, the input on {x.device}"
+        return None
+
+    def launch(self) -> None:
+        """Quantize every call of the table: one launch on the current stream."""
+        if self.num_programs == 0:
+            return
+        import triton.language as tl
+
+        kernel = _jit_module().fp8_table_quant_kernel
+        b0, b1 = self.block
+        args = (
+            self.units, self.block_unit, AMAX_FLOOR,
+        )
+        meta = dict(
+            X_DTYPE=getattr(tl, _TRITON_DTYPES[self._dtype]),
+            ALIGNED=self._aligned,
+            BLOCK_R=b0,
+            BLOCK_C=b1,
+            TILE_R=_next_pow2(b0),
+            TILE_C=_next_pow2(b1),
+            FP8_MAX=FP8_MAX,
+            SOFTWARE_CVT=self._software,
+            num_warps=self._num_warps,
+        )
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                kernel[(self.num_programs,)](*args, **meta)
+        else:
+            kernel[(self.num_programs,)](*args, **meta)

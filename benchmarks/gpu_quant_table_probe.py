@@ -1,0 +1,113 @@
+"""FP8 quantize kernels on one GPU (nvidia-h200): the per-call kernel against one `QuantTable`
+launch, for Llama-8B's dense matrices and one Qwen3-30B-A3B MoE layer's 128 experts.
+
+Every variant is checked bit for bit against the per-call kernel (outputs poisoned first; the
+per-call kernel is itself checked against the CPU reference by gpu_fp8_kernel_check.py), and
+timed with CUDA events (median of 7 after 2 warm-ups). The ceiling is torch's copy_ rate r on
+the same GPU: a quantization that reads S bytes and writes W bytes cannot beat (S + W) / r.
+Prints a table, writes JSON to argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from weight_transfer.planner.fp8 import scale_shape
+from weight_transfer.transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
+
+
+def _time(fn, reps: int = 7) -> list[float]:
+    out = []
+    for i in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+def _workloads(dev: torch.device) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def mat(r: int, c: int) -> torch.Tensor:
+        return torch.randn(r, c, device=dev, dtype=torch.bfloat16, generator=g)
+
+    llama = [mat(6144, 4096), mat(4096, 4096), mat(28672, 4096), mat(4096, 14336)] * 4
+    experts_w13 = torch.randn(128, 1536, 2048, device=dev, dtype=torch.bfloat16, generator=g)
+    experts_w2 = torch.randn(128, 2048, 768, device=dev, dtype=torch.bfloat16, generator=g)
+    qwen = [experts_w13[e] for e in range(128)] + [experts_w2[e] for e in range(128)]
+    qwen = qwen * 4  # four MoE layers' worth, ~6.4 GB
+    return {"llama8b_4layers": llama, "qwen3_moe_4layers_experts": qwen}
+
+
+def main() -> None:
+    dev = torch.device("cuda", 0)
+    res: dict[str, object] = {"device": torch.cuda.get_device_name(0), "cases": []}
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    t = statistics.median(_time(lambda: b.copy_(a)))
+    rate = 2 * n / t
+    res["copy_rate_Bps"] = rate
+    print(f"copy_ 4 GiB: {t * 1e3:.3f} ms, r = {rate / 1e12:.2f} TB/s (read + write)")
+    del a, b
+    for wname, xs in _workloads(dev).items():
+        outs = []
+        for x in xs:
+            q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=dev)
+            s = torch.empty(scale_shape(tuple(x.shape), (128, 128)), dtype=torch.float32, device=dev)
+            outs.append((x, q, s))
+        nread = sum(x.numel() * 2 for x in xs)
+        nwrite = sum(q.numel() + s.numel() * 4 for _, q, s in outs)
+        ceiling = (nread + nwrite) / rate
+
+        def per_call(warps: int = 8) -> None:
+            for x, q, s in outs:
+                quantize_fp8_blockwise_gpu(x, out_q=q, out_scale=s, num_warps=warps)
+
+        per_call()
+        torch.cuda.synchronize()
+        want = [(q.view(torch.uint8).clone(), s.clone()) for _, q, s in outs]
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            per_call()
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            per_call()
+        variants = {"per_call_w8": per_call, "per_call_w4": lambda: per_call(4),
+                    "per_call_w16": lambda: per_call(16), "per_call_graph_w8": graph.replay}
+        for warps in (4, 8, 16):
+            table = QuantTable(outs, (128, 128), num_warps=warps)
+            variants[f"table_w{warps}"] = table.launch
+        for vname, fn in variants.items():
+            for _, q, s in outs:
+                q.view(torch.uint8).fill_(0x5A)
+                s.fill_(-7.0)
+            fn()
+            torch.cuda.synchronize()
+            ok = all(torch.equal(q.view(torch.uint8), wq) and torch.equal(s, ws)
+                     for (_, q, s), (wq, ws) in zip(outs, want, strict=True))
+            times = _time(fn)
+            med = statistics.median(times)
+            row = {"workload": wname, "variant": vname, "calls": len(outs), "read_bytes": nread,
+                   "write_bytes": nwrite, "seconds": times, "median_s": med,
+                   "ceiling_s": ceiling, "ratio": med / ceiling, "exact": ok}
+            res["cases"].append(row)
+            print(f"{wname:28s} {vname:18s} {med * 1e3:8.3f} ms  ceiling {ceiling * 1e3:7.3f} ms"
+                  f"  {med / ceiling:5.2f}x  exact={ok}")
+        del outs, want, graph
+        torch.cuda.empty_cache()
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
