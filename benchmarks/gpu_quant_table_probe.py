@@ -82,11 +82,11 @@ def main() -> None:
         stream.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             per_call()
-        variants = {"per_call_w8": per_call, "per_call_w4": lambda: per_call(4),
-                    "per_call_w16": lambda: per_call(16), "per_call_graph_w8": graph.replay}
-        for warps in (4, 8, 16):
-            table = QuantTable(outs, (128, 128), num_warps=warps)
-            variants[f"table_w{warps}"] = table.launch
+        variants = {"per_call_w8": per_call, "per_call_graph_w8": graph.replay}
+        for warps in (2, 4, 8):
+            for sub in (0, 8, 16, 32, 64):
+                table = QuantTable(outs, (128, 128), num_warps=warps, sub_rows=sub)
+                variants[f"table_w{warps}_sub{sub}"] = table.launch
         for vname, fn in variants.items():
             for _, q, s in outs:
                 q.view(torch.uint8).fill_(0x5A)

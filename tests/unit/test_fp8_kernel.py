@@ -301,25 +301,29 @@ def _case_quant_table() -> None:
         big[6:200, 5:333],
     ]
     aligned = [_make((256, 128), torch.bfloat16, seed=25), _make((128, 384), torch.bfloat16, seed=26)]
-    for group in (inputs, aligned):
+    for group, sub_rows in [(g, r) for g in (inputs, aligned) for r in (0, 32)]:
         outs = []
         for x in group:
             q = torch.full(x.shape, _SENTINEL, dtype=torch.uint8).view(torch.float8_e4m3fn)
             outs.append((x, q, torch.full(scale_shape(tuple(x.shape), (128, 128)), -1.0)))
-        table = fp8_triton.QuantTable(outs, (128, 128))
+        table = fp8_triton.QuantTable(outs, (128, 128), sub_rows=sub_rows)
         assert table._aligned == (group is aligned)
         table.launch()
         for i, (x, q, s) in enumerate(outs):
             try:
                 _assert_same((q, s), quantize_fp8_blockwise(x.contiguous(), (128, 128)))
             except AssertionError as exc:
-                raise AssertionError(f"table call {i} {tuple(x.shape)}: {exc}") from exc
+                raise AssertionError(
+                    f"table call {i} {tuple(x.shape)} sub_rows {sub_rows}: {exc}"
+                ) from exc
     x = _make((256, 384), torch.float32, seed=27)
     x[3, 5] = float("nan")
-    q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(2, 3)
-    fp8_triton.QuantTable([(x, q, s)], (128, 128)).launch()
-    assert bool(s.isnan()[0, 0]) and int(s.isnan().sum()) == 1
-    assert torch.equal(s[~s.isnan()], quantize_fp8_blockwise(x)[1][~s.isnan()])
+    x[200, 300] = float("inf")
+    for sub_rows in (0, 32):
+        q, s = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(2, 3)
+        fp8_triton.QuantTable([(x, q, s)], (128, 128), sub_rows=sub_rows).launch()
+        assert bool(s.isnan()[0, 0]) and int(s.isnan().sum()) == 1, sub_rows
+        assert torch.equal(s[~s.isnan()], quantize_fp8_blockwise(x)[1][~s.isnan()]), sub_rows
     try:
         fp8_triton.QuantTable([(big[5:305, 5:405].t(), q, s)], (128, 128))
     except ConfigurationError as exc:

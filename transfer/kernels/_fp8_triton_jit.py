@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_block_quant_kernel", "fp8_table_quant_kernel"]
+__all__ = ["fp8_block_quant_kernel", "fp8_table_quant2_kernel", "fp8_table_quant_kernel"]
 
 
 @triton.jit
@@ -177,4 +177,81 @@ def fp8_table_quant_kernel(
         q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
     tl.store(q_ptr + (r[:, None] * q_stride_r + c[None, :]), q, mask=mask)
+    tl.store(s_ptr + row_block * s_stride_r + col_block, scale)
+
+
+@triton.jit
+def fp8_table_quant2_kernel(
+    units_ptr,
+    block_unit_ptr,
+    amax_floor,
+    X_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SOFTWARE_CVT: tl.constexpr,
+    SUB_R: tl.constexpr,
+):
+    """`fp8_table_quant_kernel` in two passes over SUB_R-row slices of the block: the first
+    finds the amax, the second re-reads each slice (from L2) and quantizes it. Fewer registers
+    per thread than holding the whole block, so more programs per SM keep loads in flight.
+    TILE_R must be a multiple of SUB_R."""
+    pid = tl.program_id(0).to(tl.int64)
+    unit = tl.load(block_unit_ptr + pid).to(tl.int64)
+    u = units_ptr + unit * 16
+    x_ptr = tl.load(u).to(tl.pointer_type(X_DTYPE))
+    q_ptr = tl.load(u + 1).to(tl.pointer_type(tl.uint8))
+    s_ptr = tl.load(u + 2).to(tl.pointer_type(tl.float32))
+    rows = tl.load(u + 3)
+    cols = tl.load(u + 4)
+    num_col_blocks = tl.load(u + 5)
+    in_matrix = pid - tl.load(u + 6)
+    x_stride_r = tl.load(u + 7)
+    q_stride_r = tl.load(u + 8)
+    s_stride_r = tl.load(u + 9)
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        x_stride_r = tl.multiple_of(x_stride_r, 16)
+        q_stride_r = tl.multiple_of(q_stride_r, 16)
+        cols = tl.multiple_of(cols, 16)
+    row_block = in_matrix // num_col_blocks
+    col_block = in_matrix % num_col_blocks
+
+    tile_r = tl.arange(0, SUB_R)
+    tile_c = tl.arange(0, TILE_C)
+    c = col_block * BLOCK_C + tile_c
+    c_mask = ((c < cols) & (tile_c < BLOCK_C))[None, :]
+    top = tl.zeros([SUB_R, TILE_C], dtype=tl.int32)
+    for r0 in range(0, TILE_R, SUB_R):
+        r = row_block * BLOCK_R + r0 + tile_r
+        mask = ((r < rows) & (r0 + tile_r < BLOCK_R))[:, None] & c_mask
+        x = tl.load(x_ptr + (r[:, None] * x_stride_r + c[None, :]), mask=mask, other=0.0)
+        top = tl.maximum(top, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    top_all = tl.max(tl.max(top, axis=1), axis=0)
+    amax = tl.maximum(top_all.to(tl.float32, bitcast=True), amax_floor)
+    amax = tl.where(top_all > 0x7F800000, float("nan"), amax)
+    scale = tl.math.div_rn(amax, FP8_MAX)
+    for r0 in range(0, TILE_R, SUB_R):
+        r = row_block * BLOCK_R + r0 + tile_r
+        mask = ((r < rows) & (r0 + tile_r < BLOCK_R))[:, None] & c_mask
+        x = tl.load(x_ptr + (r[:, None] * x_stride_r + c[None, :]), mask=mask, other=0.0)
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        if SOFTWARE_CVT:
+            bits = y.to(tl.int32, bitcast=True)
+            sign = (bits >> 24) & 0x80
+            mag = bits & 0x7FFFFFFF
+            normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+            steps = tl.abs(y) * 512.0 + 8388608.0
+            subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
+            code = tl.where(mag >= 0x3C800000, normal, subnormal)
+            code = tl.where(mag > 0x7F800000, 0x7F, code)
+            q = (code | sign).to(tl.uint8)
+        else:
+            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(q_ptr + (r[:, None] * q_stride_r + c[None, :]), q, mask=mask)
     tl.store(s_ptr + row_block * s_stride_r + col_block, scale)

@@ -375,15 +375,24 @@ class QuantTable:
         *,
         num_warps: int = 8,
         software_cast: bool | None = None,
+        sub_rows: int = 0,
     ) -> None:
         """Check and tabulate `calls`: (x, out_q, out_scale) triples, each as
         `quantize_fp8_blockwise_gpu(x, block, out_q, out_scale)` would take them.
 
+        `sub_rows` > 0 runs the two-pass kernel over slices of that many rows (a power of two
+        dividing the block's padded rows); 0 holds the whole block in registers.
+
         Raises:
-            ConfigurationError: a call the table kernel cannot take (see `accepts`); nothing is
+            ConfigurationError: a call the table kernel cannot take (see `why_not`); nothing is
                 launched.
         """
         block = _check_block(block)
+        if sub_rows and (sub_rows & (sub_rows - 1) or _next_pow2(block[0]) % sub_rows):
+            raise ConfigurationError(
+                f"sub_rows {sub_rows} must be a power of two dividing {_next_pow2(block[0])}"
+            )
+        self._sub_rows = sub_rows
         if not calls:
             raise ConfigurationError("a QuantTable needs at least one call")
         dtype, device = calls[0][0].dtype, calls[0][0].device
@@ -452,7 +461,10 @@ class QuantTable:
             return
         import triton.language as tl
 
-        kernel = _jit_module().fp8_table_quant_kernel
+        if self._sub_rows:
+            kernel = _jit_module().fp8_table_quant2_kernel
+        else:
+            kernel = _jit_module().fp8_table_quant_kernel
         b0, b1 = self.block
         args = (
             self.units, self.block_unit, AMAX_FLOOR,
@@ -468,6 +480,8 @@ class QuantTable:
             SOFTWARE_CVT=self._software,
             num_warps=self._num_warps,
         )
+        if self._sub_rows:
+            meta["SUB_R"] = self._sub_rows
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 kernel[(self.num_programs,)](*args, **meta)
