@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -76,6 +78,44 @@ def plan_key(epoch: int, name: str) -> str:
     return name if epoch == 0 else f"epoch/{epoch}/{name}"
 
 
+class _Janitor:
+    """Deletes old store keys on a daemon thread, so an update does not wait for it.
+
+    The control plane is thread-safe for distinct keys, and these keys belong to updates
+    `_KEEP_STEPS` old that nobody reads any more. A failed delete is logged and dropped (the
+    key only costs store memory).
+    """
+
+    _CLOSE_TIMEOUT_S = 5.0
+
+    def __init__(self, control: ControlPlane) -> None:
+        self._control = control
+        self._jobs: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="wt-controller-janitor", daemon=True)
+        self._thread.start()
+
+    def delete(self, keys: list[str]) -> None:
+        self._jobs.put(keys)
+
+    def _run(self) -> None:
+        while True:
+            keys = self._jobs.get()
+            if keys is None:
+                return
+            for k in keys:
+                try:
+                    self._control.delete(k)
+                except WeightTransferError as exc:
+                    log.debug("controller: could not delete %r: %s", k, exc)
+
+    def close(self) -> None:
+        """Finish the deletes queued so far (bounded), then stop."""
+        self._jobs.put(None)
+        self._thread.join(self._CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.info("controller: old store keys still being deleted at close")
+
+
 class Controller:
     """Plans the transfer and arbitrates every update.
 
@@ -101,6 +141,7 @@ class Controller:
         self._slots_read = 0
         self._last_committed = 0
         """Last update whose version words were all written (what `close` lingers for)."""
+        self._janitor: _Janitor | None = None
 
     def plan(self) -> Schedule:
         """Wait for every trainer rank and engine to join, plan, publish each rank's part.
@@ -264,33 +305,44 @@ class Controller:
     # -- per update ------------------------------------------------------------------------
 
     def go(self, step: int) -> None:
-        """Tell every rank to start update `step`."""
-        self.control.put(f"go/{step}", Go(step=step))
+        """Tell every rank to start update `step` (a one-rank trainer needs no message)."""
+        if self.config.num_trainer_ranks > 1:
+            self.control.put(f"go/{step}", Go(step=step))
 
-    def decide(self, step: int, phase: Phase, timeout_s: float) -> Decision:
+    def decide(
+        self, step: int, phase: Phase, timeout_s: float, *, own: Done | None = None
+    ) -> Decision:
         """Collect every rank's report for a phase and publish the verdict.
 
-        A rank that does not report within `timeout_s` is named in the verdict.
+        A rank that does not report within `timeout_s` is named in the verdict. `own` is the
+        report of the trainer rank hosting the controller, handed over in memory (it is not
+        published). The DONE verdict of a successful update is published only when another
+        trainer rank reads it; a failed one always is (engines watch for it). The COMMITTED
+        verdict is always published: engines confirm an update from it.
         """
         n = self.config.num_trainer_ranks
         deadline = time.monotonic() + timeout_s
         errors = []
         for r in range(n):
-            key = f"{phase.value}/{step}/{r}"
-            try:
-                d = self.control.get(key, Done, max(0.001, deadline - time.monotonic()))
-            except TransportTimeoutError:
-                errors.append(
-                    f"trainer rank {r} did not report {phase.value} for update {step} in time"
-                )
-                continue
+            if own is not None and r == own.rank:
+                d = own
+            else:
+                key = f"{phase.value}/{step}/{r}"
+                try:
+                    d = self.control.get(key, Done, max(0.001, deadline - time.monotonic()))
+                except TransportTimeoutError:
+                    errors.append(
+                        f"trainer rank {r} did not report {phase.value} for update {step} in time"
+                    )
+                    continue
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
         # Ranks that only stopped because another failed add nothing when the cause is known.
         causes = [e for e in errors if " aborted: " not in e]
         decision = Decision(step=step, ok=not errors, error="; ".join(causes or errors))
-        self.control.put(f"{phase.verdict_key}/{step}", decision)
+        if phase is Phase.COMMITTED or not decision.ok or n > 1 or own is None:
+            self.control.put(f"{phase.verdict_key}/{step}", decision)
         if phase is Phase.COMMITTED and decision.ok:
             self._last_committed = step
         if phase is Phase.COMMITTED:
@@ -298,7 +350,11 @@ class Controller:
         return decision
 
     def _forget(self, step: int) -> None:
-        """Delete the per-update keys of an old step, so the store does not grow per update."""
+        """Delete the per-update keys of an old step, so the store does not grow per update.
+
+        The deletes run on a background thread (`_Janitor`), off the update's critical path:
+        about ten store round trips that used to be part of every `update()`.
+        """
         if step < 1:
             return
         keys = [f"go/{step}", f"commit/{step}", f"result/{step}", f"abort/{step}"]
@@ -310,8 +366,9 @@ class Controller:
             f"barrier/group/{step}/{g}/{r}"
             for g in range(1, groups) for r in range(self.config.num_trainer_ranks)
         ]
-        for k in keys:
-            self.control.delete(k)
+        if self._janitor is None:
+            self._janitor = _Janitor(self.control)
+        self._janitor.delete(keys)
 
     def verify(
         self, step: int, expected: Mapping[str, Mapping[str, torch.Tensor]], timeout_s: float
@@ -349,6 +406,8 @@ class Controller:
             if waiting:
                 log.info("controller: closing before engine(s) %s saw update %d", waiting,
                          self._last_committed)
+        if self._janitor is not None:
+            self._janitor.close()
         self.control.close()
 
     def _has_seen(self, engine: str, step: int) -> bool:

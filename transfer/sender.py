@@ -252,7 +252,8 @@ class WeightSender:
         try:
             stats = self._executor.run(
                 step, timeout,
-                cancelled=self._peer_failure(step),
+                # Only another trainer rank can abort an update midway.
+                cancelled=self._peer_failure(step) if self.world_size > 1 else None,
                 on_failure=lambda exc: cp.put(
                     f"abort/{step}", Failure(message=self._describe(exc))
                 ),
@@ -266,14 +267,15 @@ class WeightSender:
                 log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
             else:
                 log.exception("trainer rank %d: update %d failed", self.rank, step)
-        cp.put(
-            f"done/{step}/{self.rank}",
-            Done(rank=self.rank, step=step, ok=not error, error=error,
-                 nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0),
-        )
+        done = Done(rank=self.rank, step=step, ok=not error, error=error,
+                    nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0)
+        # The rank hosting the controller hands its reports over in memory: with one trainer
+        # rank an update's control plane is then a single store write (the result).
         if self.controller is not None:
-            self.controller.decide(step, Phase.DONE, timeout)
-        decision = cp.get(f"commit/{step}", Decision, timeout)
+            decision = self.controller.decide(step, Phase.DONE, timeout, own=done)
+        else:
+            cp.put(f"done/{step}/{self.rank}", done)
+            decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
             raise WeightTransferError(
@@ -287,13 +289,12 @@ class WeightSender:
             error = self._describe(exc)
             log.error("trainer rank %d: writing version words of update %d failed: %s",
                       self.rank, step, error)
-        cp.put(
-            f"committed/{step}/{self.rank}",
-            Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0),
-        )
+        committed = Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0)
         if self.controller is not None:
-            self.controller.decide(step, Phase.COMMITTED, timeout)
-        result = cp.get(f"result/{step}", Decision, timeout)
+            result = self.controller.decide(step, Phase.COMMITTED, timeout, own=committed)
+        else:
+            cp.put(f"committed/{step}/{self.rank}", committed)
+            result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
             # Some words may read `step` already: set every word this rank wrote back to the
