@@ -160,6 +160,9 @@ _STOP = object()
 _TABLE_MIN_COPIES = 2
 """A prepared CUDA IPC batch of at least this many copies (after coalescing) runs as
 table-kernel launches instead of one cudaMemcpyAsync per copy."""
+_INLINE_HOST_BYTES = 64 << 10
+"""Host-to-host batches up to this size are copied in the posting thread (when no batch is
+queued ahead of them), sparing the copy thread's round trip."""
 _TABLE_MIN_COPIES_UNPREPARED = 32
 """The same for a batch posted once: its table must be uploaded first, a host-to-device copy
 that queues behind the copy engine's other work (CPU-offloaded staging copies), so only large
@@ -265,6 +268,8 @@ class LoopbackTransport(Transport):
             memory_kinds=frozenset(kinds), one_sided=True, cross_host=False
         )
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._host_lock = threading.Lock()
+        self._host_queued = 0  # host-copy batches handed to the copy thread, not yet done
         self._dma = threading.Thread(
             target=self._dma_loop, name=f"loopback-dma-{self._pid}", daemon=True
         )
@@ -447,11 +452,34 @@ class LoopbackTransport(Transport):
             self._post_cuda(cuda_ops, state)
         for device, copies in raw_ops.items():
             self._post_raw(device, copies, state)
-        if host_copies:
+        if host_copies and self._inline_ok(host_copies):
+            # A few bytes (version words, small tensors) with nothing queued ahead of them:
+            # copied here, not handed to the copy thread and back (two thread switches).
+            self._run_copies(peer, host_copies, state)
+        elif host_copies:
+            with self._host_lock:
+                self._host_queued += 1
             self._jobs.put((peer, host_copies, state))
         else:
             state.host_done.set()
         handle.state = state
+
+    def _inline_ok(self, copies: list[tuple[int, int, int]]) -> bool:
+        with self._host_lock:
+            idle = self._host_queued == 0
+        return idle and sum(c[2] for c in copies) <= _INLINE_HOST_BYTES
+
+    def _run_copies(
+        self, peer: str, copies: list[tuple[int, int, int]], state: _BatchState
+    ) -> None:
+        try:
+            for dst, src, nbytes in copies:
+                memmove(dst, src, nbytes)
+        except Exception as exc:  # a copy error must reach the poller, never vanish
+            log.exception("loopback: copy to peer %r failed", peer)
+            state.error = TransportError(f"loopback: write to peer {peer!r} failed: {exc}")
+        finally:
+            state.host_done.set()
 
     def _check_target(self, peer: str, index: int, desc: RegionDescriptor) -> _Target:
         try:
@@ -515,13 +543,10 @@ class LoopbackTransport(Transport):
                 continue
             peer, copies, state = job
             try:
-                for dst, src, nbytes in copies:
-                    memmove(dst, src, nbytes)
-            except Exception as exc:  # a copy error must reach the poller, never vanish
-                log.exception("loopback: copy to peer %r failed", peer)
-                state.error = TransportError(f"loopback: write to peer {peer!r} failed: {exc}")
+                self._run_copies(peer, copies, state)
             finally:
-                state.host_done.set()
+                with self._host_lock:
+                    self._host_queued -= 1
 
     def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
         state: _BatchState = handle.state

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import os
 import queue
 import threading
@@ -56,6 +57,11 @@ from weight_transfer.planner.types import (
     numel,
 )
 from weight_transfer.transfer.manifest import local_part, torch_dtype
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
@@ -386,6 +392,7 @@ class Executor:
                 self._static[t.task_id] = _StaticTask(names, ops)
         self._static_batches = _static_batches(schedule.tasks, self._static)
         self._seen_local: dict[str, tuple[torch.Tensor, int]] = {}
+        self._fast_check: tuple[Sequence[str], list[Any], Any, list[int]] | None = None
         self._static_names = sorted({n for st in self._static.values() for n in st.sources})
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
@@ -453,12 +460,19 @@ class Executor:
         caller_done = self._order_after_caller()
         self.arena.peak = self.arena.in_use
         self._scratch_peak = self._scratch_in_use
-        worker = threading.Thread(
-            target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}", daemon=True
-        )
-        # Preparation starts at once; a failure while posting the static batches sets `abort`,
-        # and the prepare stage then only enters its collectives.
-        worker.start()
+        # When every task is a static batch (and there are no mesh-group barriers to enter),
+        # there is nothing to prepare: no prepare thread, whose start costs more than posting.
+        worker: threading.Thread | None = None
+        if self._needs_prepare_stage():
+            worker = threading.Thread(
+                target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}",
+                daemon=True,
+            )
+            # Preparation starts at once; a failure while posting the static batches sets
+            # `abort`, and the prepare stage then only enters its collectives.
+            worker.start()
+        else:
+            st.finished_preparing = True
         try:
             self._post_static(st, caller_done)
             while not st.finished_preparing or st.waiting or st.in_flight:
@@ -472,7 +486,8 @@ class Executor:
         except BaseException as exc:
             self._fail(st, worker, exc, on_failure)
             raise
-        worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
+        if worker is not None:
+            worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
         return UpdateStats(
             step=step,
             seconds=time.perf_counter() - st.t0,
@@ -488,7 +503,7 @@ class Executor:
     def _fail(
         self,
         st: _RunState,
-        worker: threading.Thread,
+        worker: threading.Thread | None,
         exc: BaseException,
         on_failure: Callable[[BaseException], None] | None,
     ) -> None:
@@ -504,6 +519,8 @@ class Executor:
                 )
         # Writes already posted may still read their staging memory: let them settle first.
         self._quiesce(st.in_flight)
+        if worker is None:  # nothing to prepare: no collectives, nothing in the ready queue
+            return
         if worker.ident is None:
             worker.start()  # abort is set: it only enters this rank's collectives
         worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
@@ -521,6 +538,12 @@ class Executor:
                 break
             if isinstance(item, _Prepared):
                 self._release(item)
+
+    def _needs_prepare_stage(self) -> bool:
+        return self.schedule.num_mesh_groups > 1 or any(
+            t.task_id not in self._static and t.task_id not in self._graph_skip
+            for t in self.schedule.tasks
+        )
 
     def _check_cancelled(self, st: _RunState) -> None:
         """Raise once another rank reported a failure of this update."""
@@ -643,8 +666,19 @@ class Executor:
             self._check_unmoved(self._static_names)
 
     def _check_unmoved(self, names: Sequence[str]) -> None:
-        """Raise if a parameter was reallocated since registration (`_local`), cheaply: the
-        local tensor object and its address as first seen are compared first."""
+        """Raise if a parameter was reallocated since registration (`_local`), cheaply.
+
+        After the first update the addresses of all the parameters are read with C-level
+        `map`s and compared with the ones first seen as one list (a MoE model has ~19k
+        parameters: a Python loop over them took longer than the copies). A parameter's
+        registered storage stays alive, so an unchanged address is unchanged memory. Only when
+        the lists differ is each parameter checked (and the offender named)."""
+        fast = self._fast_check
+        if fast is not None and fast[0] == names:
+            _, params, getter, ptrs = fast
+            locals_ = params if getter is None else map(getter, params)
+            if list(map(torch.Tensor.data_ptr, locals_)) == ptrs:
+                return
         seen = self._seen_local
         for n in names:
             local = local_part(self.sources[n].param)
@@ -653,6 +687,7 @@ class Executor:
                 continue
             local = self._local(n)
             seen[n] = (local, local.data_ptr())
+        self._fast_check = _fast_pointer_check(names, [self.sources[n].param for n in names], seen)
 
     def _check_deadline(self, st: _RunState) -> None:
         if time.monotonic() > st.deadline:
@@ -1228,6 +1263,24 @@ class Executor:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):
                 pass
+
+
+def _fast_pointer_check(
+    names: Sequence[str], params: list[Any], seen: Mapping[str, tuple[torch.Tensor, int]]
+) -> tuple[Sequence[str], list[Any], Any, list[int]] | None:
+    """What `Executor._check_unmoved` compares after the first update: the parameters, how to
+    get each one's local tensor at C level (DTensor: its `_local_tensor`; a plain tensor or
+    Parameter: itself), and the addresses first seen. None for a mix of kinds."""
+    if DTensor is not None and params and all(
+        isinstance(p, DTensor) and isinstance(getattr(p, "_local_tensor", None), torch.Tensor)
+        for p in params
+    ):
+        getter: Any = operator.attrgetter("_local_tensor")
+    elif DTensor is None or not any(isinstance(p, DTensor) for p in params):
+        getter = None
+    else:
+        return None
+    return names, params, getter, [seen[n][1] for n in names]
 
 
 def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) -> list[_StaticBatch]:

@@ -241,10 +241,15 @@ def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None
     try:
         sender.update(1)
         assert torch.equal(tensors["a.weight"], src["a.weight"])
+        # Update 2 takes the fast check (all addresses compared as one list): in-place changes
+        # pass; then a swapped storage must still be found and named.
+        src["a.weight"].add_(1.0)
+        sender.update(2)
+        assert torch.equal(tensors["a.weight"], src["a.weight"])
         src["a.weight"].set_(torch.randn(37, 19).to(torch.bfloat16))
         with pytest.raises(WeightTransferError, match="'a.weight' was reallocated"):
-            sender.update(2)
-        assert rx.version == 1
+            sender.update(3)
+        assert rx.version == 2
     finally:
         sender.close()
         rx.close()
