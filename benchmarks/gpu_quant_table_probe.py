@@ -83,10 +83,11 @@ def main() -> None:
         with torch.cuda.graph(graph, stream=stream):
             per_call()
         variants = {"per_call_w8": per_call, "per_call_graph_w8": graph.replay}
-        for warps in (2, 4, 8):
-            for sub in (0, 8, 16, 32, 64):
-                table = QuantTable(outs, (128, 128), num_warps=warps, sub_rows=sub)
-                variants[f"table_w{warps}_sub{sub}"] = table.launch
+        grid = [(w, sub, None) for w in (8, 16) for sub in (16, 32, 64)]
+        grid += [(w, 32, st) for w in (4, 8) for st in (1, 2, 4)]
+        for warps, sub, stages in grid:
+            table = QuantTable(outs, (128, 128), num_warps=warps, sub_rows=sub, num_stages=stages)
+            variants[f"table_w{warps}_sub{sub}_st{stages or 'default'}"] = table.launch
         for vname, fn in variants.items():
             for _, q, s in outs:
                 q.view(torch.uint8).fill_(0x5A)

@@ -376,6 +376,7 @@ class QuantTable:
         num_warps: int = 8,
         software_cast: bool | None = None,
         sub_rows: int = 32,
+        num_stages: int | None = None,
     ) -> None:
         """Check and tabulate `calls`: (x, out_q, out_scale) triples, each as
         `quantize_fp8_blockwise_gpu(x, block, out_q, out_scale)` would take them.
@@ -398,6 +399,7 @@ class QuantTable:
                 f"sub_rows {sub_rows} must be a power of two dividing {_next_pow2(block[0])}"
             )
         self._sub_rows = sub_rows
+        self._num_stages = num_stages
         if not calls:
             raise ConfigurationError("a QuantTable needs at least one call")
         dtype, device = calls[0][0].dtype, calls[0][0].device
@@ -487,6 +489,8 @@ class QuantTable:
         )
         if self._sub_rows:
             meta["SUB_R"] = self._sub_rows
+        if self._num_stages is not None:
+            meta["num_stages"] = self._num_stages
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 kernel[(self.num_programs,)](*args, **meta)
