@@ -403,6 +403,7 @@ def _host_cost(stats: Any) -> dict[str, float]:
         "per_task_us": total / max(1, stats.num_tasks) * 1e6,
         "per_write_us": total / max(1, stats.num_writes) * 1e6,
         "num_tasks": stats.num_tasks, "num_writes": stats.num_writes,
+        **{f"{name}_s": sec for name, sec in stats.phases},
     }
 
 

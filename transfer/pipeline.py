@@ -302,6 +302,10 @@ class UpdateStats:
     """Write ops posted (before any coalescing by the transport)."""
     post_seconds: float = 0.0
     """Host time the write stage spent posting (the prepare stage's host time is in records)."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """Seconds of the steps `WeightSender.update` takes around the executor, in order: "go",
+    "done" (every rank's report and the commit verdict), "versions" (writing the version
+    words), "result" (the committed reports and the result engines confirm from)."""
 
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]

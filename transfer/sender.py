@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -241,6 +242,7 @@ class WeightSender:
         self._current_step = step
         timeout = self.config.update_timeout_s
         cp = self._control
+        t_go = time.perf_counter()
         if self.controller is not None:
             self.controller.go(step)
         else:
@@ -267,6 +269,7 @@ class WeightSender:
                 log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
             else:
                 log.exception("trainer rank %d: update %d failed", self.rank, step)
+        t_exec = time.perf_counter()
         done = Done(rank=self.rank, step=step, ok=not error, error=error,
                     nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0)
         # The rank hosting the controller hands its reports over in memory: with one trainer
@@ -282,6 +285,7 @@ class WeightSender:
                 f"update {step} failed, no engine advanced: {decision.error}"
             ) from cause
         error = ""
+        t_done = time.perf_counter()
         try:
             self._executor.write_versions(step, timeout)
         except Exception as exc:  # reported like any other failure, then raised on every rank
@@ -289,6 +293,7 @@ class WeightSender:
             error = self._describe(exc)
             log.error("trainer rank %d: writing version words of update %d failed: %s",
                       self.rank, step, error)
+        t_versions = time.perf_counter()
         committed = Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0)
         if self.controller is not None:
             result = self.controller.decide(step, Phase.COMMITTED, timeout, own=committed)
@@ -309,6 +314,11 @@ class WeightSender:
             ) from cause
         self._committed_step = step
         assert stats is not None
+        t_end = time.perf_counter()
+        stats = dataclasses.replace(stats, phases=(
+            ("go", t0 - t_go), ("done", t_done - t_exec), ("versions", t_versions - t_done),
+            ("result", t_end - t_versions),
+        ))
         if self.config.record_trace:
             self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]
