@@ -72,15 +72,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
 """vLLM model classes whose parameters the vLLM preset describes and whose update was verified
 (or shares its layers with one that was)."""
-
-REFUSED_ARCHITECTURES = {
-    "Qwen2MoeForCausalLM": "MoE with a shared expert: its update into vLLM has not run",
-}
-"""Described by the preset, but refused (class name -> reason)."""
 
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
 """The routed experts' stacked weights (vLLM's `UnquantizedFusedMoEMethod.create_weights`)."""
@@ -103,11 +99,6 @@ class ParamPath:
 
 def _check_model(vllm_config: Any, model: nn.Module) -> None:
     arch = type(model).__name__
-    if arch in REFUSED_ARCHITECTURES:
-        raise ConfigurationError(
-            f"weight_transfer: {arch} is not supported yet ({REFUSED_ARCHITECTURES[arch]}; "
-            "docs/vllm.md); nothing was registered"
-        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigurationError(
             f"weight_transfer: vLLM model class {arch} is not covered by the vLLM preset "
