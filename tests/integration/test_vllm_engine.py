@@ -749,6 +749,56 @@ class TestQwen3Moe:
         assert len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
 
 
+def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
+    """Qwen2-MoE (routed experts, a shared expert and its gate, qkv bias), tp=2, bfloat16: one
+    update from a trainer holding the experts one tensor per expert (the checkpoint layout)
+    equals a fresh vLLM engine on a checkpoint of the same weights."""
+    from safetensors.torch import save_file
+    from weight_transfer.transfer.engines.vllm_protocol import (
+        LLMWeightSyncClient,
+        OneSidedUpdater,
+        TrainerInitInfo,
+    )
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    d = _save_moe(tmp_path / "qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE, torch.bfloat16,
+                  seed=3)
+    t0 = time.monotonic()
+    llm = _start_llm(d, "bfloat16", 2, backend=True)
+    print(f"\nvLLM start-up (Qwen2-MoE, tp=2, bfloat16): {time.monotonic() - t0:.1f} s")
+    try:
+        before = _tokens(_generate(llm))
+        params = _hf_state(d)
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in params  # per expert
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for t in params.values():
+                t.add_((torch.randn(t.shape, generator=g) * 0.05).to(t.dtype))
+        updater = OneSidedUpdater(
+            TrainerInitInfo(rank=0, world_size=1, num_engines=2, port=_free_port(),
+                            token=secrets.token_hex(16), hf_moe_layout="per_expert"),
+            params, LLMWeightSyncClient(llm),
+        )
+        try:
+            stats = updater.update(1)
+        finally:
+            updater.close()
+        ckpt = tmp_path / "step1"
+        ckpt.mkdir()
+        save_file(params, str(ckpt / "model.safetensors"))
+        shutil.copy(d / "config.json", ckpt / "config.json")
+        c = _check_fresh(llm, 1, ckpt, "bfloat16", 2, stats.seconds)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    _print_checks([c])
+    assert c["bad"] == [], c["bad"][:5]
+    assert c["tokens"] != before
+    for s in c["stats"]:
+        for w in ("w13_weight", "w2_weight"):
+            assert s["paths"][f"model.layers.0.mlp.experts.routed_experts.{w}"] == "buffer+reprocess"
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in s["paths"]
+
+
 # -- a model the presets do not cover ----------------------------------------------------------
 
 
