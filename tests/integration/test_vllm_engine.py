@@ -10,7 +10,9 @@ linear layer's output, and on prompt logprobs and greedy tokens; greedy tokens m
 transformers' on the same checkpoint.
 
 The engines' start-ups are shared per class (tp=1 float32, where vLLM's CPU backend packs the
-linears for oneDNN, and tp=2 bfloat16). `VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets the tests
+linears for oneDNN, and tp=2 bfloat16). MoE models (Qwen3-MoE tp=1 float32 with FSDP2
+trainers, Qwen2-MoE tp=2 bfloat16) are judged against a fresh vLLM engine per update instead,
+because vLLM's own `reload_weights` leaves CPU MoE experts unpacked (pinned there too). `VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets the tests
 read worker state with `collective_rpc(callable)`; the plug-in itself does not need it.
 """
 
