@@ -179,21 +179,25 @@ def _prepack_experts(self: Any) -> int:
     return n
 
 
-def _count_steps(self: Any) -> None:
-    """Wrap the worker's execute_model to log when each forward pass runs."""
+def _count_steps(self: Any, path: str) -> None:
+    """Wrap the worker's execute_model to log when each forward pass runs, one line per pass
+    in `path` (read by the test from the file: a `collective_rpc` while `generate` is adding
+    requests on another thread would share vLLM's ZeroMQ input socket across threads, which
+    ZeroMQ does not allow and which once aborted the test process)."""
     if getattr(self, "_wt_steps", None) is None:
-        self._wt_steps = []
+        self._wt_steps = path
         inner = self.execute_model
 
         def counted(*a: Any, **k: Any) -> Any:
-            self._wt_steps.append(time.monotonic())
+            with open(self._wt_steps, "a") as f:
+                f.write(f"{time.monotonic()!r}\n")
             return inner(*a, **k)
 
         self.execute_model = counted
 
 
-def _read_steps(self: Any) -> list[float]:
-    return list(self._wt_steps)
+def _read_steps(path: Path) -> list[float]:
+    return [float(x) for x in path.read_text().split()] if path.exists() else []
 
 
 # -- the trainer processes ---------------------------------------------------------------------
@@ -543,7 +547,8 @@ class TestTP1:
                 super().finish_weight_update(weight_version)
 
         d, llm, _ = engines
-        llm.collective_rpc(_count_steps)
+        step_log = tmp_path / "forward_passes.txt"
+        llm.collective_rpc(_count_steps, args=(str(step_log),))
         client = TimedClient(llm)
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
@@ -557,7 +562,7 @@ class TestTP1:
             [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)))
         gen.start()
         t_wait = time.monotonic() + 60
-        while not llm.collective_rpc(_read_steps)[0] and time.monotonic() < t_wait:
+        while not _read_steps(step_log) and time.monotonic() < t_wait:
             time.sleep(0.05)
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -566,7 +571,7 @@ class TestTP1:
         updater.update(100)
         t_start, t_end = client.t_open, client.t_close
         gen.join(300)
-        steps = llm.collective_rpc(_read_steps)[0]
+        steps = _read_steps(step_log)
         updater.close()
         assert not gen.is_alive() and len(results) == len(PROMPTS)
         assert all(len(r.outputs[0].token_ids) == 100 for r in results)
@@ -652,15 +657,16 @@ def _hf_state(d: Path) -> dict[str, torch.Tensor]:
     return load_file(str(d / "model.safetensors"))
 
 
-def _construct_mismatched(self: Any) -> str:
-    """Build the plug-in's engine over the live model with a config whose MLP is wider."""
+def _construct_mismatched(self: Any, field: str = "intermediate_size") -> str:
+    """Build the plug-in's engine over the live model with a config whose MLP (or experts,
+    `field="moe_intermediate_size"`) is wider."""
     import copy
     import types
 
     from weight_transfer.transfer.engines.vllm import OneSidedWeightTransferEngine
 
     hf = copy.deepcopy(self.vllm_config.model_config.hf_config)
-    hf.intermediate_size = hf.intermediate_size + 64
+    setattr(hf, field, getattr(hf, field) + 64)
     mc = types.SimpleNamespace(hf_config=hf, dtype=self.vllm_config.model_config.dtype,
                                quantization=None)
     cfg = types.SimpleNamespace(model_config=mc, parallel_config=self.vllm_config.parallel_config)
@@ -738,8 +744,13 @@ class TestQwen3Moe:
                 tmp=tmp_path / "ckpt",
                 check=lambda step, path, s: _check_fresh(llm, step, path, "float32", 1, s),
             )
+            # Experts that do not match the recipes (here: the recipes' experts are wider) are
+            # refused with the parameter named, before anything is registered.
+            (msg,) = llm.collective_rpc(_construct_mismatched, args=("moe_intermediate_size",))
         finally:
             llm.llm_engine.engine_core.shutdown()
+        assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in msg, msg
+        assert "nothing was registered" in msg, msg
         _print_checks(checks)
         for c in checks:
             assert c["bad"] == [], f"step {c['step']}: {c['bad'][:5]}"
