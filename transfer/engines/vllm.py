@@ -279,8 +279,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # Same shape, but the kernel reads vLLM's re-laid-out copy (CPU prepack).
                 if tuple(live.shape) != want_shape:
                     raise refuse(
-                        f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} (an "
-                        "expert intermediate size vLLM pads for its kernel is not supported)"
+                        f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} (if vLLM "
+                        "padded the experts' intermediate size for its kernel: not supported)"
                     )
                 out[name] = (BUFFER_REPROCESS, mod_name, None)
                 continue
