@@ -18,8 +18,9 @@ written parameter then takes one of three paths, logged once:
   and `finish_weight_update` re-runs vLLM's own `process_weights_after_loading` for the layer;
 * ``buffer+reprocess``: vLLM's processing replaced the parameter (the CPU backend's
   `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` packs a linear for oneDNN and
-  leaves an empty `weight`): one persistent buffer in the checkpoint layout is allocated and
-  registered once, receives the writes, and `finish_weight_update` points `layer.weight` at it
+  leaves an empty `weight`) or re-laid it out in place (the CPU MoE experts' prepacked
+  `w13_weight`/`w2_weight`): one persistent buffer in the checkpoint layout is allocated and
+  registered once, receives the writes, and the refresh points the layer's parameter at it
   and re-runs vLLM's processing for exactly that layer (the buffer itself is never
   reallocated; vLLM builds its packed copy from it as it does at load).
 
@@ -71,18 +72,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 """vLLM model classes whose parameters the vLLM preset describes and whose update was verified
 (or shares its layers with one that was)."""
 
-REFUSED_ARCHITECTURES = {
-    "Qwen2MoeForCausalLM": "MoE",
-    "Qwen3MoeForCausalLM": "MoE",
-}
-"""Described by the preset, but refused: on vLLM 0.32's CPU backend a tiny Qwen3-MoE updated in
-place (and also updated by vLLM's own `reload_weights`) computed differently from a fresh engine
-on the same weights, so some state vLLM derives from the expert weights is not refreshed yet
-(docs/vllm.md)."""
+MOE_WEIGHTS = ("w13_weight", "w2_weight")
+"""The routed experts' stacked weights (vLLM's `UnquantizedFusedMoEMethod.create_weights`)."""
 
 IN_PLACE = "in-place"
 IN_PLACE_REPROCESS = "in-place+reprocess"
@@ -102,12 +99,6 @@ class ParamPath:
 
 def _check_model(vllm_config: Any, model: nn.Module) -> None:
     arch = type(model).__name__
-    if arch in REFUSED_ARCHITECTURES:
-        raise ConfigurationError(
-            f"weight_transfer: {arch} ({REFUSED_ARCHITECTURES[arch]}) is not supported yet: an "
-            "in-place update of vLLM's MoE experts is not verified to refresh what vLLM derives "
-            "from them (docs/vllm.md); nothing was registered"
-        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigurationError(
             f"weight_transfer: vLLM model class {arch} is not covered by the vLLM preset "
@@ -120,6 +111,30 @@ def _check_model(vllm_config: Any, model: nn.Module) -> None:
             "(FP8 recipes are checked against vLLM's FP8 layers but an FP8 update into a running "
             "vLLM has not run); nothing was registered"
         )
+
+
+def _relayouts_experts(module: nn.Module) -> bool:
+    """Whether vLLM's MoE kernel for `module` re-lays out the expert weights after loading.
+
+    True for the CPU backend's experts (`CPUUnquantizedExperts.process_weights_after_loading`
+    prepacks `w13_weight`/`w2_weight` with `cpu_prepack_moe_weight`): the parameters keep their
+    shape but no longer hold the checkpoint layout, and vLLM's weight-update path
+    (`UnquantizedFusedMoEMethod._setup_kernel` with a kernel already built) skips that step.
+
+    Raises:
+        ConfigurationError: an MoE layer whose method has no modular kernel (not covered).
+    """
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        raise ConfigurationError(
+            f"weight_transfer: MoE layer {type(module).__name__} has no modular kernel "
+            "(quant_method.moe_kernel.fused_experts); not covered; nothing was registered"
+        )
+    own = type(experts).process_weights_after_loading
+    return own is not FusedMoEExperts.process_weights_after_loading
 
 
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
@@ -260,6 +275,15 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 continue
             if not live.is_contiguous():
                 raise refuse(f"{name!r} is not contiguous")
+            if name.rsplit(".", 1)[1] in MOE_WEIGHTS and _relayouts_experts(module):
+                # Same shape, but the kernel reads vLLM's re-laid-out copy (CPU prepack).
+                if tuple(live.shape) != want_shape:
+                    raise refuse(
+                        f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} (if vLLM "
+                        "padded the experts' intermediate size for its kernel: not supported)"
+                    )
+                out[name] = (BUFFER_REPROCESS, mod_name, None)
+                continue
             view = live.data
             if isinstance(module, VocabParallelEmbedding):
                 # The recipe covers the rank's real vocabulary rows, a prefix of the padded shard.
@@ -355,7 +379,22 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             if wname in self._buffers:
                 # vLLM's processing reads layer.weight: hand it the buffer (no copy).
                 module.weight = nn.Parameter(self._buffers[wname], requires_grad=False)
+            experts = [w for w in MOE_WEIGHTS if f"{mod_name}.{w}" in self._buffers]
+            for w in experts:
+                # The experts' processing reads w13_weight/w2_weight in the checkpoint layout:
+                # hand it the buffers (no copy), keeping vLLM's attributes (weight_loader).
+                old = getattr(module, w)
+                new = nn.Parameter(self._buffers[f"{mod_name}.{w}"], requires_grad=False)
+                for k, v in vars(old).items():
+                    setattr(new, k, v)
+                setattr(module, w, new)
             module.quant_method.process_weights_after_loading(module)
+            if experts:
+                # vLLM's weight-update path (UnquantizedFusedMoEMethod._setup_kernel once
+                # moe_kernel is built) skips the kernel's own processing, which at load
+                # re-lays out the experts (CPU: cpu_prepack_moe_weight). Run it as at load: it
+                # builds a new packed copy from the buffers and leaves them unchanged.
+                module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
