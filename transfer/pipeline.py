@@ -228,6 +228,8 @@ class _GraphGroup:
     """Its write batches, prepared on first post."""
     direct: tuple[torch.Tensor, ...] = ()
     """Engine memory its graph writes straight into (kept mapped while the graph lives)."""
+    fast_check: _PointerCheck | None = None
+    """Its sources' addresses at capture (see `_PointerCheck`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -396,7 +398,7 @@ class Executor:
                 self._static[t.task_id] = _StaticTask(names, ops)
         self._static_batches = _static_batches(schedule.tasks, self._static)
         self._seen_local: dict[str, tuple[torch.Tensor, int]] = {}
-        self._fast_check: tuple[Sequence[str], list[Any], Any, list[int]] | None = None
+        self._fast_check: tuple[Sequence[str], _PointerCheck] | None = None
         self._static_names = sorted({n for st in self._static.values() for n in st.sources})
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
@@ -678,11 +680,8 @@ class Executor:
         registered storage stays alive, so an unchanged address is unchanged memory. Only when
         the lists differ is each parameter checked (and the offender named)."""
         fast = self._fast_check
-        if fast is not None and fast[0] == names:
-            _, params, getter, ptrs = fast
-            locals_ = params if getter is None else map(getter, params)
-            if list(map(torch.Tensor.data_ptr, locals_)) == ptrs:
-                return
+        if fast is not None and fast[0] == names and fast[1].unchanged():
+            return
         seen = self._seen_local
         for n in names:
             local = local_part(self.sources[n].param)
@@ -691,7 +690,8 @@ class Executor:
                 continue
             local = self._local(n)
             seen[n] = (local, local.data_ptr())
-        self._fast_check = _fast_pointer_check(names, [self.sources[n].param for n in names], seen)
+        check = _PointerCheck.of([self.sources[n].param for n in names])
+        self._fast_check = None if check is None else (names, check)
 
     def _check_deadline(self, st: _RunState) -> None:
         if time.monotonic() > st.deadline:
@@ -988,7 +988,8 @@ class Executor:
             names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
             nbytes = sum(t.nbytes for t, _, _ in members)
             graphs[first.task_id] = _GraphGroup(
-                graph, dict(ops), start, start + size, names, nbytes, direct=tuple(keep)
+                graph, dict(ops), start, start + size, names, nbytes, direct=tuple(keep),
+                fast_check=_PointerCheck.of([self.sources[n].param for n in names]),
             )
             for t, _, _ in members[1:]:
                 self._graph_skip.add(t.task_id)
@@ -1058,8 +1059,19 @@ class Executor:
                     )
                 self._ring_cond.wait(0.01)
             self._ring_busy.append((task.task_id, start, end))
-        for n in group.sources:
-            self._local(n)  # raises if a parameter was reallocated since the capture
+        # The graph reads the addresses its parameters had at capture: fail if one moved. A
+        # MoE layer's group reads hundreds of expert parameters, compared as one list.
+        fast = group.fast_check
+        moved = fast.moved() if fast is not None else None
+        if moved is not None:
+            raise WeightTransferError(
+                f"trainer rank {self.rank}: parameter {group.sources[moved]!r} was reallocated "
+                "since the sender captured its quantization (its address changed); update "
+                "parameters in place, or build a new WeightSender after changing their storage"
+            )
+        if fast is None:  # a mix of DTensors and plain tensors: one by one
+            for n in group.sources:
+                self._local(n)
         rec.prepare_start = time.perf_counter() - t0
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
@@ -1269,22 +1281,49 @@ class Executor:
                 pass
 
 
-def _fast_pointer_check(
-    names: Sequence[str], params: list[Any], seen: Mapping[str, tuple[torch.Tensor, int]]
-) -> tuple[Sequence[str], list[Any], Any, list[int]] | None:
-    """What `Executor._check_unmoved` compares after the first update: the parameters, how to
-    get each one's local tensor at C level (DTensor: its `_local_tensor`; a plain tensor or
-    Parameter: itself), and the addresses first seen. None for a mix of kinds."""
-    if DTensor is not None and params and all(
-        isinstance(p, DTensor) and isinstance(getattr(p, "_local_tensor", None), torch.Tensor)
-        for p in params
-    ):
-        getter: Any = operator.attrgetter("_local_tensor")
-    elif DTensor is None or not any(isinstance(p, DTensor) for p in params):
-        getter = None
-    else:
-        return None
-    return names, params, getter, [seen[n][1] for n in names]
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PointerCheck:
+    """The addresses of many parameters' local tensors, read and compared at C level.
+
+    Built right after each parameter was checked one by one (`Executor._local`); `unchanged`
+    then costs two C-level maps and one list compare, where a Python loop over a MoE model's
+    ~19k parameters took longer than the copies. A parameter's registered storage (or, for a
+    captured graph, the graph's reference to it) stays alive, so an unchanged address is
+    unchanged memory.
+    """
+
+    params: list[Any]
+    getter: Any
+    """How to reach each one's local tensor: DTensor's `_local_tensor`, or None (itself)."""
+    ptrs: list[int]
+
+    @staticmethod
+    def of(params: list[Any]) -> _PointerCheck | None:
+        """None for a mix of DTensors and plain tensors (checked one by one instead)."""
+        if DTensor is not None and params and all(
+            isinstance(p, DTensor) and isinstance(getattr(p, "_local_tensor", None), torch.Tensor)
+            for p in params
+        ):
+            getter: Any = operator.attrgetter("_local_tensor")
+        elif DTensor is None or not any(isinstance(p, DTensor) for p in params):
+            getter = None
+        else:
+            return None
+        return _PointerCheck(params, getter, _PointerCheck._read(params, getter))
+
+    @staticmethod
+    def _read(params: list[Any], getter: Any) -> list[int]:
+        return list(map(torch.Tensor.data_ptr, params if getter is None else map(getter, params)))
+
+    def unchanged(self) -> bool:
+        return self._read(self.params, self.getter) == self.ptrs
+
+    def moved(self) -> int | None:
+        """Index of the first parameter whose address changed, or None."""
+        now = self._read(self.params, self.getter)
+        if now == self.ptrs:
+            return None
+        return next(i for i, (a, b) in enumerate(zip(now, self.ptrs, strict=True)) if a != b)
 
 
 def _static_batches(tasks: Sequence[Task], static: Mapping[int, _StaticTask]) -> list[_StaticBatch]:
