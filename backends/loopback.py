@@ -63,7 +63,7 @@ _JOIN_TIMEOUT_S = 10.0
 
 # CUDA targets registered by transports of this process, by IPC handle: a process cannot open
 # its own IPC handle (cudaIpcOpenMemHandle refuses), so same-process writes use the tensor.
-_LOCAL_CUDA_TARGETS: dict[bytes, torch.Tensor] = {}
+_LOCAL_CUDA_TARGETS: dict[tuple[bytes, int], torch.Tensor] = {}
 _LOCAL_CUDA_LOCK = threading.Lock()
 
 
@@ -251,7 +251,7 @@ class LoopbackTransport(Transport):
         self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
         self._decoded: dict[str, dict[bytes, _Target]] = {}  # peer -> payload -> checked target
         self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
-        self._local_cuda_handles: dict[int, bytes] = {}  # region id -> IPC handle
+        self._local_cuda_handles: dict[int, tuple[bytes, int]] = {}  # region id -> (handle, offset)
         self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream
         self._generation: dict[str, int] = {}  # peer -> bumped at every connect
         self._next_generation = 0
@@ -341,9 +341,11 @@ class LoopbackTransport(Transport):
                 "expandable segments cannot be shared"
             ) from exc
         device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = fields
+        # Keyed by handle and offset: tensors of one allocator block share the handle.
+        local_key = (bytes(handle), int(offset))
         with _LOCAL_CUDA_LOCK:
-            _LOCAL_CUDA_TARGETS[bytes(handle)] = flat
-        self._local_cuda_handles[region_id] = bytes(handle)
+            _LOCAL_CUDA_TARGETS[local_key] = flat
+        self._local_cuda_handles[region_id] = local_key
         ipc = [
             int(device),
             bytes(handle),
@@ -585,7 +587,7 @@ class LoopbackTransport(Transport):
         if view is not None:
             return view
         with _LOCAL_CUDA_LOCK:
-            local = _LOCAL_CUDA_TARGETS.get(ipc[1])
+            local = _LOCAL_CUDA_TARGETS.get((bytes(ipc[1]), int(ipc[3])))
         if local is not None:
             storage = local.untyped_storage()
         else:
@@ -604,7 +606,7 @@ class LoopbackTransport(Transport):
     def _is_local_ipc(self, target: _Target) -> bool:
         assert target.ipc is not None
         with _LOCAL_CUDA_LOCK:
-            return target.ipc[1] in _LOCAL_CUDA_TARGETS
+            return (bytes(target.ipc[1]), int(target.ipc[3])) in _LOCAL_CUDA_TARGETS
 
     def _writer_device(self, op: WriteOp) -> int:
         """The GPU whose copy engine writes: the source's, else the configured or current one."""
