@@ -588,13 +588,114 @@ def broadcast_baseline(
     )
 
 
+def binomial_broadcast_s(nbytes: float, participants: int, link_bytes_per_s: float) -> float:
+    """Time of gloo's binomial-tree broadcast of `nbytes` to `participants` ranks (root included)
+    on hosts of one link each (`gloo/broadcast.cc`).
+
+    Virtual rank v receives from v with its highest set bit cleared, then queues its sends to
+    v + 2^i for every bit i above that one at once (the root to every power of two). A rank's
+    sends share its uplink, so all of them end ``k * nbytes / rate`` after it received (k its
+    number of children); every rank receives from one parent only, so downlinks never contend.
+    """
+    if participants < 1 or link_bytes_per_s <= 0:
+        raise ValueError("participants must be >= 1 and link_bytes_per_s positive")
+    hop = nbytes / link_bytes_per_s
+    done = [0.0] * participants
+    for v in range(participants):
+        low = v.bit_length()  # bits below this are v's own; children use bits from here up
+        children = [v + (1 << i) for i in range(low, participants.bit_length() + 1)
+                    if v + (1 << i) < participants]
+        for c in children:
+            done[c] = done[v] + len(children) * hop
+    return max(done)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FunnelResult:
+    """The rank-0 funnel as implemented by `bench update`'s baseline, over gloo or NCCL."""
+
+    predicted_s: float
+    """Whole baseline update."""
+    gather_s: float
+    """All-gathers of every parameter over the trainer ranks (rank 0's share of the time)."""
+    broadcast_s: float
+    """Rank 0 broadcasting every bucket to the engine ranks."""
+    load_s: float
+    """Busiest engine copying (quantizing) its share out of the buckets."""
+    num_buckets: int
+
+
+def funnel_baseline(
+    param_bytes: Sequence[int],
+    num_trainer_ranks: int,
+    engine_bytes: Sequence[int],
+    rates: Rates,
+    *,
+    bucket_bytes: int,
+    broadcast: str = "binomial",
+    overlap: bool = False,
+    fp8: bool = False,
+) -> FunnelResult:
+    """The rank-0 funnel, per parameter and per bucket, as `bench update` runs it.
+
+    Every trainer rank all-gathers each parameter (`full_tensor()` over the FSDP mesh of all
+    `num_trainer_ranks`, one host each: a ring moves ``(n - 1) / n`` of it through every NIC, plus
+    `collective_latency_s` per parameter); rank 0 packs the full tensors into buckets of
+    `bucket_bytes` and broadcasts each to every engine rank; engines copy (or quantize) their
+    share out of each bucket. This is where the funnel's cost grows with the trainer ranks (the
+    gathers) while the broadcast stays on one NIC.
+
+    Args:
+        param_bytes: bytes of every trainer parameter, in send order.
+        engine_bytes: bytes each engine rank holds.
+        broadcast: "binomial" (gloo's tree, `binomial_broadcast_s`) or "pipelined" (NCCL's ring
+            or tree: the bucket leaves rank 0's NIC once).
+        overlap: gathers, broadcasts and loads pipeline over buckets (NCCL streams); False
+            when each call blocks (gloo on the CPU), so rank 0 gathers, then broadcasts.
+    """
+    if num_trainer_ranks < 1 or bucket_bytes <= 0:
+        raise ValueError("num_trainer_ranks must be >= 1 and bucket_bytes positive")
+    if broadcast not in ("binomial", "pipelined"):
+        raise ValueError(f"broadcast must be 'binomial' or 'pipelined', got {broadcast!r}")
+    nic = rates.gpu_nic_bytes_per_s
+    n = num_trainer_ranks
+    total = sum(param_bytes)
+    gather = sum(
+        (b * (n - 1) / n) / nic + rates.collective_latency_s for b in param_bytes
+    ) if n > 1 else 0.0
+    buckets = [bucket_bytes] * (total // bucket_bytes)
+    if total % bucket_bytes:
+        buckets.append(total % bucket_bytes)
+    participants = 1 + len(engine_bytes)
+    if broadcast == "binomial":
+        bcast = sum(binomial_broadcast_s(b, participants, nic) + rates.write_latency_s
+                    for b in buckets)
+    else:
+        bcast = sum(b / nic + rates.write_latency_s for b in buckets)
+    rate = (rates.quantize_gb_per_s if fp8 else rates.prepare_gb_per_s) * GB
+    load = max(engine_bytes, default=0) / rate
+    k = max(1, len(buckets))
+    if overlap:
+        stages = (gather, bcast, load)
+        predicted = sum(s / k for s in stages) + (k - 1) * max(stages) / k
+    else:
+        # Rank 0 blocks in each gather and each broadcast; the engines load bucket i while
+        # rank 0 gathers bucket i + 1, so only the last bucket's load is exposed.
+        predicted = gather + bcast + load / k
+    return FunnelResult(predicted_s=predicted, gather_s=gather, broadcast_s=bcast, load_s=load,
+                        num_buckets=len(buckets))
+
+
 __all__ = [
     "BaselineResult",
+    "FunnelResult",
     "GB",
     "Rates",
     "SimResult",
     "Spread",
+    "binomial_broadcast_s",
     "broadcast_baseline",
+    "funnel_baseline",
     "load_rates",
     "rates_from_mapping",
     "simulate",
