@@ -260,6 +260,7 @@ def simulate(
     *,
     memory_budget_bytes: int,
     progress: Callable[[str], None] | None = None,
+    links: str = "fifo",
 ) -> SimResult:
     """Predict one update of `schedule` (module docstring for the model).
 
@@ -271,12 +272,19 @@ def simulate(
         rates: link and stage rates.
         memory_budget_bytes: temporary memory per trainer rank.
         progress: called now and then with a short status line.
+        links: "fifo": a batch holds the sender's and then the receiver's link alone (two FIFO
+            servers in tandem; fast at any scale). "fair": every batch and every ring step of a
+            cross-host gather is a flow, and flows share each link max-min fairly (as TCP
+            connections do), recomputed whenever a flow starts or ends; the trainer's receive
+            side is a link too. Costs O(links x flows) per event: for small clusters.
 
     Raises:
         ValueError: manifests that do not match the schedule (naming the rank or engine).
     """
     if memory_budget_bytes <= 0:
         raise ValueError("memory_budget_bytes must be positive")
+    if links not in ("fifo", "fair"):
+        raise ValueError(f"links must be 'fifo' or 'fair', got {links!r}")
     by_rank = {m.rank: m for m in sources}
     missing = [r for r in range(schedule.num_ranks) if r not in by_rank]
     if missing:
@@ -287,14 +295,83 @@ def simulate(
     hosts = [by_rank[r].host for r in range(schedule.num_ranks)]
     sim = _Simulation(
         schedule, _task_costs(schedule, sources, rates, hosts), hosts, engine_hosts, rates,
-        memory_budget_bytes,
+        memory_budget_bytes, fair=links == "fair",
     )
     sim.run(progress)
     return sim.result()
 
 
-_ADVANCE, _PREP_DONE, _WRITE_DONE = 0, 1, 2
-"""Event kinds: try to admit and prepare; a task's preparation ended; its writes completed."""
+_ADVANCE, _PREP_DONE, _WRITE_DONE, _FLOW_START = 0, 1, 2, 3
+"""Event kinds: try to admit and prepare; a task's preparation ended; its writes completed; a
+flow of the fair link model starts (its payload is in `_Simulation.starting`)."""
+
+_INF = float("inf")
+
+
+class _Fluid:
+    """Flows sharing links max-min fairly (progressive filling), advanced in time."""
+
+    def __init__(self) -> None:
+        self.cap: dict[object, float] = {}
+        self.flows: dict[int, list[object]] = {}  # id -> [remaining bytes, rate, links, done]
+        self.now = 0.0
+        self.next_id = 0
+
+    def advance(self, t: float) -> None:
+        """Move every flow on to time `t`."""
+        dt = t - self.now
+        if dt > 0:
+            for f in self.flows.values():
+                f[0] = max(0.0, f[0] - f[1] * dt)  # type: ignore[operator]
+        self.now = max(self.now, t)
+
+    def add(self, nbytes: float, links: tuple[object, ...], done: object) -> None:
+        """Start a flow now (`advance` first); `done` comes back from `pop_done`."""
+        self.flows[self.next_id] = [float(nbytes), 0.0, links, done]
+        self.next_id += 1
+        self.rebalance()
+
+    def next_done(self) -> float:
+        """When the first flow ends at the current rates."""
+        best = _INF
+        for rem, rate, _, _ in self.flows.values():
+            if rate > 0:  # type: ignore[operator]
+                best = min(best, self.now + rem / rate)  # type: ignore[operator]
+        return best
+
+    def pop_done(self) -> list[object]:
+        """Remove the flows that ended by now (a relative byte tolerance); their `done`s."""
+        out = []
+        for fid in list(self.flows):
+            rem, rate, _, done = self.flows[fid]
+            if rem <= 1e-9 * max(1.0, rate) or rem < 1e-3:  # type: ignore[operator]
+                out.append(done)
+                del self.flows[fid]
+        if out:
+            self.rebalance()
+        return out
+
+    def rebalance(self) -> None:
+        """Max-min fair rates: fill the tightest link first, freeze its flows, repeat."""
+        left = {}
+        users: dict[object, list[int]] = defaultdict(list)
+        for fid, (_, _, links, _) in self.flows.items():
+            for ln in links:  # type: ignore[attr-defined]
+                users[ln].append(fid)
+                left[ln] = self.cap[ln]
+        frozen: set[int] = set()
+        count = {ln: len(u) for ln, u in users.items()}
+        while len(frozen) < len(self.flows):
+            ln = min((x for x in count if count[x] > 0), key=lambda x: left[x] / count[x])
+            share = left[ln] / count[ln]
+            for fid in users[ln]:
+                if fid in frozen:
+                    continue
+                frozen.add(fid)
+                self.flows[fid][1] = share
+                for other in self.flows[fid][2]:  # type: ignore[attr-defined]
+                    left[other] -= share
+                    count[other] -= 1
 
 
 class _Simulation:
@@ -312,8 +389,15 @@ class _Simulation:
         engine_hosts: Mapping[str, str],
         rates: Rates,
         memory_budget_bytes: int,
+        fair: bool = False,
     ) -> None:
         world = schedule.num_ranks
+        self.fair = fair
+        self.fluid = _Fluid()
+        self.starting: dict[int, tuple[float, tuple[object, ...], object]] = {}
+        self.batches_left: dict[tuple[int, int], int] = {}
+        self.task_finish: dict[tuple[int, int], float] = {}
+        self.gathers_left: dict[int, int] = {}
         self.schedule, self.costs, self.hosts = schedule, costs, hosts
         self.engine_hosts, self.rates, self.budget = engine_hosts, rates, memory_budget_bytes
         self.world = world
@@ -368,6 +452,63 @@ class _Simulation:
                     for r in range(self.world):
                         self.push(self.released[g], _ADVANCE, r, -1)
 
+    def flow(self, t: float, nbytes: float, links: tuple[object, ...], done: object) -> None:
+        """Start a flow of the fair link model at `t` (an event, so it starts in order)."""
+        for ln in links:
+            self.fluid.cap.setdefault(ln, self.nvl if ln[0] in ("ntx", "nrx") else self.nic)  # type: ignore[index]
+        self.seq += 1
+        self.starting[self.seq] = (nbytes, links, done)
+        heapq.heappush(self.events, (t, self.seq, _FLOW_START, -1, self.seq))
+
+    def post_fair(self, rank: int, idx: int, c: _TaskCost, t: float) -> None:
+        """Post a prepared task's batches as flows; WRITE_DONE when the last one ended."""
+        post_cost = self.rates.write_overhead_s
+        key = (rank, idx)
+        self.batches_left[key] = 0
+        self.task_finish[key] = t
+        for engine, nbytes, nwrites in c.batches:
+            h_start = max(t, self.host_free[rank])
+            h_end = h_start + nwrites * post_cost
+            self.host_free[rank] = h_end
+            ready = h_start + post_cost if nwrites else h_start
+            last = nbytes / max(1, nwrites)
+            if self.engine_hosts[engine] == self.hosts[rank]:
+                links: tuple[object, ...] = (("ntx", rank), ("nrx", engine))
+                floor = h_end + last / self.nvl
+                self.nvl_bytes[rank] += nbytes
+            else:
+                links = (("tx", rank), ("erx", engine))
+                floor = h_end + last / self.nic
+                self.send_bytes[rank] += nbytes
+                self.recv_bytes[engine] += nbytes
+            self.batches_left[key] += 1
+            self.flow(ready, nbytes, links, ("write", rank, idx, floor))
+        if not self.batches_left[key]:
+            del self.batches_left[key]
+            self.push(self.task_finish.pop(key), _WRITE_DONE, rank, idx)
+
+    def flow_done(self, done: object, t: float) -> None:
+        """A flow of the fair model ended at `t`."""
+        kind = done[0]  # type: ignore[index]
+        if kind == "write":
+            _, rank, idx, floor = done  # type: ignore[misc]
+            key = (rank, idx)
+            self.task_finish[key] = max(self.task_finish[key], t, floor)
+            self.batches_left[key] -= 1
+            if not self.batches_left[key]:
+                del self.batches_left[key]
+                self.push(self.task_finish.pop(key) + self.rates.write_latency_s, _WRITE_DONE,
+                          rank, idx)
+        else:  # one ring step of a gather; the collective ends with its last one
+            _, cid, members = done  # type: ignore[misc]
+            self.gathers_left[cid] -= 1
+            if not self.gathers_left[cid]:
+                del self.gathers_left[cid]
+                for r in members:
+                    c = self.costs[r][self.prepared[r]]
+                    self.compute_total[r] += c.compute_s
+                    self.push(t + c.compute_s, _PREP_DONE, r, self.prepared[r])
+
     def post(self, rank: int, c: _TaskCost, t: float) -> float:
         """Post a prepared task's write batches; when its last write completes."""
         post_cost, nic, nvl = self.rates.write_overhead_s, self.nic, self.nvl
@@ -400,6 +541,20 @@ class _Simulation:
 
     def start_prepare(self, ranks_start: Sequence[tuple[int, float]]) -> None:
         """Begin preparing each given rank's next task at the given start time."""
+        if self.fair and len(ranks_start) > 1:
+            r0 = ranks_start[0][0]
+            c0 = self.costs[r0][self.prepared[r0]]
+            if c0.gather_bytes and not c0.gather_nvlink:
+                # A ring all-gather: rank i sends (n-1)/n of the tensor to rank i+1.
+                members = sorted(r for r, _ in ranks_start)
+                start = ranks_start[0][1]
+                self.gathers_left[c0.collective] = len(members)
+                for i, r in enumerate(members):
+                    nxt = members[(i + 1) % len(members)]
+                    self.send_bytes[r] += self.costs[r][self.prepared[r]].gather_bytes
+                    self.flow(start, self.costs[r][self.prepared[r]].gather_bytes,
+                              (("tx", r), ("rx", nxt)), ("gather", c0.collective, tuple(members)))
+                return
         for rank, start in ranks_start:
             idx = self.prepared[rank]
             c = self.costs[rank][idx]
@@ -466,7 +621,10 @@ class _Simulation:
         self.prepared[rank] += 1
         self.mem[rank] -= c.scratch
         self.h2d_end[rank].pop(idx, None)
-        self.push(self.post(rank, c, t), _WRITE_DONE, rank, idx)
+        if self.fair:
+            self.post_fair(rank, idx, c, t)
+        else:
+            self.push(self.post(rank, c, t), _WRITE_DONE, rank, idx)
         nxt = self.prepared[rank]
         group = self.costs[rank][nxt].group if nxt < self.n_tasks[rank] else self.num_groups - 1
         self.reach(rank, group, t)
@@ -485,9 +643,24 @@ class _Simulation:
             self.reach(r, first, 0.0)
             self.push(0.0, _ADVANCE, r, -1)
         processed = 0
-        while self.events:
+        fluid = self.fluid
+        while self.events or fluid.flows:
+            if fluid.flows:
+                t_flow = fluid.next_done()
+                if not self.events or t_flow < self.events[0][0]:
+                    if t_flow == _INF:
+                        raise ValueError("simulation stalled: flows without bandwidth")
+                    fluid.advance(t_flow)
+                    for done in fluid.pop_done():
+                        self.flow_done(done, t_flow)
+                    continue
             t, _, kind, rank, idx = heapq.heappop(self.events)
             processed += 1
+            if kind == _FLOW_START:
+                fluid.advance(t)
+                nbytes, links, done = self.starting.pop(idx)
+                fluid.add(nbytes, links, done)
+                continue
             if progress is not None and processed % 200_000 == 0:
                 progress(f"simulating: {processed} events, t={t:.3f} s")
             if kind == _PREP_DONE:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -83,6 +82,9 @@ class EmulateConfig:
     """Limit of the whole run."""
     seed: int = 0
     """Seed of the weights."""
+    dump_dir: str = ""
+    """If set, every engine writes the raw bytes of each tensor after the last of our updates
+    to ``<dump_dir>/<engine index>/<tensor name>.bin`` (for checks outside this module)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("tcp", "ucx"):
@@ -108,6 +110,14 @@ class EmulateConfig:
     def num_engines(self) -> int:
         """Engine ranks (hosts n..n+m-1)."""
         return self.preset.engine.num_gpus
+
+
+def planner_config(cfg: EmulateConfig) -> Any:
+    """The planner's settings: the run's memory budget, writes of at most a quarter of it."""
+    from weight_transfer.planner.plan import PlannerConfig
+
+    return PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes,
+                         max_write_bytes=min(64 << 20, cfg.memory_budget_bytes // 4))
 
 
 def baseline_unsupported(preset: ClusterPreset) -> str | None:
@@ -239,7 +249,8 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
         control = _control(ips[0], token, cfg.timeout_s)
         controller = None
         if rank == 0:
-            controller = Controller(ControllerConfig(num_trainer_ranks=n, num_engines=m), control)
+            controller = Controller(ControllerConfig(num_trainer_ranks=n, num_engines=m,
+                                                     planner=planner_config(cfg)), control)
         sender = WeightSender(
             params, rank=rank, world_size=n, transport=_transport(cfg.backend, ips[rank]),
             control=control, controller=controller, device="cpu",
@@ -253,11 +264,15 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
             # per rank (the planner ignores hosts, the simulator needs them).
             sources = [dataclasses.replace(s, host=f"trainer{s.rank}") for s in controller.sources]
             engine_hosts = {d.engine: f"engine{i}" for i, d in enumerate(controller.dests)}
-            r = simulate(sched, sources, engine_hosts, rates_from_mapping(rates),
-                         memory_budget_bytes=cfg.memory_budget_bytes)
+            rt = rates_from_mapping(rates)
+            fifo = simulate(sched, sources, engine_hosts, rt,
+                            memory_budget_bytes=cfg.memory_budget_bytes, links="fifo")
+            r = simulate(sched, sources, engine_hosts, rt,
+                         memory_budget_bytes=cfg.memory_budget_bytes, links="fair")
             tasks = [t for rs in sched.ranks for t in rs.tasks]
             out.put(("sim", {
-                "predicted_s": r.predicted_s, "lower_bound_s": r.lower_bound_s,
+                "predicted_s": r.predicted_s, "predicted_fifo_s": fifo.predicted_s,
+                "lower_bound_s": r.lower_bound_s,
                 "bottleneck": r.bottleneck, "stage_bound_s": r.stage_bound_s,
                 "busiest": r.busiest, "total_write_bytes": r.total_write_bytes,
                 "num_tasks": r.num_tasks,
@@ -384,6 +399,12 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
             out.put(("engine_update", f"engine{index}", step, t1 - t0, c1 - c0))
             rx.publish_digests(step)
             c0, t0 = _cpu_s(), time.perf_counter()
+        if cfg.dump_dir:
+            folder = os.path.join(cfg.dump_dir, str(index))
+            os.makedirs(folder, exist_ok=True)
+            for name, t in tensors.items():
+                t.contiguous().view(-1).view(torch.uint8).numpy().tofile(
+                    os.path.join(folder, f"{name}.bin"))
         if cfg.baseline:
             _funnel_engine(index, cfg, ips, dm, tensors, source_manifests(cfg.preset)[0], rx, out)
         rx._control.get("emulate/finished", _Finished, cfg.timeout_s)
@@ -688,8 +709,10 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         "measured_s": _spread(ours), "measured_all_s": ours, "executor_s": _spread(executor),
         "simulated": sim,
         "ratio_measured_over_predicted": (statistics.median(ours) / sim["predicted_s"]) if ours and sim else None,
+        "ratio_measured_over_predicted_fifo": (statistics.median(ours) / sim["predicted_fifo_s"]) if ours and sim else None,
         "cpu_per_process": cpu_use, "verified": verified,
         "all_verified": bool(verified) and all(not v["mismatches"] for v in verified),
+        "namespaces": [cluster.switch, *hosts],
         "loadavg_before": load_before, "loadavg_after": load_after,
         "machine": _machine(), "errors": errors, "qdisc": qdisc,
         "wall_s": time.monotonic() - t_start,

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The emulated-cluster runs of benchmarks/results/emulate_cpu-2core_202612.md (root; ~15 min on
+# 2 cores). Each line is the exact command; results go to $OUT (default benchmarks/results).
+set -u
+OUT=${OUT:-benchmarks/results}
+P=emulate_cpu-2core_202612
+run() { echo "+ $*" >&2; "$@" || echo "exit $? : $*" >&2; }
+run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_8x2tp2_tcp.json"
+run weight-transfer emulate --preset emu-moe --repeats 5 --json "$OUT/${P}_moe_8x1ep4_tcp.json"
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp.json"
+run weight-transfer emulate --preset emu-dense --trainer-gpus 4 --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_4x2tp2_tcp.json"
+run weight-transfer emulate --preset emu-dense --trainer-gpus 2 --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_2x2tp2_tcp.json"
+run weight-transfer emulate --preset emu-dense --backend ucx --repeats 5 --json "$OUT/${P}_dense_8x2tp2_ucx.json"
