@@ -11,3 +11,7 @@ run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}
 run weight-transfer emulate --preset emu-dense --trainer-gpus 4 --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_4x2tp2_tcp.json"
 run weight-transfer emulate --preset emu-dense --trainer-gpus 2 --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_2x2tp2_tcp.json"
 run weight-transfer emulate --preset emu-dense --backend ucx --repeats 5 --json "$OUT/${P}_dense_8x2tp2_ucx.json"
+# Diagnostics of the gap: the same cluster at half the rate (a fixed overhead shrinks in ratio,
+# a rate-proportional one does not) and with 1 ms of netem delay per link end.
+run weight-transfer emulate --preset emu-dense --rate-mb 10 --repeats 5 --json "$OUT/${P}_dense_8x2tp2_tcp_10mb.json"
+run weight-transfer emulate --preset emu-dense --delay-ms 1 --repeats 5 --json "$OUT/${P}_dense_8x2tp2_tcp_delay1ms.json"

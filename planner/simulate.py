@@ -821,8 +821,9 @@ def funnel_baseline(
     Args:
         param_bytes: bytes of every trainer parameter, in send order.
         engine_bytes: bytes each engine rank holds.
-        broadcast: "binomial" (gloo's tree, `binomial_broadcast_s`) or "pipelined" (NCCL's ring
-            or tree: the bucket leaves rank 0's NIC once).
+        broadcast: "binomial" (gloo's tree, `binomial_broadcast_s`: rank 0's uplink carries
+            ceil(log2 P) copies of every bucket, P = engines + 1) or "pipelined" (NCCL's ring or
+            tree: the bucket leaves rank 0's NIC once).
         overlap: gathers, broadcasts and loads pipeline over buckets (NCCL streams); False
             when each call blocks (gloo on the CPU), so rank 0 gathers, then broadcasts.
     """
@@ -841,8 +842,14 @@ def funnel_baseline(
         buckets.append(total % bucket_bytes)
     participants = 1 + len(engine_bytes)
     if broadcast == "binomial":
-        bcast = sum(binomial_broadcast_s(b, participants, nic) + rates.write_latency_s
-                    for b in buckets)
+        # Rank 0's broadcast returns once its own sends are done (its uplink carries one copy
+        # per child); the engines' forwarding overlaps rank 0's next gather and bucket, so only
+        # the last bucket's remaining tree depth is exposed.
+        fanout = float(sum(1 for i in range(participants.bit_length()) if (1 << i) < participants))
+        bcast = sum(fanout * b / nic + rates.write_latency_s for b in buckets)
+        if buckets:
+            last = buckets[-1]
+            bcast += binomial_broadcast_s(last, participants, nic) - fanout * last / nic
     else:
         bcast = sum(b / nic + rates.write_latency_s for b in buckets)
     rate = (rates.quantize_gb_per_s if fp8 else rates.prepare_gb_per_s) * GB

@@ -711,6 +711,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         "ratio_measured_over_predicted": (statistics.median(ours) / sim["predicted_s"]) if ours and sim else None,
         "ratio_measured_over_predicted_fifo": (statistics.median(ours) / sim["predicted_fifo_s"]) if ours and sim else None,
         "cpu_per_process": cpu_use, "verified": verified,
+        "updates_raw": [list(x) for x in msgs if x[0] in ("update", "engine_update")],
         "all_verified": bool(verified) and all(not v["mismatches"] for v in verified),
         "namespaces": [cluster.switch, *hosts],
         "loadavg_before": load_before, "loadavg_after": load_after,
