@@ -15,3 +15,7 @@ run weight-transfer emulate --preset emu-dense --backend ucx --repeats 5 --json 
 # a rate-proportional one does not) and with 1 ms of netem delay per link end.
 run weight-transfer emulate --preset emu-dense --rate-mb 10 --repeats 5 --json "$OUT/${P}_dense_8x2tp2_tcp_10mb.json"
 run weight-transfer emulate --preset emu-dense --delay-ms 1 --repeats 5 --json "$OUT/${P}_dense_8x2tp2_tcp_delay1ms.json"
+# FP8 again once the fixed cost of one gather is measured in the run (`gather_probe_s`).
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_probe.json"
+# The 8-rank run again with the final code (the funnel model and the raw per-rank times).
+run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_8x2tp2_tcp_final.json"

@@ -183,6 +183,27 @@ def _meshes(cfg: EmulateConfig, rank: int) -> dict[tuple[int, ...], Any]:
     return out
 
 
+def _gather_probe(meshes: dict[tuple[int, ...], Any], rank: int, repeats: int = 20) -> float | None:
+    """Median time of one full_tensor() of a tiny DTensor, slowest of this rank's meshes (the
+    fixed cost of a gather: gloo's ring steps, dispatch and process wake-ups), or None when the
+    preset has no mesh of more than one rank. Collective: every rank runs it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    worst = None
+    for ranks, mesh in sorted(meshes.items()):
+        x = DTensor.from_local(torch.ones(1, 8), mesh, [Shard(0)], run_check=False,
+                               shape=torch.Size((len(ranks), 8)), stride=(8, 1))
+        times = []
+        for i in range(repeats + 3):
+            t = time.perf_counter()
+            x.full_tensor()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        worst = med if worst is None else max(worst, med)
+    return worst
+
+
 def trainer_main(rank: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str,
                  rates: dict[str, float], out: Any) -> None:
     """One trainer rank in its own host: DTensor shards, sender, timed and verified updates."""
@@ -246,6 +267,7 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                     for d in dest_manifests(cfg.preset)}
 
         fill(0)
+        gather_s = _gather_probe(meshes, rank)
         control = _control(ips[0], token, cfg.timeout_s)
         controller = None
         if rank == 0:
@@ -264,6 +286,9 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
             # per rank (the planner ignores hosts, the simulator needs them).
             sources = [dataclasses.replace(s, host=f"trainer{s.rank}") for s in controller.sources]
             engine_hosts = {d.engine: f"engine{i}" for i, d in enumerate(controller.dests)}
+            if gather_s is not None:
+                # The fixed cost of one full_tensor() on these meshes, measured just now.
+                rates = {**rates, "collective_latency_s": gather_s}
             rt = rates_from_mapping(rates)
             fifo = simulate(sched, sources, engine_hosts, rt,
                             memory_budget_bytes=cfg.memory_budget_bytes, links="fifo")
@@ -283,6 +308,7 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                 "trainer_nic_bytes_max": r.trainer_nic_bytes.max,
                 "engine_nic_bytes_max": r.engine_nic_bytes.max,
                 "mesh_groups": sched.num_mesh_groups, "fingerprint": sched.fingerprint[:16],
+                "gather_probe_s": gather_s, "rates": rates,
             }))
         steps = cfg.warmups + cfg.repeats
         for step in range(1, steps + 1):

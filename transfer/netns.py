@@ -120,8 +120,14 @@ class EmulatedCluster:
     def _shape(self, ns: str, dev: str) -> None:
         s = self.shape
         if s.delay_ms > 0:
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                 "delay", f"{s.delay_ms:g}ms", "limit", "100000")
+            try:
+                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                     "delay", f"{s.delay_ms:g}ms", "limit", "100000")
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"cannot add a {s.delay_ms:g} ms delay: tc netem failed ({exc}); this kernel "
+                    "may lack sch_netem. Run without a delay."
+                ) from exc
             _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                  *s.tc_args())
         else:
