@@ -29,7 +29,8 @@ def main(paths: list[str]) -> int:
         cpu = r["cpu_per_process"]
         worst = max(cpu, key=lambda k: cpu[k]["cpu_fraction"]) if cpu else "-"
         e = r["describe"].split("-> ")[1].split(",")[0]
-        print(f"| {r['preset']} | {r['trainer_ranks']} -> {e} | {r['backend']} | "
+        name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
+        print(f"| {name} | {r['trainer_ranks']} -> {e}) | {r['backend']} | "
               f"{r['ceiling']['mbyte_per_s']:.2f} | {_s(r['measured_s'])} | "
               f"{sim.get('predicted_s', 0):.3f} | {r['ratio_measured_over_predicted']:.3f} | "
               f"{sim.get('predicted_fifo_s', 0):.3f} | {r['ratio_measured_over_predicted_fifo']:.3f} | "
@@ -44,7 +45,8 @@ def main(paths: list[str]) -> int:
         print("|---|---|---|---|---|---|---|---|")
         for r in sorted(fun, key=lambda r: r["trainer_ranks"]):
             f = r["funnel"]
-            print(f"| {r['preset']} | {r['trainer_ranks']} | {_s(f['measured_s'])} | "
+            name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
+        print(f"| {name} | {r['trainer_ranks']} | {_s(f['measured_s'])} | "
                   f"{f['predicted_s']:.3f} | {f['gather_s']:.3f} + {f['broadcast_s']:.3f} + "
                   f"{f['load_s']:.3f} | {f['ratio_measured_over_predicted']:.3f} | "
                   f"{r['measured_s']['median']:.3f} | "
@@ -53,10 +55,13 @@ def main(paths: list[str]) -> int:
     print("| run | rates fed to the simulator | load average before / after | wall s |")
     print("|---|---|---|---|")
     for r in runs:
-        rt = r["rates_fed_to_simulator"]
+        rt = (r["simulated"] or {}).get("rates") or r["rates_fed_to_simulator"]
+        probe = (r["simulated"] or {}).get("gather_probe_s")
         print(f"| {r['_file']} | NIC {rt['nic_gb_per_s'] * 1e3:.2f} MB/s, copy "
               f"{rt['prepare_gb_per_s']:.2f} GB/s, quantize {rt['quantize_gb_per_s'] * 1e3:.0f} MB/s, "
-              f"latency {rt['collective_latency_s'] * 1e6:.0f} us | "
+              f"collective latency {rt['collective_latency_s'] * 1e6:.0f} us"
+              f"{' (gather probe)' if probe else ' (round trip)'}, write latency "
+              f"{rt['write_latency_s'] * 1e6:.0f} us | "
               f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} | {r['wall_s']:.0f} |")
     return 0
 

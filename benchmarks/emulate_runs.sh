@@ -19,3 +19,8 @@ run weight-transfer emulate --preset emu-dense --delay-ms 1 --repeats 5 --json "
 run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_probe.json"
 # The 8-rank run again with the final code (the funnel model and the raw per-rank times).
 run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_8x2tp2_tcp_final.json"
+# FP8 with a 10 ms tbf queue instead of 200 ms: do the gathers' ring steps wait behind queued writes?
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --queue-ms 10 --json "$OUT/${P}_fp8_8x2tp2_tcp_queue10ms.json"
+run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_8x2tp2_tcp_final.json"
+# FP8 with the per-task stage times of every rank in the result (`updates_raw`, `stages`).
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_stages.json"

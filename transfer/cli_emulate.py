@@ -23,6 +23,8 @@ def _emulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-mb", type=float, default=20.0,
                    help="tbf rate of every host link, each way, in 10^6 bytes/s (default 20)")
     g.add_argument("--delay-ms", type=float, default=0.0, help="netem delay per link end")
+    g.add_argument("--queue-ms", type=float, default=200.0,
+                   help="tbf queue per link end, in ms at the rate (default 200)")
     g.add_argument("--warmups", type=int, default=1, help="verified updates not timed")
     g.add_argument("--repeats", type=int, default=3, help="timed, verified updates")
     g.add_argument("--baseline", action="store_true",
@@ -76,6 +78,7 @@ def _emulate(ns: argparse.Namespace) -> int:
         preset = _preset(ns)
         cfg = EmulateConfig(
             preset=preset, backend=ns.backend, rate_mbyte_per_s=ns.rate_mb, delay_ms=ns.delay_ms,
+            queue_ms=ns.queue_ms,
             warmups=ns.warmups, repeats=ns.repeats, baseline=ns.baseline,
             baseline_repeats=ns.baseline_repeats, bucket_bytes=ns.bucket_bytes,
             memory_budget_bytes=int(ns.memory_budget_gib * 2**30), timeout_s=ns.timeout_s,

@@ -64,6 +64,8 @@ class EmulateConfig:
     """tbf rate of every host link, each way (10^6 bytes/s of frames)."""
     delay_ms: float = 0.0
     """netem one-way delay per link end (0: none)."""
+    queue_ms: float = 200.0
+    """tbf queue of every link end, in ms at the rate (packets beyond it are dropped)."""
     warmups: int = 1
     """Verified updates not timed."""
     repeats: int = 3
@@ -317,7 +319,8 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
             c0, t0 = _cpu_s(), time.perf_counter()
             stats = sender.update(step)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
-            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu))
+            stages = _stage_seconds(stats.records)
+            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu, stages))
             if controller is not None:
                 bad = controller.verify(step, expected(step), cfg.timeout_s)
                 out.put(("verified", "ours", step, bad))
@@ -330,6 +333,18 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
         sender.close()
     finally:
         dist.destroy_process_group()
+
+
+def _stage_seconds(records: Sequence[Any]) -> dict[str, float]:
+    """Where one rank's update went: time preparing gather tasks and other tasks, and when the
+    first write started and the last ended (seconds since the update started)."""
+    gather = sum(r.prepare_end - r.prepare_start for r in records if r.kind == "gather")
+    other = sum(r.prepare_end - r.prepare_start for r in records if r.kind != "gather")
+    starts = [r.write_start for r in records if r.write_end > 0]
+    ends = [r.write_end for r in records if r.write_end > 0]
+    return {"prepare_gather_s": gather, "prepare_other_s": other,
+            "first_write_s": min(starts, default=0.0), "last_write_s": max(ends, default=0.0),
+            "last_prepare_s": max((r.prepare_end for r in records), default=0.0)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -641,7 +656,8 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
 
     say = progress or (lambda s: log.info("%s", s))
     n, m = cfg.num_trainers, cfg.num_engines
-    shape = LinkShape(rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms)
+    shape = LinkShape(rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms,
+                      queue_latency_ms=cfg.queue_ms)
     ctx = mp.get_context("spawn")
     t_start = time.monotonic()
     deadline = t_start + cfg.timeout_s
@@ -726,6 +742,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         "preset": cfg.preset.name, "describe": cfg.preset.describe(), "backend": cfg.backend,
         "trainer_ranks": n, "engine_ranks": m,
         "link": {"tbf_mbyte_per_s": cfg.rate_mbyte_per_s, "delay_ms": cfg.delay_ms,
+                 "queue_ms": cfg.queue_ms,
                  "burst_bytes": shape.burst_bytes},
         "ceiling": {"bytes": got, "seconds": secs, "mbyte_per_s": ceiling / 1e6, "rtt_s": rtt,
                     "of_tbf_rate": ceiling / (cfg.rate_mbyte_per_s * 1e6)},
