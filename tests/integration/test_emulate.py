@@ -105,3 +105,20 @@ def test_namespaces_are_removed_when_the_body_fails() -> None:
         assert "tbf" in r.stdout and "80Mbit" in r.stdout, r.stdout
         raise RuntimeError("boom")
     assert names and leftover_namespaces(names) == []
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["emulate", "--preset", "kimi-k2"], "every rank a host of its own"),
+    (["emulate", "--preset", "emu-moe", "--baseline"], "rank-0 funnel needs one FSDP mesh"),
+    (["emulate", "--backend", "ucx", "--repeats", "0"], "repeats and baseline_repeats must be >= 1"),
+])
+def test_emulate_refuses_bad_input_in_one_line(capsys, argv: list[str], needle: str) -> None:  # type: ignore[no-untyped-def]
+    from weight_transfer.transfer.cli import main
+
+    before = set(leftover_namespaces())
+    code = main(argv)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and out == "", (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert set(leftover_namespaces()) == before  # refused before any namespace was made
