@@ -24,3 +24,5 @@ run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --queue-ms 10 --j
 run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline-repeats 3 --json "$OUT/${P}_dense_8x2tp2_tcp_final.json"
 # FP8 with the per-task stage times of every rank in the result (`updates_raw`, `stages`).
 run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_stages.json"
+# FP8 at 10 MB/s: does the gap scale with the link (sharing) or stay fixed (per-collective cost)?
+run weight-transfer emulate --preset emu-dense-fp8 --rate-mb 10 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_10mb.json"
