@@ -273,8 +273,9 @@ def simulate(
         memory_budget_bytes: temporary memory per trainer rank.
         progress: called now and then with a short status line.
         links: "fifo": a batch holds the sender's and then the receiver's link alone (two FIFO
-            servers in tandem; fast at any scale). "fair": every batch and every ring step of a
-            cross-host gather is a flow, and flows share each link max-min fairly (as TCP
+            servers in tandem; fast at any scale). "fair": every batch is a flow, a cross-host gather
+            is one flow per rank to the next rank of its ring ((n-1)/n of the tensors), and
+            flows share each link max-min fairly (as TCP
             connections do), recomputed whenever a flow starts or ends; the trainer's receive
             side is a link too. Costs O(links x flows) per event: for small clusters.
 
