@@ -260,6 +260,7 @@ def simulate(
     *,
     memory_budget_bytes: int,
     progress: Callable[[str], None] | None = None,
+    links: str = "fifo",
 ) -> SimResult:
     """Predict one update of `schedule` (module docstring for the model).
 
@@ -271,12 +272,20 @@ def simulate(
         rates: link and stage rates.
         memory_budget_bytes: temporary memory per trainer rank.
         progress: called now and then with a short status line.
+        links: "fifo": a batch holds the sender's and then the receiver's link alone (two FIFO
+            servers in tandem; fast at any scale). "fair": every batch is a flow, a cross-host gather
+            is one flow per rank to the next rank of its ring ((n-1)/n of the tensors), and
+            flows share each link max-min fairly (as TCP
+            connections do), recomputed whenever a flow starts or ends; the trainer's receive
+            side is a link too. Costs O(links x flows) per event: for small clusters.
 
     Raises:
         ValueError: manifests that do not match the schedule (naming the rank or engine).
     """
     if memory_budget_bytes <= 0:
         raise ValueError("memory_budget_bytes must be positive")
+    if links not in ("fifo", "fair"):
+        raise ValueError(f"links must be 'fifo' or 'fair', got {links!r}")
     by_rank = {m.rank: m for m in sources}
     missing = [r for r in range(schedule.num_ranks) if r not in by_rank]
     if missing:
@@ -287,14 +296,83 @@ def simulate(
     hosts = [by_rank[r].host for r in range(schedule.num_ranks)]
     sim = _Simulation(
         schedule, _task_costs(schedule, sources, rates, hosts), hosts, engine_hosts, rates,
-        memory_budget_bytes,
+        memory_budget_bytes, fair=links == "fair",
     )
     sim.run(progress)
     return sim.result()
 
 
-_ADVANCE, _PREP_DONE, _WRITE_DONE = 0, 1, 2
-"""Event kinds: try to admit and prepare; a task's preparation ended; its writes completed."""
+_ADVANCE, _PREP_DONE, _WRITE_DONE, _FLOW_START = 0, 1, 2, 3
+"""Event kinds: try to admit and prepare; a task's preparation ended; its writes completed; a
+flow of the fair link model starts (its payload is in `_Simulation.starting`)."""
+
+_INF = float("inf")
+
+
+class _Fluid:
+    """Flows sharing links max-min fairly (progressive filling), advanced in time."""
+
+    def __init__(self) -> None:
+        self.cap: dict[object, float] = {}
+        self.flows: dict[int, list[object]] = {}  # id -> [remaining bytes, rate, links, done]
+        self.now = 0.0
+        self.next_id = 0
+
+    def advance(self, t: float) -> None:
+        """Move every flow on to time `t`."""
+        dt = t - self.now
+        if dt > 0:
+            for f in self.flows.values():
+                f[0] = max(0.0, f[0] - f[1] * dt)  # type: ignore[operator]
+        self.now = max(self.now, t)
+
+    def add(self, nbytes: float, links: tuple[object, ...], done: object) -> None:
+        """Start a flow now (`advance` first); `done` comes back from `pop_done`."""
+        self.flows[self.next_id] = [float(nbytes), 0.0, links, done]
+        self.next_id += 1
+        self.rebalance()
+
+    def next_done(self) -> float:
+        """When the first flow ends at the current rates."""
+        best = _INF
+        for rem, rate, _, _ in self.flows.values():
+            if rate > 0:  # type: ignore[operator]
+                best = min(best, self.now + rem / rate)  # type: ignore[operator]
+        return best
+
+    def pop_done(self) -> list[object]:
+        """Remove the flows that ended by now (a relative byte tolerance); their `done`s."""
+        out = []
+        for fid in list(self.flows):
+            rem, rate, _, done = self.flows[fid]
+            if rem <= 1e-9 * max(1.0, rate) or rem < 1e-3:  # type: ignore[operator]
+                out.append(done)
+                del self.flows[fid]
+        if out:
+            self.rebalance()
+        return out
+
+    def rebalance(self) -> None:
+        """Max-min fair rates: fill the tightest link first, freeze its flows, repeat."""
+        left = {}
+        users: dict[object, list[int]] = defaultdict(list)
+        for fid, (_, _, links, _) in self.flows.items():
+            for ln in links:  # type: ignore[attr-defined]
+                users[ln].append(fid)
+                left[ln] = self.cap[ln]
+        frozen: set[int] = set()
+        count = {ln: len(u) for ln, u in users.items()}
+        while len(frozen) < len(self.flows):
+            ln = min((x for x in count if count[x] > 0), key=lambda x: left[x] / count[x])
+            share = left[ln] / count[ln]
+            for fid in users[ln]:
+                if fid in frozen:
+                    continue
+                frozen.add(fid)
+                self.flows[fid][1] = share
+                for other in self.flows[fid][2]:  # type: ignore[attr-defined]
+                    left[other] -= share
+                    count[other] -= 1
 
 
 class _Simulation:
@@ -312,8 +390,15 @@ class _Simulation:
         engine_hosts: Mapping[str, str],
         rates: Rates,
         memory_budget_bytes: int,
+        fair: bool = False,
     ) -> None:
         world = schedule.num_ranks
+        self.fair = fair
+        self.fluid = _Fluid()
+        self.starting: dict[int, tuple[float, tuple[object, ...], object]] = {}
+        self.batches_left: dict[tuple[int, int], int] = {}
+        self.task_finish: dict[tuple[int, int], float] = {}
+        self.gathers_left: dict[int, int] = {}
         self.schedule, self.costs, self.hosts = schedule, costs, hosts
         self.engine_hosts, self.rates, self.budget = engine_hosts, rates, memory_budget_bytes
         self.world = world
@@ -368,6 +453,63 @@ class _Simulation:
                     for r in range(self.world):
                         self.push(self.released[g], _ADVANCE, r, -1)
 
+    def flow(self, t: float, nbytes: float, links: tuple[object, ...], done: object) -> None:
+        """Start a flow of the fair link model at `t` (an event, so it starts in order)."""
+        for ln in links:
+            self.fluid.cap.setdefault(ln, self.nvl if ln[0] in ("ntx", "nrx") else self.nic)  # type: ignore[index]
+        self.seq += 1
+        self.starting[self.seq] = (nbytes, links, done)
+        heapq.heappush(self.events, (t, self.seq, _FLOW_START, -1, self.seq))
+
+    def post_fair(self, rank: int, idx: int, c: _TaskCost, t: float) -> None:
+        """Post a prepared task's batches as flows; WRITE_DONE when the last one ended."""
+        post_cost = self.rates.write_overhead_s
+        key = (rank, idx)
+        self.batches_left[key] = 0
+        self.task_finish[key] = t
+        for engine, nbytes, nwrites in c.batches:
+            h_start = max(t, self.host_free[rank])
+            h_end = h_start + nwrites * post_cost
+            self.host_free[rank] = h_end
+            ready = h_start + post_cost if nwrites else h_start
+            last = nbytes / max(1, nwrites)
+            if self.engine_hosts[engine] == self.hosts[rank]:
+                links: tuple[object, ...] = (("ntx", rank), ("nrx", engine))
+                floor = h_end + last / self.nvl
+                self.nvl_bytes[rank] += nbytes
+            else:
+                links = (("tx", rank), ("erx", engine))
+                floor = h_end + last / self.nic
+                self.send_bytes[rank] += nbytes
+                self.recv_bytes[engine] += nbytes
+            self.batches_left[key] += 1
+            self.flow(ready, nbytes, links, ("write", rank, idx, floor))
+        if not self.batches_left[key]:
+            del self.batches_left[key]
+            self.push(self.task_finish.pop(key), _WRITE_DONE, rank, idx)
+
+    def flow_done(self, done: object, t: float) -> None:
+        """A flow of the fair model ended at `t`."""
+        kind = done[0]  # type: ignore[index]
+        if kind == "write":
+            _, rank, idx, floor = done  # type: ignore[misc]
+            key = (rank, idx)
+            self.task_finish[key] = max(self.task_finish[key], t, floor)
+            self.batches_left[key] -= 1
+            if not self.batches_left[key]:
+                del self.batches_left[key]
+                self.push(self.task_finish.pop(key) + self.rates.write_latency_s, _WRITE_DONE,
+                          rank, idx)
+        else:  # one ring step of a gather; the collective ends with its last one
+            _, cid, members = done  # type: ignore[misc]
+            self.gathers_left[cid] -= 1
+            if not self.gathers_left[cid]:
+                del self.gathers_left[cid]
+                for r in members:
+                    c = self.costs[r][self.prepared[r]]
+                    self.compute_total[r] += c.compute_s
+                    self.push(t + c.compute_s, _PREP_DONE, r, self.prepared[r])
+
     def post(self, rank: int, c: _TaskCost, t: float) -> float:
         """Post a prepared task's write batches; when its last write completes."""
         post_cost, nic, nvl = self.rates.write_overhead_s, self.nic, self.nvl
@@ -400,6 +542,20 @@ class _Simulation:
 
     def start_prepare(self, ranks_start: Sequence[tuple[int, float]]) -> None:
         """Begin preparing each given rank's next task at the given start time."""
+        if self.fair and len(ranks_start) > 1:
+            r0 = ranks_start[0][0]
+            c0 = self.costs[r0][self.prepared[r0]]
+            if c0.gather_bytes and not c0.gather_nvlink:
+                # A ring all-gather: rank i sends (n-1)/n of the tensor to rank i+1.
+                members = sorted(r for r, _ in ranks_start)
+                start = ranks_start[0][1]
+                self.gathers_left[c0.collective] = len(members)
+                for i, r in enumerate(members):
+                    nxt = members[(i + 1) % len(members)]
+                    self.send_bytes[r] += self.costs[r][self.prepared[r]].gather_bytes
+                    self.flow(start, self.costs[r][self.prepared[r]].gather_bytes,
+                              (("tx", r), ("rx", nxt)), ("gather", c0.collective, tuple(members)))
+                return
         for rank, start in ranks_start:
             idx = self.prepared[rank]
             c = self.costs[rank][idx]
@@ -466,7 +622,10 @@ class _Simulation:
         self.prepared[rank] += 1
         self.mem[rank] -= c.scratch
         self.h2d_end[rank].pop(idx, None)
-        self.push(self.post(rank, c, t), _WRITE_DONE, rank, idx)
+        if self.fair:
+            self.post_fair(rank, idx, c, t)
+        else:
+            self.push(self.post(rank, c, t), _WRITE_DONE, rank, idx)
         nxt = self.prepared[rank]
         group = self.costs[rank][nxt].group if nxt < self.n_tasks[rank] else self.num_groups - 1
         self.reach(rank, group, t)
@@ -485,9 +644,24 @@ class _Simulation:
             self.reach(r, first, 0.0)
             self.push(0.0, _ADVANCE, r, -1)
         processed = 0
-        while self.events:
+        fluid = self.fluid
+        while self.events or fluid.flows:
+            if fluid.flows:
+                t_flow = fluid.next_done()
+                if not self.events or t_flow < self.events[0][0]:
+                    if t_flow == _INF:
+                        raise ValueError("simulation stalled: flows without bandwidth")
+                    fluid.advance(t_flow)
+                    for done in fluid.pop_done():
+                        self.flow_done(done, t_flow)
+                    continue
             t, _, kind, rank, idx = heapq.heappop(self.events)
             processed += 1
+            if kind == _FLOW_START:
+                fluid.advance(t)
+                nbytes, links, done = self.starting.pop(idx)
+                fluid.add(nbytes, links, done)
+                continue
             if progress is not None and processed % 200_000 == 0:
                 progress(f"simulating: {processed} events, t={t:.3f} s")
             if kind == _PREP_DONE:
@@ -588,13 +762,121 @@ def broadcast_baseline(
     )
 
 
+def binomial_broadcast_s(nbytes: float, participants: int, link_bytes_per_s: float) -> float:
+    """Time of gloo's binomial-tree broadcast of `nbytes` to `participants` ranks (root included)
+    on hosts of one link each (`gloo/broadcast.cc`).
+
+    Virtual rank v receives from v with its highest set bit cleared, then queues its sends to
+    v + 2^i for every bit i above that one at once (the root to every power of two). A rank's
+    sends share its uplink, so all of them end ``k * nbytes / rate`` after it received (k its
+    number of children); every rank receives from one parent only, so downlinks never contend.
+    """
+    if participants < 1 or link_bytes_per_s <= 0:
+        raise ValueError("participants must be >= 1 and link_bytes_per_s positive")
+    hop = nbytes / link_bytes_per_s
+    done = [0.0] * participants
+    for v in range(participants):
+        low = v.bit_length()  # bits below this are v's own; children use bits from here up
+        children = [v + (1 << i) for i in range(low, participants.bit_length() + 1)
+                    if v + (1 << i) < participants]
+        for c in children:
+            done[c] = done[v] + len(children) * hop
+    return max(done)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FunnelResult:
+    """The rank-0 funnel as implemented by `bench update`'s baseline, over gloo or NCCL."""
+
+    predicted_s: float
+    """Whole baseline update."""
+    gather_s: float
+    """All-gathers of every parameter over the trainer ranks (rank 0's share of the time)."""
+    broadcast_s: float
+    """Rank 0 broadcasting every bucket to the engine ranks."""
+    load_s: float
+    """Busiest engine copying (quantizing) its share out of the buckets."""
+    num_buckets: int
+
+
+def funnel_baseline(
+    param_bytes: Sequence[int],
+    num_trainer_ranks: int,
+    engine_bytes: Sequence[int],
+    rates: Rates,
+    *,
+    bucket_bytes: int,
+    broadcast: str = "binomial",
+    overlap: bool = False,
+    fp8: bool = False,
+) -> FunnelResult:
+    """The rank-0 funnel, per parameter and per bucket, as `bench update` runs it.
+
+    Every trainer rank all-gathers each parameter (`full_tensor()` over the FSDP mesh of all
+    `num_trainer_ranks`, one host each: a ring moves ``(n - 1) / n`` of it through every NIC, plus
+    `collective_latency_s` per parameter); rank 0 packs the full tensors into buckets of
+    `bucket_bytes` and broadcasts each to every engine rank; engines copy (or quantize) their
+    share out of each bucket. This is where the funnel's cost grows with the trainer ranks (the
+    gathers) while the broadcast stays on one NIC.
+
+    Args:
+        param_bytes: bytes of every trainer parameter, in send order.
+        engine_bytes: bytes each engine rank holds.
+        broadcast: "binomial" (gloo's tree, `binomial_broadcast_s`: rank 0's uplink carries
+            ceil(log2 P) copies of every bucket, P = engines + 1) or "pipelined" (NCCL's ring or
+            tree: the bucket leaves rank 0's NIC once).
+        overlap: gathers, broadcasts and loads pipeline over buckets (NCCL streams); False
+            when each call blocks (gloo on the CPU), so rank 0 gathers, then broadcasts.
+    """
+    if num_trainer_ranks < 1 or bucket_bytes <= 0:
+        raise ValueError("num_trainer_ranks must be >= 1 and bucket_bytes positive")
+    if broadcast not in ("binomial", "pipelined"):
+        raise ValueError(f"broadcast must be 'binomial' or 'pipelined', got {broadcast!r}")
+    nic = rates.gpu_nic_bytes_per_s
+    n = num_trainer_ranks
+    total = sum(param_bytes)
+    gather = sum(
+        (b * (n - 1) / n) / nic + rates.collective_latency_s for b in param_bytes
+    ) if n > 1 else 0.0
+    buckets = [bucket_bytes] * (total // bucket_bytes)
+    if total % bucket_bytes:
+        buckets.append(total % bucket_bytes)
+    participants = 1 + len(engine_bytes)
+    if broadcast == "binomial":
+        # Rank 0's broadcast returns once its own sends are done (its uplink carries one copy
+        # per child); the engines' forwarding overlaps rank 0's next gather and bucket, so only
+        # the last bucket's remaining tree depth is exposed.
+        fanout = float(sum(1 for i in range(participants.bit_length()) if (1 << i) < participants))
+        bcast = sum(fanout * b / nic + rates.write_latency_s for b in buckets)
+        if buckets:
+            last = buckets[-1]
+            bcast += binomial_broadcast_s(last, participants, nic) - fanout * last / nic
+    else:
+        bcast = sum(b / nic + rates.write_latency_s for b in buckets)
+    rate = (rates.quantize_gb_per_s if fp8 else rates.prepare_gb_per_s) * GB
+    load = max(engine_bytes, default=0) / rate
+    k = max(1, len(buckets))
+    if overlap:
+        stages = (gather, bcast, load)
+        predicted = sum(s / k for s in stages) + (k - 1) * max(stages) / k
+    else:
+        # Rank 0 blocks in each gather and each broadcast; the engines load bucket i while
+        # rank 0 gathers bucket i + 1, so only the last bucket's load is exposed.
+        predicted = gather + bcast + load / k
+    return FunnelResult(predicted_s=predicted, gather_s=gather, broadcast_s=bcast, load_s=load,
+                        num_buckets=len(buckets))
+
+
 __all__ = [
     "BaselineResult",
+    "FunnelResult",
     "GB",
     "Rates",
     "SimResult",
     "Spread",
+    "binomial_broadcast_s",
     "broadcast_baseline",
+    "funnel_baseline",
     "load_rates",
     "rates_from_mapping",
     "simulate",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from weight_transfer.transfer import (  # noqa: F401
     cli_bench,
     cli_doctor,
+    cli_emulate,  # noqa: F401
     cli_plan,  # noqa: F401
     cli_vllm,  # noqa: F401
 )

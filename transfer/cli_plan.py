@@ -156,6 +156,10 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", metavar="JSON",
                    help="measured rates over the preset's: a JSON file, or an inline JSON object "
                    "of weight_transfer.planner.simulate.Rates fields, e.g. '{\"nic_gb_per_s\": 40}'")
+    p.add_argument("--links", choices=["fifo", "fair"], default="fifo",
+                   help="link model: fifo (a batch holds each link alone; any scale) or fair "
+                   "(flows share links max-min fairly, as TCP does; small clusters only, "
+                   "docs/simulator.md)")
 
 
 @command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast")(_simulate_args)
@@ -175,7 +179,7 @@ def _simulate(ns: argparse.Namespace) -> int:
     _progress("simulating ...")
     r = simulate(
         schedule, sources, {d.engine: d.host for d in dests}, rates,
-        memory_budget_bytes=config.memory_budget_bytes, progress=_progress,
+        memory_budget_bytes=config.memory_budget_bytes, progress=_progress, links=ns.links,
     )
     train_bytes, _ = model_bytes(preset)
     base = broadcast_baseline(

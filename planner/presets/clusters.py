@@ -89,6 +89,22 @@ SMALL_MLA: dict[str, MlaShape] = {
 
 AnyShape = ModelShape | MlaShape
 
+EMU_SHAPES: dict[str, AnyShape] = {
+    # Llama-style, 13.6 M parameters (27 MB in BF16): tens of MB at 10-50 MB/s per link.
+    "emu-dense": ModelShape(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=3, num_heads=8,
+        num_kv_heads=4, head_dim=64,
+    ),
+    # Kimi-K2's structure (MLA, a first dense layer, shared + 16 routed experts) at tens of MB.
+    "emu-moe": MlaShape(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=3, num_heads=8,
+        q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, num_experts=16, moe_intermediate_size=256, num_shared_experts=1,
+        first_k_dense=1,
+    ),
+}
+"""Shapes of tens of MB for the emulated cluster (`weight-transfer emulate`)."""
+
 
 def get_shape(name: str) -> AnyShape:
     """Any named model shape (MLA, large, or `planner.presets.models.MODEL_SHAPES`).
@@ -96,10 +112,10 @@ def get_shape(name: str) -> AnyShape:
     Raises:
         ConfigurationError: unknown name (the message lists the known ones).
     """
-    for table in (MLA_SHAPES, SMALL_MLA, LARGE_SHAPES, MODEL_SHAPES):
+    for table in (MLA_SHAPES, SMALL_MLA, LARGE_SHAPES, MODEL_SHAPES, EMU_SHAPES):
         if name in table:
             return table[name]
-    known = sorted({*MLA_SHAPES, *SMALL_MLA, *LARGE_SHAPES, *MODEL_SHAPES})
+    known = sorted({*MLA_SHAPES, *SMALL_MLA, *LARGE_SHAPES, *MODEL_SHAPES, *EMU_SHAPES})
     raise ConfigurationError(f"unknown model {name!r}; known: {', '.join(known)}")
 
 
@@ -224,6 +240,27 @@ def _h200x2(name: str, model: str, *, fp8: bool = False, colocated: bool = False
     )
 
 
+EMU_RATES = Rates(
+    nic_gb_per_s=0.0192,
+    nvlink_gb_per_s=0.0192,
+    barrier_s=0.0,
+    collective_latency_s=0.0,
+    write_latency_s=0.0,
+)
+"""Rates of one emulated host (`transfer/netns.py`): a 20 MB/s token bucket per link carries
+about 19.2 MB/s of TCP payload (1448 of every 1514 frame bytes). `weight-transfer emulate`
+measures the ceiling and the CPU's copy and quantize rates in the same run and uses those."""
+
+
+def _emu(name: str, model: str, trainer: int, dense: int, expert: int, engine: EngineLayout) -> ClusterPreset:
+    """An emulated cluster: every trainer and engine rank is a host of its own (one NIC each)."""
+    return ClusterPreset(
+        name=name, model=model,
+        trainer=TrainerLayout(num_gpus=trainer, dense_shard_size=dense, expert_shard_size=expert),
+        engine=engine, gpus_per_node=1, rates=EMU_RATES,
+    )
+
+
 PRESETS: dict[str, ClusterPreset] = {
     # Perplexity's setting: 256 BF16 trainer GPUs -> 128 FP8 engine GPUs, 400 Gb/s per GPU.
     # Engines: 4 replicas of 32 GPUs (DP-attention 4 x tp 8, experts EP 32).
@@ -265,6 +302,16 @@ PRESETS: dict[str, ClusterPreset] = {
         trainer=TrainerLayout(num_gpus=32, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=2, tp=4, ep=8),
     ),
+    # Emulated clusters (`weight-transfer emulate`, docs/simulator.md): one host per rank.
+    # 8 trainer ranks (FSDP over all 8) -> 2 BF16 replicas x tp 2.
+    "emu-dense": _emu("emu-dense", "emu-dense", 8, 8, 8,
+                      EngineLayout(num_replicas=2, tp=2, fp8=False)),
+    # The same into FP8 engines, HSDP: 2 replica meshes of 4, so quantized units are gathered.
+    "emu-dense-fp8": _emu("emu-dense-fp8", "emu-dense", 8, 4, 4,
+                          EngineLayout(num_replicas=2, tp=2, fp8=True)),
+    # MoE: HSDP meshes of 4 for dense tensors, 2 expert meshes of 4; 1 BF16 replica (tp 2, EP 4).
+    "emu-moe": _emu("emu-moe", "emu-moe", 8, 4, 4,
+                    EngineLayout(num_replicas=1, tp=2, ep=4, fp8=False)),
 }
 """Named cluster presets."""
 
@@ -521,6 +568,8 @@ def engine_names(preset: ClusterPreset) -> Sequence[str]:
 
 __all__ = [
     "ClusterPreset",
+    "EMU_RATES",
+    "EMU_SHAPES",
     "EngineLayout",
     "H200X2_RATES",
     "LARGE_SHAPES",

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from weight_transfer.planner.simulate import GB, Rates, broadcast_baseline, load_rates, simulate
+from weight_transfer.planner.simulate import (
+    GB,
+    Rates,
+    binomial_broadcast_s,
+    broadcast_baseline,
+    funnel_baseline,
+    load_rates,
+    simulate,
+)
 from weight_transfer.planner.types import (
     Part,
     QuantWrite,
@@ -249,3 +257,84 @@ def test_task_overhead_only_for_tasks_that_prepare() -> None:
     zero = schedule_of([[direct(0, 0, [slice_write("e0", b)])]], ("e0",))
     r = simulate(zero, sources_of(1), {"e0": "x"}, rates, memory_budget_bytes=1 << 30)
     assert r.predicted_s == pytest.approx(b / (NIC * GB))
+
+
+def test_fifo_links_overpredict_two_by_two_fair_links_reach_the_bound() -> None:
+    # Two ranks write b to each of two engines, both in the same engine order (as the planner
+    # orders a task's batches). With fair sharing (TCP) every link is busy all the time: 2b/NIC.
+    # The FIFO tandem makes rank 1's batch to e0 wait behind rank 0's, then e1 serves rank 0's
+    # and rank 1's batches one after the other: 3b/NIC (what the emulated cluster disproved).
+    b = 20 * MB
+    sched = schedule_of(
+        [[direct(0, 0, [slice_write("e0", b), slice_write("e1", b)])],
+         [direct(1, 1, [slice_write("e0", b, b), slice_write("e1", b, b)])]],
+        ("e0", "e1"),
+    )
+    hosts = {"e0": "a", "e1": "b"}
+    srcs = [SourceManifest(rank=r, world_size=2, host=f"t{r}", tensors=()) for r in range(2)]
+    fifo = simulate(sched, srcs, hosts, RATES, memory_budget_bytes=1 << 30, links="fifo")
+    fair = simulate(sched, srcs, hosts, RATES, memory_budget_bytes=1 << 30, links="fair")
+    hop = b / (NIC * GB)
+    assert fair.predicted_s == pytest.approx(2 * hop)
+    assert fair.lower_bound_s == pytest.approx(2 * hop)
+    assert fifo.predicted_s == pytest.approx(3 * hop)
+
+
+def test_fair_links_share_one_receiver() -> None:
+    # Three senders into one engine: the engine's link is shared three ways, 3b/NIC in all.
+    b = 10 * MB
+    sched = schedule_of([[direct(r, r, [slice_write("e0", b, r * b)])] for r in range(3)], ("e0",))
+    srcs = [SourceManifest(rank=r, world_size=3, host=f"t{r}", tensors=()) for r in range(3)]
+    r = simulate(sched, srcs, {"e0": "x"}, RATES, memory_budget_bytes=1 << 30, links="fair")
+    assert r.predicted_s == pytest.approx(3 * b / (NIC * GB))
+
+
+def test_fair_links_gather_is_a_ring_over_the_nics() -> None:
+    # Two ranks on two hosts all-gather a 2 MB tensor (1 MB crosses each way), rank 0 quantizes
+    # 1 MB of FP8 and writes it; rank 1 writes nothing.
+    w = SourceTensor("w", (1000, 1000), "bfloat16", ((0, 500), (0, 1000)), (0, 1), "cuda")
+    qw = QuantWrite(
+        engine="e0", dest="q", scale_dest="q_scale_inv", block=(128, 128),
+        parts=(Part("w", ((0, 1000), (0, 1000)), ((0, 1000), (0, 1000))),),
+        dest_box=((0, 1000), (0, 1000)), scale_box=((0, 8), (0, 8)),
+        weight_runs=(WriteRun(0, 0, 1_000_000),), scale_runs=(WriteRun(0, 1_000_000, 256),),
+    )
+    sched = schedule_of([[gather_task(0, 0, (qw,))], [gather_task(0, 1, ())]], ("e0",))
+    srcs = [SourceManifest(rank=r, world_size=2, host=f"n{r}", tensors=(w,)) for r in range(2)]
+    r = simulate(sched, srcs, {"e0": "x"}, RATES, memory_budget_bytes=1 << 30, links="fair")
+    gather = 1_000_000 / (NIC * GB)
+    quant = 1_000_000 / (5.0 * GB)
+    write = 1_000_256 / (NIC * GB)
+    assert r.predicted_s == pytest.approx(gather + quant + write)
+    assert r.stage_bound_s["trainer_nic"] == pytest.approx(gather + write)
+
+
+def test_unknown_link_model_is_named() -> None:
+    sched = schedule_of([[direct(0, 0, [slice_write("e0", MB)])]], ("e0",))
+    with pytest.raises(ValueError, match="links must be 'fifo' or 'fair'"):
+        simulate(sched, sources_of(1), {"e0": "x"}, RATES, memory_budget_bytes=1 << 30, links="tcp")
+
+
+@pytest.mark.parametrize(("participants", "hops"),
+                         [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (8, 6), (9, 7)])
+def test_binomial_broadcast_follows_gloo(participants: int, hops: int) -> None:
+    # gloo/broadcast.cc by hand: the root queues its sends to virtual ranks 1, 2, 4, ... at once
+    # (they share its uplink); rank v forwards to v + 2^i for every 2^i > v once it received.
+    # P=5: root -> 1, 2, 4 end at 3 hops, then 1 -> 3 at 4. P=8: root's three end at 3; 1 -> 3, 5
+    # at 5; 2 -> 6 at 4; 3 -> 7 at 6. P=9: root's four end at 4; 1 -> 3, 5 at 6; 3 -> 7 at 7.
+    assert binomial_broadcast_s(2.0, participants, 1.0) == pytest.approx(2.0 * hops)
+
+
+def test_funnel_grows_with_trainer_ranks_and_pays_the_tree() -> None:
+    rates = Rates(nic_gb_per_s=1.0, prepare_gb_per_s=1000.0, collective_latency_s=0.0,
+                  write_latency_s=0.0)
+    params = [100 * MB] * 4
+    times = [funnel_baseline(params, n, [200 * MB] * 4, rates, bucket_bytes=50 * MB).predicted_s
+             for n in (2, 4, 8)]
+    gathers = [0.4 * (n - 1) / n for n in (2, 4, 8)]  # 400 MB, (n-1)/n through each NIC
+    # 8 buckets of 50 MB (0.05 s per copy): rank 0 sends 3 copies of each (ranks 1, 2, 4 of 5),
+    # then only the last bucket's forward 1 -> 3 is exposed (one more copy).
+    bcast = 8 * 3 * 0.05 + 0.05
+    load = 0.2 / 1000 / 8  # the last bucket's share of the busiest engine's copy
+    assert times == pytest.approx([g + bcast + load for g in gathers])
+    assert times[0] < times[1] < times[2]
