@@ -18,6 +18,30 @@ __all__ = ["fp8_block_quant_kernel", "fp8_table_quant2_kernel", "fp8_table_quant
 
 
 @triton.jit
+def _e4m3_bits(y, SOFTWARE_CVT: tl.constexpr):
+    """float32 `y` (already clamped to +-448) as float8_e4m3fn bit patterns (uint8)."""
+    if SOFTWARE_CVT:
+        # float32 -> float8_e4m3fn, round to nearest even, done with integer ops. Used by the
+        # CPU interpreter, whose own fp8 cast does not round to nearest even. |y| <= 448 here.
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        # Normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits with RNE, rebias exponent 127 -> 7.
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # Subnormal e4m3 (|y| < 2**-6): count steps of 2**-9; adding 2**23 rounds the
+        # (exact) product to an integer with RNE and leaves that integer in the low bits.
+        steps = tl.abs(y) * 512.0 + 8388608.0
+        subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
+        code = tl.where(mag >= 0x3C800000, normal, subnormal)
+        code = tl.where(mag > 0x7F800000, 0x7F, code)
+        q = (code | sign).to(tl.uint8)
+    else:
+        # Hardware cvt.rn.satfinite (sm_89+): round to nearest even, like torch's cast.
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return q
+
+
+@triton.jit
 def fp8_block_quant_kernel(
     x_ptr,
     q_ptr,
@@ -76,24 +100,7 @@ def fp8_block_quant_kernel(
     y = tl.math.div_rn(x, scale)
     y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
-    if SOFTWARE_CVT:
-        # float32 -> float8_e4m3fn, round to nearest even, done with integer ops. Used by the
-        # CPU interpreter, whose own fp8 cast does not round to nearest even. |y| <= 448 here.
-        bits = y.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 0x80
-        mag = bits & 0x7FFFFFFF
-        # Normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits with RNE, rebias exponent 127 -> 7.
-        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-        # Subnormal e4m3 (|y| < 2**-6): count steps of 2**-9; adding 2**23 rounds the
-        # (exact) product to an integer with RNE and leaves that integer in the low bits.
-        steps = tl.abs(y) * 512.0 + 8388608.0
-        subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
-        code = tl.where(mag >= 0x3C800000, normal, subnormal)
-        code = tl.where(mag > 0x7F800000, 0x7F, code)
-        q = (code | sign).to(tl.uint8)
-    else:
-        # Hardware cvt.rn.satfinite (sm_89+): round to nearest even, like torch's cast.
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    q = _e4m3_bits(y, SOFTWARE_CVT)
 
     q_offsets = lead * q_stride_l + r[:, None] * q_stride_r + c[None, :] * q_stride_c
     tl.store(q_ptr + q_offsets, q, mask=mask)
@@ -163,18 +170,7 @@ def fp8_table_quant_kernel(
     y = tl.math.div_rn(x, scale)
     y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
-    if SOFTWARE_CVT:
-        bits = y.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 0x80
-        mag = bits & 0x7FFFFFFF
-        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-        steps = tl.abs(y) * 512.0 + 8388608.0
-        subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
-        code = tl.where(mag >= 0x3C800000, normal, subnormal)
-        code = tl.where(mag > 0x7F800000, 0x7F, code)
-        q = (code | sign).to(tl.uint8)
-    else:
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    q = _e4m3_bits(y, SOFTWARE_CVT)
 
     tl.store(q_ptr + (r[:, None] * q_stride_r + c[None, :]), q, mask=mask)
     tl.store(s_ptr + row_block * s_stride_r + col_block, scale)
@@ -241,17 +237,6 @@ def fp8_table_quant2_kernel(
         x = tl.load(x_ptr + (r[:, None] * x_stride_r + c[None, :]), mask=mask, other=0.0)
         y = tl.math.div_rn(x.to(tl.float32), scale)
         y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        if SOFTWARE_CVT:
-            bits = y.to(tl.int32, bitcast=True)
-            sign = (bits >> 24) & 0x80
-            mag = bits & 0x7FFFFFFF
-            normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-            steps = tl.abs(y) * 512.0 + 8388608.0
-            subnormal = steps.to(tl.int32, bitcast=True) - 0x4B000000
-            code = tl.where(mag >= 0x3C800000, normal, subnormal)
-            code = tl.where(mag > 0x7F800000, 0x7F, code)
-            q = (code | sign).to(tl.uint8)
-        else:
-            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = _e4m3_bits(y, SOFTWARE_CVT)
         tl.store(q_ptr + (r[:, None] * q_stride_r + c[None, :]), q, mask=mask)
     tl.store(s_ptr + row_block * s_stride_r + col_block, scale)
