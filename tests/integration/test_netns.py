@@ -19,7 +19,6 @@ reconnect.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import secrets
@@ -34,15 +33,11 @@ import torch
 
 from tests.markers import requires_module
 from weight_transfer.transfer.child_reports import ReportInbox
+from weight_transfer.transfer.netns import enter_host
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
 SLACK_S = 15.0
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWNS = 0x00020000
-_MS_REC = 0x4000
-_MS_SLAVE = 1 << 19
-_MNT_DETACH = 2
 NAMES = ("a.weight", "b.weight", "c.bias")
 
 
@@ -61,28 +56,6 @@ def _netns_unavailable_reason() -> str | None:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _enter_netns(name: str) -> None:
-    """Move this (still single-threaded) process into namespace `name`.
-
-    Like `ip netns exec`, it also remounts /sys in a private mount namespace: sysfs shows the
-    network devices of the namespace that mounted it, and UCX lists devices there.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({name}) failed")
-    finally:
-        os.close(fd)
-    if libc.unshare(_CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-    if libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
-        raise OSError(ctypes.get_errno(), "making / a slave mount failed")
-    libc.umount2(b"/sys", _MNT_DETACH)  # may not be mounted separately; the mount below decides
-    if libc.mount(name.encode(), b"/sys", b"sysfs", 0, None) != 0:
-        raise OSError(ctypes.get_errno(), "mounting sysfs failed")
 
 
 def _src(step: int) -> dict[str, torch.Tensor]:
@@ -114,7 +87,7 @@ def _transport(backend: str, host: str, dev: str) -> Any:
 
 def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: str, out: Any,
                  paused: Any, resume: Any, link_up: Any, finish: Any) -> None:
-    _enter_netns(ns)
+    enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.transfer.config import ControllerConfig, SenderConfig
     from weight_transfer.transfer.controller import Controller
@@ -164,7 +137,7 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
 
 def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port: int, token: str,
                 out: Any) -> None:
-    _enter_netns(ns)
+    enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.transfer.receiver import WeightReceiver
 
