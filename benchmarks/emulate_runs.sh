@@ -26,3 +26,11 @@ run weight-transfer emulate --preset emu-dense --repeats 5 --baseline --baseline
 run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_stages.json"
 # FP8 at 10 MB/s: does the gap scale with the link (sharing) or stay fixed (per-collective cost)?
 run weight-transfer emulate --preset emu-dense-fp8 --rate-mb 10 --repeats 5 --json "$OUT/${P}_fp8_8x2tp2_tcp_10mb.json"
+# Second part of the session (FP8 gap): quiet machine; the last four with the CPU share
+# (defaults to cores / trainer ranks since then; the first two ran before the option existed).
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_quiet.json"
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --rate-mb 5 --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_5mb_quiet.json"
+for r in 20 10 5; do
+  run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --rate-mb $r --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_${r}mb_shared.json"
+done
+run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --rate-mb 20 --cpu-share 0.1667 --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_20mb_share012.json"

@@ -32,6 +32,9 @@ def _emulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-repeats", type=int, default=2, help="timed funnel updates")
     g.add_argument("--bucket-bytes", type=int, default=1 << 20, help="funnel bucket size")
     g.add_argument("--timeout-s", type=float, default=600.0, help="limit of the whole run")
+    g.add_argument("--cpu-share", type=float, default=None,
+                   help="fraction of a core each emulated host's copy/quantize stages get in the "
+                        "simulator (default: this machine's cores / trainer ranks, at most 1)")
     g.add_argument("--json", dest="json_path", help="write the whole result here")
 
 
@@ -82,6 +85,7 @@ def _emulate(ns: argparse.Namespace) -> int:
             warmups=ns.warmups, repeats=ns.repeats, baseline=ns.baseline,
             baseline_repeats=ns.baseline_repeats, bucket_bytes=ns.bucket_bytes,
             memory_budget_bytes=int(ns.memory_budget_gib * 2**30), timeout_s=ns.timeout_s,
+            cpu_share=ns.cpu_share,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

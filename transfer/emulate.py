@@ -84,6 +84,11 @@ class EmulateConfig:
     """Limit of the whole run."""
     seed: int = 0
     """Seed of the weights."""
+    cpu_share: float | None = None
+    """Fraction of one core each emulated host's CPU stages (copy, FP8 quantize) get: the
+    probed single-process rates are multiplied by it before the simulator sees them. The
+    emulated hosts share this machine's cores, while the simulator gives every host its own
+    CPU; None: cores / trainer ranks (at most 1), 1.0: each host has a core of its own."""
     dump_dir: str = ""
     """If set, every engine writes the raw bytes of each tensor after the last of our updates
     to ``<dump_dir>/<engine index>/<tensor name>.bin`` (for checks outside this module)."""
@@ -91,6 +96,8 @@ class EmulateConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("tcp", "ucx"):
             raise ValueError(f"emulate runs the tcp or ucx backend, not {self.backend!r}")
+        if self.cpu_share is not None and not 0 < self.cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {self.cpu_share}")
         if self.repeats < 1 or self.warmups < 0 or self.baseline_repeats < 1:
             raise ValueError("repeats and baseline_repeats must be >= 1, warmups >= 0")
         if self.preset.gpus_per_node != 1 or self.preset.shared_hosts:
@@ -682,13 +689,18 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         _, got, secs, rtt = probe["msg"]
         ceiling = got / secs
         cpu = cpu_rates()
+        share = cfg.cpu_share
+        if share is None:
+            share = min(1.0, (os.cpu_count() or 1) / n)
         rates = {
             "nic_gb_per_s": ceiling / 1e9, "nvlink_gb_per_s": ceiling / 1e9,
-            "prepare_gb_per_s": cpu["prepare_gb_per_s"], "quantize_gb_per_s": cpu["quantize_gb_per_s"],
+            "prepare_gb_per_s": cpu["prepare_gb_per_s"] * share,
+            "quantize_gb_per_s": cpu["quantize_gb_per_s"] * share,
             "collective_latency_s": rtt, "write_latency_s": rtt / 2, "barrier_s": rtt,
         }
         say(f"ceiling {ceiling / 1e6:.2f} MB/s, rtt {rtt * 1e3:.3f} ms, copy "
-            f"{cpu['prepare_gb_per_s']:.2f} GB/s, quantize {cpu['quantize_gb_per_s']:.3f} GB/s")
+            f"{cpu['prepare_gb_per_s']:.2f} GB/s, quantize {cpu['quantize_gb_per_s']:.3f} GB/s "
+            f"(x {share:.3g} per host: the hosts share {os.cpu_count()} core(s))")
         # 2. The cluster.
         token = secrets.token_hex(16)
         inbox = ReportInbox(ctx)
@@ -746,7 +758,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
                  "burst_bytes": shape.burst_bytes},
         "ceiling": {"bytes": got, "seconds": secs, "mbyte_per_s": ceiling / 1e6, "rtt_s": rtt,
                     "of_tbf_rate": ceiling / (cfg.rate_mbyte_per_s * 1e6)},
-        "cpu_rates": cpu, "rates_fed_to_simulator": rates,
+        "cpu_rates": cpu, "cpu_share": share, "rates_fed_to_simulator": rates,
         "model_bytes": model_bytes(cfg.preset)[0],
         "warmups": cfg.warmups, "repeats": cfg.repeats,
         "measured_s": _spread(ours), "measured_all_s": ours, "executor_s": _spread(executor),
