@@ -16,21 +16,9 @@ import sys
 
 import torch
 
+from benchmarks.gpu_table_copy_probe import _time
 from weight_transfer.planner.fp8 import scale_shape
 from weight_transfer.transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
-
-
-def _time(fn, reps: int = 7) -> list[float]:
-    out = []
-    for i in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            out.append(a.elapsed_time(b) / 1e3)
-    return out
 
 
 def _workloads(dev: torch.device) -> dict[str, list[torch.Tensor]]:

@@ -398,7 +398,8 @@ class Executor:
                 self._static[t.task_id] = _StaticTask(names, ops)
         self._static_batches = _static_batches(schedule.tasks, self._static)
         self._seen_local: dict[str, tuple[torch.Tensor, int]] = {}
-        self._fast_check: tuple[Sequence[str], _PointerCheck] | None = None
+        self._fast_check: _PointerCheck | None = None
+        """The static batches' sources (`_static_names`) as last checked one by one."""
         self._static_names = sorted({n for st in self._static.values() for n in st.sources})
         # Ring mode (CUDA): when every other task only quantizes block-aligned parts of sources
         # this rank holds, each task gets a fixed slice of the arena (a ring: tasks are admitted
@@ -420,6 +421,11 @@ class Executor:
                 self._graphs = {}
                 self._graph_skip = set()
                 torch.cuda.synchronize(device)
+        self._prepare_stage = schedule.num_mesh_groups > 1 or any(
+            t.task_id not in self._static and t.task_id not in self._graph_skip
+            for t in schedule.tasks
+        )
+        """Whether an update needs the prepare thread (not when every task is a static batch)."""
 
     # -- one update ------------------------------------------------------------------------
 
@@ -469,7 +475,7 @@ class Executor:
         # When every task is a static batch (and there are no mesh-group barriers to enter),
         # there is nothing to prepare: no prepare thread, whose start costs more than posting.
         worker: threading.Thread | None = None
-        if self._needs_prepare_stage():
+        if self._prepare_stage:
             worker = threading.Thread(
                 target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}",
                 daemon=True,
@@ -544,12 +550,6 @@ class Executor:
                 break
             if isinstance(item, _Prepared):
                 self._release(item)
-
-    def _needs_prepare_stage(self) -> bool:
-        return self.schedule.num_mesh_groups > 1 or any(
-            t.task_id not in self._static and t.task_id not in self._graph_skip
-            for t in self.schedule.tasks
-        )
 
     def _check_cancelled(self, st: _RunState) -> None:
         """Raise once another rank reported a failure of this update."""
@@ -679,8 +679,7 @@ class Executor:
         parameters: a Python loop over them took longer than the copies). A parameter's
         registered storage stays alive, so an unchanged address is unchanged memory. Only when
         the lists differ is each parameter checked (and the offender named)."""
-        fast = self._fast_check
-        if fast is not None and fast[0] == names and fast[1].unchanged():
+        if self._fast_check is not None and self._fast_check.moved() is None:
             return
         seen = self._seen_local
         for n in names:
@@ -690,8 +689,7 @@ class Executor:
                 continue
             local = self._local(n)
             seen[n] = (local, local.data_ptr())
-        check = _PointerCheck.of([self.sources[n].param for n in names])
-        self._fast_check = None if check is None else (names, check)
+        self._fast_check = _PointerCheck.of([self.sources[n].param for n in names])
 
     def _check_deadline(self, st: _RunState) -> None:
         if time.monotonic() > st.deadline:
@@ -1285,11 +1283,11 @@ class Executor:
 class _PointerCheck:
     """The addresses of many parameters' local tensors, read and compared at C level.
 
-    Built right after each parameter was checked one by one (`Executor._local`); `unchanged`
+    Built right after each parameter was checked one by one (`Executor._local`); `moved`
     then costs two C-level maps and one list compare, where a Python loop over a MoE model's
-    ~19k parameters took longer than the copies. A parameter's registered storage (or, for a
-    captured graph, the graph's reference to it) stays alive, so an unchanged address is
-    unchanged memory.
+    ~19k parameters took longer than the copies. A registered parameter's old storage stays
+    alive, so for static batches an unchanged address is unchanged memory; a captured graph
+    reads exactly the addresses recorded here, so for it an unchanged address is what it reads.
     """
 
     params: list[Any]
@@ -1314,9 +1312,6 @@ class _PointerCheck:
     @staticmethod
     def _read(params: list[Any], getter: Any) -> list[int]:
         return list(map(torch.Tensor.data_ptr, params if getter is None else map(getter, params)))
-
-    def unchanged(self) -> bool:
-        return self._read(self.params, self.getter) == self.ptrs
 
     def moved(self) -> int | None:
         """Index of the first parameter whose address changed, or None."""

@@ -108,6 +108,34 @@ def fp8_block_quant_kernel(
 
 
 @triton.jit
+def _table_unit(units_ptr, block_unit_ptr, X_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """This program's matrix and block, read from a `QuantTable` (layout in
+    `fp8_table_quant_kernel`): pointers, sizes, block coordinates and row strides."""
+    pid = tl.program_id(0).to(tl.int64)
+    unit = tl.load(block_unit_ptr + pid).to(tl.int64)
+    u = units_ptr + unit * 16
+    x_ptr = tl.load(u).to(tl.pointer_type(X_DTYPE))
+    q_ptr = tl.load(u + 1).to(tl.pointer_type(tl.uint8))
+    s_ptr = tl.load(u + 2).to(tl.pointer_type(tl.float32))
+    rows = tl.load(u + 3)
+    cols = tl.load(u + 4)
+    num_col_blocks = tl.load(u + 5)
+    in_matrix = pid - tl.load(u + 6)
+    x_stride_r = tl.load(u + 7)
+    q_stride_r = tl.load(u + 8)
+    s_stride_r = tl.load(u + 9)
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        x_stride_r = tl.multiple_of(x_stride_r, 16)
+        q_stride_r = tl.multiple_of(q_stride_r, 16)
+        cols = tl.multiple_of(cols, 16)
+    row_block = in_matrix // num_col_blocks
+    col_block = in_matrix % num_col_blocks
+    return x_ptr, q_ptr, s_ptr, rows, cols, row_block, col_block, x_stride_r, q_stride_r, s_stride_r
+
+
+@triton.jit
 def fp8_table_quant_kernel(
     units_ptr,
     block_unit_ptr,
@@ -132,27 +160,9 @@ def fp8_table_quant_kernel(
     reduction). ALIGNED: every address is 16-byte aligned and every row stride and column
     count a multiple of 16 elements, so loads and stores are vectorized.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    unit = tl.load(block_unit_ptr + pid).to(tl.int64)
-    u = units_ptr + unit * 16
-    x_ptr = tl.load(u).to(tl.pointer_type(X_DTYPE))
-    q_ptr = tl.load(u + 1).to(tl.pointer_type(tl.uint8))
-    s_ptr = tl.load(u + 2).to(tl.pointer_type(tl.float32))
-    rows = tl.load(u + 3)
-    cols = tl.load(u + 4)
-    num_col_blocks = tl.load(u + 5)
-    in_matrix = pid - tl.load(u + 6)
-    x_stride_r = tl.load(u + 7)
-    q_stride_r = tl.load(u + 8)
-    s_stride_r = tl.load(u + 9)
-    if ALIGNED:
-        x_ptr = tl.multiple_of(x_ptr, 16)
-        q_ptr = tl.multiple_of(q_ptr, 16)
-        x_stride_r = tl.multiple_of(x_stride_r, 16)
-        q_stride_r = tl.multiple_of(q_stride_r, 16)
-        cols = tl.multiple_of(cols, 16)
-    row_block = in_matrix // num_col_blocks
-    col_block = in_matrix % num_col_blocks
+    x_ptr, q_ptr, s_ptr, rows, cols, row_block, col_block, x_stride_r, q_stride_r, s_stride_r = (
+        _table_unit(units_ptr, block_unit_ptr, X_DTYPE, ALIGNED)
+    )
 
     tile_r = tl.arange(0, TILE_R)
     tile_c = tl.arange(0, TILE_C)
@@ -195,27 +205,9 @@ def fp8_table_quant2_kernel(
     finds the amax, the second re-reads each slice (from L2) and quantizes it. Fewer registers
     per thread than holding the whole block, so more programs per SM keep loads in flight.
     TILE_R must be a multiple of SUB_R."""
-    pid = tl.program_id(0).to(tl.int64)
-    unit = tl.load(block_unit_ptr + pid).to(tl.int64)
-    u = units_ptr + unit * 16
-    x_ptr = tl.load(u).to(tl.pointer_type(X_DTYPE))
-    q_ptr = tl.load(u + 1).to(tl.pointer_type(tl.uint8))
-    s_ptr = tl.load(u + 2).to(tl.pointer_type(tl.float32))
-    rows = tl.load(u + 3)
-    cols = tl.load(u + 4)
-    num_col_blocks = tl.load(u + 5)
-    in_matrix = pid - tl.load(u + 6)
-    x_stride_r = tl.load(u + 7)
-    q_stride_r = tl.load(u + 8)
-    s_stride_r = tl.load(u + 9)
-    if ALIGNED:
-        x_ptr = tl.multiple_of(x_ptr, 16)
-        q_ptr = tl.multiple_of(q_ptr, 16)
-        x_stride_r = tl.multiple_of(x_stride_r, 16)
-        q_stride_r = tl.multiple_of(q_stride_r, 16)
-        cols = tl.multiple_of(cols, 16)
-    row_block = in_matrix // num_col_blocks
-    col_block = in_matrix % num_col_blocks
+    x_ptr, q_ptr, s_ptr, rows, cols, row_block, col_block, x_stride_r, q_stride_r, s_stride_r = (
+        _table_unit(units_ptr, block_unit_ptr, X_DTYPE, ALIGNED)
+    )
 
     tile_r = tl.arange(0, SUB_R)
     tile_c = tl.arange(0, TILE_C)
