@@ -36,7 +36,8 @@ from typing import Any
 import msgpack
 import torch
 
-from weight_transfer.backends import _cudart, _table_copy
+from weight_transfer.backends import _cudart
+from weight_transfer.kernels import table_copy as _table_copy
 from weight_transfer.backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
 from weight_transfer.backends.base import (
     ConfigurationError,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.transfer import transport_harness as harness
+from weight_transfer.benchmarks import transport_harness as harness
 from benchmarks.conftest import MEASUREMENTS, bench_config
 from tests.markers import backend_unavailable_reason
 

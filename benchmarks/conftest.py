@@ -17,7 +17,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from weight_transfer.transfer import transport_harness as harness  # noqa: E402
+from weight_transfer.benchmarks import transport_harness as harness  # noqa: E402
 
 MEASUREMENTS: list[harness.Measurement] = []
 """Measurements of this session, for the ratio table printed at the end."""

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.gpu_table_copy_probe import _time
 from weight_transfer.planner.fp8 import scale_shape
-from weight_transfer.transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
+from weight_transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
 
 
 def _workloads(dev: torch.device) -> dict[str, list[torch.Tensor]]:

@@ -29,7 +29,7 @@ for c in "$@"; do
   [ "$off" = 1 ] && args+=(--offload)
   [ -n "${extra:-}" ] && args+=(${extra//,/ })
   echo "== $name: ${args[*]}"
-  timeout 330 python3 -m weight_transfer.transfer.bench_update "${args[@]}" > "/tmp/cases/$name.out" 2> "/tmp/cases/$name.err"
+  timeout 330 python3 -m weight_transfer.benchmarks.bench_update "${args[@]}" > "/tmp/cases/$name.out" 2> "/tmp/cases/$name.err"
   echo "rc=$?"
   python3 - "$name" <<'PY'
 import json, sys

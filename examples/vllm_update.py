@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from weight_transfer.transfer.engines.vllm_protocol import (
+from weight_transfer.vllm import (
     LLMWeightSyncClient,
     OneSidedUpdater,
     TrainerInitInfo,

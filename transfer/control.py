@@ -46,8 +46,8 @@ from weight_transfer.backends.base import (
     WeightTransferError,
 )
 from weight_transfer.planner import codec
-from weight_transfer.transfer.config import ControlPlaneConfig
-from weight_transfer.transfer.protocol import Go, Hello
+from weight_transfer.config import ControlPlaneConfig
+from weight_transfer.protocol import Go, Hello
 
 log = logging.getLogger(__name__)
 

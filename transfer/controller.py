@@ -32,9 +32,9 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.planner.plan import plan
 from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.protocol import (
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig
+from weight_transfer.control import ControlPlane
+from weight_transfer.protocol import (
     Decision,
     Digests,
     Done,
@@ -378,7 +378,7 @@ class Controller:
         Args:
             expected: engine name -> tensor name -> expected tensor.
         """
-        from weight_transfer.transfer.receiver import tensor_digest
+        from weight_transfer.receiver import tensor_digest
 
         bad = []
         for engine, tensors in sorted(expected.items()):

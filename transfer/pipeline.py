@@ -56,7 +56,7 @@ from weight_transfer.planner.types import (
     box_shape,
     numel,
 )
-from weight_transfer.transfer.manifest import local_part, torch_dtype
+from weight_transfer.manifest import local_part, torch_dtype
 
 try:
     from torch.distributed.tensor import DTensor
@@ -324,7 +324,7 @@ def _slices(box: Box, origin: Sequence[int] | None = None) -> tuple[slice, ...]:
 def default_quantize(x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_s: torch.Tensor) -> None:
     """Quantize into `out_q`/`out_s` with the GPU kernel on CUDA, else the reference."""
     if x.is_cuda:
-        from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
+        from weight_transfer.kernels.fp8_triton import quantize_fp8
 
         quantize_fp8(x, block, out_q=out_q, out_scale=out_s)
         return
@@ -1000,7 +1000,7 @@ class Executor:
         (and any custom `quantize`) are one call each."""
         if self.quantize is not default_quantize or not _TABLE_QUANT:
             return [functools.partial(self.quantize, c.src, c.block, c.q, c.scale) for c in calls]
-        from weight_transfer.transfer.kernels.fp8_triton import QuantTable
+        from weight_transfer.kernels.fp8_triton import QuantTable
 
         tables: dict[tuple[tuple[int, int], torch.dtype], list[_QuantCall]] = {}
         launches: list[Callable[[], None]] = []
@@ -1108,7 +1108,7 @@ class Executor:
 
     def _local(self, name: str) -> torch.Tensor:
         b = self.sources[name]
-        from weight_transfer.transfer.manifest import local_part
+        from weight_transfer.manifest import local_part
 
         local = local_part(b.param)
         if b.region is not None and local.untyped_storage().data_ptr() != b.storage_ptr:

@@ -25,10 +25,10 @@ from weight_transfer.backends.base import (
     create_transport,
 )
 from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
-from weight_transfer.transfer.config import ControlPlaneConfig, ReceiverConfig
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
+from weight_transfer.control import ControlPlane
+from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
+from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
 
 log = logging.getLogger(__name__)
 

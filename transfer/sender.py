@@ -23,12 +23,12 @@ from weight_transfer.backends.base import (
     create_transport,
 )
 from weight_transfer.planner.types import SliceWrite
-from weight_transfer.transfer.config import ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.controller import Controller, Phase, plan_key
-from weight_transfer.transfer.manifest import local_part, named_tensors, source_manifest, storage_view
-from weight_transfer.transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
-from weight_transfer.transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
+from weight_transfer.config import ControlPlaneConfig, SenderConfig
+from weight_transfer.control import ControlPlane
+from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
+from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
+from weight_transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
 
 log = logging.getLogger(__name__)
 

@@ -228,7 +228,7 @@ H200X2_RATES = Rates(
 
 
 def _h200x2(name: str, model: str, *, fp8: bool = False, colocated: bool = False) -> ClusterPreset:
-    """`transfer/bench_update.py` on 2 H200s: "split" is one FSDP2 trainer rank on GPU0 writing
+    """`benchmarks/bench_update.py` on 2 H200s: "split" is one FSDP2 trainer rank on GPU0 writing
     into one engine rank (tp=1) on GPU1; "colocated" is FSDP2 over both GPUs writing into an
     engine with tp=2 over both GPUs."""
     n = 2 if colocated else 1
@@ -247,7 +247,7 @@ EMU_RATES = Rates(
     collective_latency_s=0.0,
     write_latency_s=0.0,
 )
-"""Rates of one emulated host (`transfer/netns.py`): a 20 MB/s token bucket per link carries
+"""Rates of one emulated host (`benchmarks/netns.py`): a 20 MB/s token bucket per link carries
 about 19.2 MB/s of TCP payload (1448 of every 1514 frame bytes). `weight-transfer emulate`
 measures the ceiling and the CPU's copy and quantize rates in the same run and uses those."""
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.transfer import transport_harness as h
-from weight_transfer.transfer.cli import main
+from weight_transfer.benchmarks import transport_harness as h
+from weight_transfer.cli import main
 
 KiB = 1024
 

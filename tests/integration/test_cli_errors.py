@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from weight_transfer.errors import ControlPlaneAuthError, TransportTimeoutError
-from weight_transfer.transfer import cli_bench, demo
-from weight_transfer.transfer.cli import main
-from weight_transfer.transfer.config import (
+from weight_transfer.cli import bench as cli_bench, run_demo as demo
+from weight_transfer.cli import main
+from weight_transfer.config import (
     ControllerConfig,
     ControlPlaneConfig,
     config_from_mapping,
     load_toml,
 )
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.controller import Controller
+from weight_transfer.control import ControlPlane
+from weight_transfer.controller import Controller
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -210,7 +210,7 @@ def test_token_mismatch_is_reported_by_the_controller_at_once() -> None:
 def test_doctor_json_is_clean_json() -> None:
     """NIXL's log lines go to stderr: stdout is one JSON document."""
     proc = subprocess.run(
-        [sys.executable, "-c", "from weight_transfer.transfer.cli import main; "
+        [sys.executable, "-c", "from weight_transfer.cli import main; "
          "raise SystemExit(main(['doctor', '--json']))"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -1,7 +1,7 @@
 """A small emulated cluster for real: 2 trainer hosts and 2 engine hosts as network namespaces
-on a bridge, every link shaped with tc tbf (`weight_transfer.transfer.netns`).
+on a bridge, every link shaped with tc tbf (`weight_transfer.benchmarks.netns`).
 
-Runs `weight_transfer.transfer.emulate.run` on the `emu-dense` model (27 MB of BF16) with 2
+Runs `weight_transfer.benchmarks.emulate.run` on the `emu-dense` model (27 MB of BF16) with 2
 FSDP trainer ranks into one engine replica of tp 2, over the tcp backend, plus the rank-0
 funnel. Checks that every update (ours and the funnel's) verified, that the engines' final
 tensors are bit-exact against slicing written here of the seeded weights, that the
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from weight_transfer.planner.presets.clusters import get_preset, source_manifests, with_overrides
-from weight_transfer.transfer.emulate import EmulateConfig, _param, run
-from weight_transfer.transfer.netns import (
+from weight_transfer.benchmarks.emulate import EmulateConfig, _param, run
+from weight_transfer.benchmarks.netns import (
     EmulatedCluster,
     LinkShape,
     leftover_namespaces,
@@ -113,7 +113,7 @@ def test_namespaces_are_removed_when_the_body_fails() -> None:
     (["emulate", "--backend", "ucx", "--repeats", "0"], "repeats and baseline_repeats must be >= 1"),
 ])
 def test_emulate_refuses_bad_input_in_one_line(capsys, argv: list[str], needle: str) -> None:  # type: ignore[no-untyped-def]
-    from weight_transfer.transfer.cli import main
+    from weight_transfer.cli import main
 
     before = set(leftover_namespaces())
     code = main(argv)

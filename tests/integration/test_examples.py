@@ -93,7 +93,7 @@ def test_package_imports_beside_generic_folders(tmp_path: Path) -> None:
     code = (
         "import planner, benchmarks, weight_transfer\n"
         "from weight_transfer.planner.presets import vllm\n"
-        "from weight_transfer.transfer import transport_harness\n"
+        "from weight_transfer.benchmarks import transport_harness\n"
         "assert planner.MINE == 'planner' and benchmarks.MINE == 'benchmarks'\n"
         "assert set(weight_transfer.__all__) <= set(dir(weight_transfer))\n"
         "import sys; assert 'vllm' not in sys.modules and 'nixl_cu13' not in sys.modules\n"

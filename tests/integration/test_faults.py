@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
-from weight_transfer.transfer.demo import free_port
+from weight_transfer.cli.run_demo import free_port
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 20.0
@@ -62,7 +62,7 @@ def _recipes(engine: int, num_engines: int, big: bool) -> tuple[Any, ...]:
 
 
 def _control(port: int, token: str) -> Any:
-    from weight_transfer.transfer.config import ControlPlaneConfig
+    from weight_transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
@@ -71,9 +71,9 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
                  fault: str, big: bool, out: Any, paused: Any, resume: Any, finish: Any) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _trainer_tensors(big)
@@ -123,7 +123,7 @@ def engine_proc(index: int, engines: int, backend: str, port: int, token: str, b
                 out: Any) -> None:
     """An engine rank: register random-filled tensors, wait for update 1, report."""
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(100 + index)
@@ -355,9 +355,9 @@ def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: A
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
@@ -399,7 +399,7 @@ def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: A
 def fp8_engine_proc(port: int, token: str, out: Any) -> None:
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
     from weight_transfer.planner.recipes import identity, scale_name, with_fp8
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(9)
@@ -478,9 +478,9 @@ def raising_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: 
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
@@ -526,7 +526,7 @@ def raising_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: 
 def drain_engine_proc(port: int, token: str, out: Any) -> None:
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
     from weight_transfer.planner.recipes import identity, scale_name, with_fp8
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(9)

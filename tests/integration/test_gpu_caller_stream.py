@@ -24,7 +24,7 @@ def _backend(name: str):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("backend", [_backend(b) for b in ("loopback", "ucx", "nixl")])
 def test_update_orders_after_the_callers_stream(backend: str, fp8: bool, tmp_path) -> None:
-    from weight_transfer.transfer.bench_update import BenchUpdateConfig, run
+    from weight_transfer.benchmarks.bench_update import BenchUpdateConfig, run
 
     cfg = BenchUpdateConfig(
         preset="tiny", backend=backend, fp8=fp8, layout="one-gpu", repeats=3, warmups=0,

@@ -18,12 +18,12 @@ from tests.markers import requires_cuda, requires_module
 from weight_transfer.backends.base import TransportConfig, WeightTransferError
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.recipes import engine_tensor_specs, identity, scale_name, with_fp8
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.demo import free_port
-from weight_transfer.transfer.manifest import allocate_engine_tensors
-from weight_transfer.transfer.receiver import WeightReceiver
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.manifest import allocate_engine_tensors
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
 
 SHAPES = {"w1": (256, 384), "w2": (130, 200), "w3": (384, 128)}
 

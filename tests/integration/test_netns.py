@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from tests.markers import requires_module
-from weight_transfer.transfer.child_reports import ReportInbox
-from weight_transfer.transfer.netns import enter_host
+from weight_transfer.cli.child_reports import ReportInbox
+from weight_transfer.benchmarks.netns import enter_host
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
@@ -71,7 +71,7 @@ def _recipes() -> tuple[Any, ...]:
 
 
 def _control(host: str, port: int, token: str) -> Any:
-    from weight_transfer.transfer.config import ControlPlaneConfig
+    from weight_transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
@@ -89,10 +89,10 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
                  paused: Any, resume: Any, link_up: Any, finish: Any) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.receiver import tensor_digest
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.receiver import tensor_digest
+    from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _src(1)
@@ -139,7 +139,7 @@ def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port
                 out: Any) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(77)

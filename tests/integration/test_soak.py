@@ -21,11 +21,11 @@ import torch
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.planner.recipes import column_shard, identity
 from tests.markers import backend_unavailable_reason
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.demo import free_port
-from weight_transfer.transfer.receiver import WeightReceiver
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
 
 log = logging.getLogger(__name__)
 

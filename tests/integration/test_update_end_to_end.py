@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
-from weight_transfer.transfer.demo import DemoConfig, run_demo
+from weight_transfer.cli.run_demo import DemoConfig, run_demo
 
 BACKENDS = ["loopback", "tcp", "ucx", "nixl"]
 

@@ -70,7 +70,7 @@ largest gap at which a greedy token may differ from transformers' argmax (a near
 
 
 def _free_port() -> int:
-    from weight_transfer.transfer.demo import free_port
+    from weight_transfer.cli.run_demo import free_port
 
     return free_port()
 
@@ -88,7 +88,7 @@ def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool) -> Any:
 
     kwargs: dict[str, Any] = {}
     if backend:
-        from weight_transfer.transfer.engines.vllm_protocol import BACKEND
+        from weight_transfer.vllm import BACKEND
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
     return LLM(
@@ -257,7 +257,7 @@ def _trainer(rank: int, world: int, dist_port: int, cp_port: int, token: str, nu
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig
-    from weight_transfer.transfer.engines.vllm_protocol import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
@@ -311,7 +311,7 @@ def _run_trainers(llm: Any, oracle: Any, *, world: int, num_engines: int, model_
         def check(step: int, path: Path, seconds: float) -> dict[str, Any]:
             return _check(llm, oracle, step, path, dtype, seconds)
 
-    from weight_transfer.transfer.engines.vllm_protocol import LLMWeightSyncClient
+    from weight_transfer.vllm import LLMWeightSyncClient
 
     client = LLMWeightSyncClient(llm)
     ctx = mp.get_context("spawn")
@@ -529,7 +529,7 @@ class TestTP1:
         the requests in flight are kept and complete."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from weight_transfer.transfer.engines.vllm_protocol import (
+        from weight_transfer.vllm import (
             LLMWeightSyncClient,
             OneSidedUpdater,
             TrainerInitInfo,
@@ -583,9 +583,9 @@ class TestTP1:
         assert llm.llm_engine.get_weight_version() == "100"
 
     def test_wrong_token_and_wrong_session_are_refused(self, engines: Any) -> None:
-        from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig
-        from weight_transfer.transfer.controller import Controller
-        from weight_transfer.transfer.engines.vllm_protocol import (
+        from weight_transfer.config import ControllerConfig, ControlPlaneConfig
+        from weight_transfer.controller import Controller
+        from weight_transfer.vllm import (
             EngineInitInfo,
             LLMWeightSyncClient,
         )
@@ -615,8 +615,8 @@ class TestTP1:
         four phases and vLLM then generates what the trainer's model generates."""
         from transformers import LlamaForCausalLM
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-        from weight_transfer.transfer.engines.vllm import register
-        from weight_transfer.transfer.engines.vllm_protocol import (
+        from weight_transfer.engines.vllm import register
+        from weight_transfer.vllm import (
             LLMWeightSyncClient,
             TrainerInitInfo,
         )
@@ -663,7 +663,7 @@ def _construct_mismatched(self: Any, field: str = "intermediate_size") -> str:
     import copy
     import types
 
-    from weight_transfer.transfer.engines.vllm import OneSidedWeightTransferEngine
+    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
 
     hf = copy.deepcopy(self.vllm_config.model_config.hf_config)
     setattr(hf, field, getattr(hf, field) + 64)
@@ -767,7 +767,7 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     update from a trainer holding the experts one tensor per expert (the checkpoint layout)
     equals a fresh vLLM engine on a checkpoint of the same weights."""
     from safetensors.torch import save_file
-    from weight_transfer.transfer.engines.vllm_protocol import (
+    from weight_transfer.vllm import (
         LLMWeightSyncClient,
         OneSidedUpdater,
         TrainerInitInfo,
@@ -875,7 +875,7 @@ def test_demo_vllm_command_verifies() -> None:
     """`weight-transfer demo-vllm` runs verified updates into a real vLLM and says so."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
     r = subprocess.run(
-        [sys.executable, "-m", "weight_transfer.transfer.cli", "demo-vllm", "--steps", "2"],
+        [sys.executable, "-m", "weight_transfer.cli", "demo-vllm", "--steps", "2"],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

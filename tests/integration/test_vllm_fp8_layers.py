@@ -29,6 +29,12 @@ H, HEADS, KV_HEADS, HEAD_DIM, INTER = 256, 4, 2, 128, 512
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
+    import os
+
+    # vLLM's CPU worker sets this before it builds the parallel state (cpu_worker.py,
+    # `init_device`); its shared-memory communicator reads it. This test builds the parallel
+    # state by hand, so it sets it the same way (from the init method's port).
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     import vllm.model_executor.layers.quantization.fp8 as fp8_module
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -121,7 +127,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_recipes_equal_vllms_fp8_loader(tp: int, tmp_path: Path) -> None:
     from transformers import LlamaConfig
-    from weight_transfer.transfer.demo import free_port
+    from weight_transfer.cli.run_demo import free_port
 
     LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,

@@ -21,13 +21,13 @@ import torch
 
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.planner.types import Box, Recipe, SourceManifest, SourceTensor
-from weight_transfer.transfer import sender as sender_module
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.demo import free_port
-from weight_transfer.transfer.manifest import dtype_name
-from weight_transfer.transfer.receiver import WeightReceiver
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer import sender as sender_module
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.manifest import dtype_name
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
 
 Shard = tuple[Box | None, tuple[int, ...]]
 """(local box in global coordinates, or None for a shard that is not a box; mesh ranks)."""

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from weight_transfer.backends.base import BACKENDS, TransportUnavailableError
-from weight_transfer.transfer import cli_doctor
-from weight_transfer.transfer.cli import main
+from weight_transfer.cli import doctor as cli_doctor
+from weight_transfer.cli import main
 
 
 def test_report_covers_every_backend_with_reasons() -> None:

@@ -7,7 +7,7 @@ import secrets
 import pytest
 
 from weight_transfer.planner.plan import PlannerConfig
-from weight_transfer.transfer.config import (
+from weight_transfer.config import (
     ControlPlaneConfig,
     SenderConfig,
     config_from_mapping,
@@ -105,7 +105,7 @@ def test_generated_tokens_pass():
 
 
 def test_cli_prints_a_fresh_token(capsys):
-    from weight_transfer.transfer.cli import main
+    from weight_transfer.cli import main
 
     assert main(["token"]) == 0
     first = capsys.readouterr().out.strip()

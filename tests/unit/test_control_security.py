@@ -18,13 +18,13 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from weight_transfer.backends.base import ControlPlaneAuthError, TransportConfig
 from weight_transfer.planner import codec
 from weight_transfer.planner.recipes import identity
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig
-from weight_transfer.transfer.control import ControlPlane, derive_key
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.demo import free_port
-from weight_transfer.transfer.protocol import Decision
-from weight_transfer.transfer.receiver import WeightReceiver
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig
+from weight_transfer.control import ControlPlane, derive_key
+from weight_transfer.controller import Controller
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.protocol import Decision
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,10 +23,10 @@ import torch
 from weight_transfer.backends.base import ConfigurationError
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape
 from tests.markers import requires_cuda, requires_module
-from weight_transfer.transfer.kernels import fp8_triton
-from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8, quantize_fp8_blockwise_gpu
+from weight_transfer.kernels import fp8_triton
+from weight_transfer.kernels.fp8_triton import quantize_fp8, quantize_fp8_blockwise_gpu
 
-_JIT_MODULE = "weight_transfer.transfer.kernels._fp8_triton_jit"
+_JIT_MODULE = "weight_transfer.kernels._fp8_triton_jit"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _CHILD_TIMEOUT_S = 300.0
 _SENTINEL = 0x5A  # fill byte for output buffers: 0x5A is a valid fp8 value the kernel must keep
@@ -166,7 +166,7 @@ def test_import_without_triton_and_clear_error() -> None:
     # asking for the kernel must say what to install.
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import weight_transfer.transfer.kernels.fp8_triton as m\n"
+        "import weight_transfer.kernels.fp8_triton as m\n"
         "from weight_transfer.backends.base import WeightTransferError\n"
         "assert not m.triton_available()\n"
         "try:\n"

@@ -30,10 +30,10 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.planner import codec
 from weight_transfer.planner.types import DestManifest, Recipe, Schedule, SourceManifest
-from weight_transfer.transfer import protocol
-from weight_transfer.transfer.config import ControlPlaneConfig
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.demo import free_port
+from weight_transfer import protocol
+from weight_transfer.config import ControlPlaneConfig
+from weight_transfer.control import ControlPlane
+from weight_transfer.cli.run_demo import free_port
 
 MESSAGES = [
     c for c in vars(protocol).values()

@@ -22,7 +22,7 @@ from weight_transfer.backends.base import ConfigurationError
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.presets.models import ModelShape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-from weight_transfer.transfer.manifest import allocate_engine_tensors
+from weight_transfer.manifest import allocate_engine_tensors
 
 from tests.unit._inprocess import Cluster, Engine, fsdp_shards, grid_shards, hsdp_shards, strided_shards
 

@@ -16,11 +16,11 @@ from weight_transfer.backends.base import (
     WeightTransferError,
 )
 from weight_transfer.planner.recipes import column_shard, identity
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.demo import free_port
-from weight_transfer.transfer.receiver import WeightReceiver
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
 
 
 def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
@@ -203,7 +203,7 @@ def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     boundaries) and through a float32 assembly (a block straddles gate and up)."""
     from weight_transfer.planner.recipes import engine_tensor_specs, fused_gate_up, with_fp8
     from weight_transfer.planner.reference import materialize
-    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.manifest import torch_dtype
 
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from weight_transfer.backends.base import WeightTransferError, WriteHandle
-from weight_transfer.transfer import pipeline
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer import pipeline
+from weight_transfer.sender import WeightSender
 
 from tests.unit._inprocess import Cluster
 from tests.unit.test_layouts import TINY, check_engine, expected_vllm, hf_weights, make_engines, shards_for

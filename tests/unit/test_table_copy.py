@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.backends._table_copy import ALIGN, Copy, chunk_table, coalesce
+from weight_transfer.kernels.table_copy import ALIGN, Copy, chunk_table, coalesce
 
 from tests.markers import requires_module
 
@@ -72,7 +72,7 @@ def test_chunk_table_covers_every_byte_exactly_once() -> None:
 _KERNEL_CHILD = r"""
 import torch
 
-from weight_transfer.backends import _table_copy as tc
+from weight_transfer.kernels import table_copy as tc
 
 g = torch.Generator().manual_seed(7)
 src = torch.randint(-2**62, 2**62, (40000,), dtype=torch.int64, generator=g)

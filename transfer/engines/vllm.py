@@ -51,8 +51,8 @@ from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.planner.presets.models import from_hf_config
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes
 from weight_transfer.planner.recipes import engine_tensor_specs
-from weight_transfer.transfer.control import ControlPlane
-from weight_transfer.transfer.engines.vllm_protocol import (
+from weight_transfer.control import ControlPlane
+from weight_transfer.vllm import (
     BACKEND,
     EngineInitInfo,
     EngineUpdateInfo,
@@ -62,8 +62,8 @@ from weight_transfer.transfer.engines.vllm_protocol import (
     WeightSyncClient,
     ready_key,
 )
-from weight_transfer.transfer.manifest import dtype_name, torch_dtype
-from weight_transfer.transfer.receiver import WeightReceiver
+from weight_transfer.manifest import dtype_name, torch_dtype
+from weight_transfer.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ SUPPORTED_INPUT_DTYPES: tuple[torch.dtype, ...] = (
 _MAX_TILE_ELEMENTS = 128 * 256
 """Largest power-of-two-padded block one program holds in registers."""
 
-_JIT_MODULE = "weight_transfer.transfer.kernels._fp8_triton_jit"
+_JIT_MODULE = "weight_transfer.kernels._fp8_triton_jit"
 
 
 def triton_available() -> bool:

@@ -59,7 +59,7 @@ _tuned()
 ALIGN = 16
 """Copies whose source, destination and length are multiples of this use the kernels."""
 
-_JIT_MODULE = "weight_transfer.backends._table_copy_jit"
+_JIT_MODULE = "weight_transfer.kernels._table_copy_jit"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
-from weight_transfer.transfer.cli import command
+from weight_transfer.cli.command import Command
 
 _PACKAGES: dict[str, tuple[str, ...]] = {
     "ucx": ("libucx-cu13",),
@@ -201,9 +201,6 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-@command("doctor", "say which backends can run on this host, and why the others cannot")(
-    _doctor_args
-)
 def _doctor(ns: argparse.Namespace) -> int:
     report = collect_report()
     if ns.json:
@@ -211,3 +208,8 @@ def _doctor(ns: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return 0
+
+
+COMMANDS = (
+    Command("doctor", "say which backends can run on this host, and why the others cannot", _doctor_args, _doctor),
+)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weight_transfer.transfer.cli import command
+from weight_transfer.cli.command import Command
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +113,6 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", help="write the schedule's canonical JSON here")
 
 
-@command("plan", "plan a described cluster from manifests alone and summarise the schedule")(_plan_args)
 def _plan(ns: argparse.Namespace) -> int:
     from weight_transfer.errors import WeightTransferError
     from weight_transfer.planner.plan import schedule_to_json
@@ -162,7 +161,6 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
                    "docs/simulator.md)")
 
 
-@command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast")(_simulate_args)
 def _simulate(ns: argparse.Namespace) -> int:
     from weight_transfer.errors import WeightTransferError
     from weight_transfer.planner.presets.clusters import model_bytes
@@ -217,3 +215,9 @@ def _simulate(ns: argparse.Namespace) -> int:
           f"per rank {_gb(r.peak_memory_bytes)}, longest admission stall {r.stall_s * 1e3:.1f} ms")
     print(f"bottleneck: {labels[r.bottleneck]}")
     return 0
+
+
+COMMANDS = (
+    Command("plan", "plan a described cluster from manifests alone and summarise the schedule", _plan_args, _plan),
+    Command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast", _simulate_args, _simulate),
+)

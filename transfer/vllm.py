@@ -19,7 +19,7 @@ below for an in-process `vllm.LLM`). `OneSidedUpdater` maps them onto this proje
    state from the weights, and sets the weight version.
 
 Trainer processes without vLLM installed use this module directly with any client object (for
-example one posting to vLLM's HTTP routes); `weight_transfer.transfer.engines.vllm` wraps it as
+example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm` wraps it as
 vLLM's `TrainerWeightTransferEngine` for those that have vLLM.
 """
 
@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.errors import ConfigurationError, TransportTimeoutError, WeightTransferError
-from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-from weight_transfer.transfer.controller import Controller
-from weight_transfer.transfer.pipeline import UpdateStats
-from weight_transfer.transfer.sender import WeightSender
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.pipeline import UpdateStats
+from weight_transfer.sender import WeightSender
 
 log = logging.getLogger(__name__)
 

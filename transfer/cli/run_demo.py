@@ -163,7 +163,7 @@ def _model_config(name: str) -> Any:
 
 
 def _control(cfg: DemoConfig, port: int, token: str) -> Any:
-    from weight_transfer.transfer.config import ControlPlaneConfig
+    from weight_transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s)
 
@@ -241,8 +241,8 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
     """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.manifest import torch_dtype
+    from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
     shape = get_model_shape(cfg.model)
@@ -297,10 +297,10 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from weight_transfer.planner.reference import materialize
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.manifest import torch_dtype
+    from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -385,7 +385,7 @@ def run_demo(
     cfg: DemoConfig, *, on_update: Callable[[UpdateReport], None] | None = None
 ) -> DemoResult:
     """Start the processes, wait for them (with `cfg.timeout_s`), and report what happened."""
-    from weight_transfer.transfer.child_reports import ReportInbox
+    from weight_transfer.cli.child_reports import ReportInbox
 
     ctx = mp.get_context("spawn")
     inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others

@@ -2,7 +2,7 @@
 
 Every trainer rank and every engine rank of a cluster preset (`planner/presets/clusters.py`,
 the ``emu-*`` presets are sized for it) runs as a process in a network namespace of its own
-(`transfer/netns.py`): one host, one link shaped to a rate with `tc tbf` each way. The trainer
+(`benchmarks/netns.py`): one host, one link shaped to a rate with `tc tbf` each way. The trainer
 ranks hold seeded random weights as DTensor shards on the preset's FSDP/HSDP and expert meshes
 (gloo over the shaped links, so mesh gathers cross them too); the engine ranks hold the vLLM
 layout of the preset's engines (BF16 or FP8). Real updates run over the `tcp` backend (or `ucx`
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from weight_transfer.planner.presets.clusters import ClusterPreset
-from weight_transfer.transfer.netns import DEVICE, EmulatedCluster, LinkShape, enter_host
+from weight_transfer.benchmarks.netns import DEVICE, EmulatedCluster, LinkShape, enter_host
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _transport(backend: str, ip: str) -> Any:
 
 
 def _control(ip: str, token: str, timeout_s: float) -> Any:
-    from weight_transfer.transfer.config import ControlPlaneConfig
+    from weight_transfer.config import ControlPlaneConfig
 
     return ControlPlaneConfig(host=ip, port=CONTROL_PORT, token=token, timeout_s=timeout_s)
 
@@ -234,10 +234,10 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.planner.reference import materialize
     from weight_transfer.planner.simulate import rates_from_mapping, simulate
-    from weight_transfer.transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.sender import WeightSender, full_tensor
+    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.manifest import torch_dtype
+    from weight_transfer.sender import WeightSender, full_tensor
 
     n, m = cfg.num_trainers, cfg.num_engines
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
@@ -428,8 +428,8 @@ def engine_main(index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str]
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.receiver import WeightReceiver
+    from weight_transfer.manifest import torch_dtype
+    from weight_transfer.receiver import WeightReceiver
 
     dm = dest_manifests(cfg.preset)[index]
     g = torch.Generator().manual_seed(90_000 + index)
@@ -464,7 +464,7 @@ def _funnel_engine(index: int, cfg: EmulateConfig, ips: list[str], dm: Any,
                    tensors: dict[str, torch.Tensor], src: Any, rx: Any, out: Any) -> None:
     """Receive the funnel's buckets and load them like an engine's load_weights."""
     from weight_transfer.planner.reference import apply_recipe
-    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.manifest import torch_dtype
 
     pg = _funnel_pg(ips, 1 + index, 1 + cfg.num_engines, cfg)
     order = [(t.name, tuple(t.shape), torch_dtype(t.dtype)) for t in sorted(src.tensors, key=lambda t: t.name)]
@@ -659,7 +659,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     from weight_transfer.planner.presets.clusters import model_bytes, source_manifests
     from weight_transfer.planner.simulate import funnel_baseline, rates_from_mapping
     from weight_transfer.planner.types import dtype_size, numel
-    from weight_transfer.transfer.child_reports import ReportInbox
+    from weight_transfer.cli.child_reports import ReportInbox
 
     say = progress or (lambda s: log.info("%s", s))
     n, m = cfg.num_trainers, cfg.num_engines

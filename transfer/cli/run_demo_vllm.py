@@ -128,7 +128,7 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from weight_transfer.planner.reference import materialize
-    from weight_transfer.transfer.engines.vllm_protocol import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
     cp_port, dist_port = ports
@@ -206,8 +206,8 @@ def run_vllm_demo(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from weight_transfer.errors import WeightTransferError
-    from weight_transfer.transfer.demo import free_port
-    from weight_transfer.transfer.engines.vllm_protocol import BACKEND, LLMWeightSyncClient
+    from weight_transfer.cli.run_demo import free_port
+    from weight_transfer.vllm import BACKEND, LLMWeightSyncClient
 
     reports: list[VllmUpdateReport] = []
     with tempfile.TemporaryDirectory(prefix="wt-demo-vllm-") as tmp:

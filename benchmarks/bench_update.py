@@ -205,13 +205,13 @@ def _quantize_into(
     x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_scale: torch.Tensor
 ) -> None:
     """The Triton FP8 kernel (bit-identical to the reference quantizer) into given tensors."""
-    from weight_transfer.transfer.kernels.fp8_triton import quantize_fp8
+    from weight_transfer.kernels.fp8_triton import quantize_fp8
 
     quantize_fp8(x, block, out_q=out_q, out_scale=out_scale)
 
 
 def _perturb(model: nn.Module, seed: int) -> None:
-    from weight_transfer.transfer.manifest import local_part
+    from weight_transfer.manifest import local_part
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
@@ -244,9 +244,9 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
-    from weight_transfer.transfer.controller import Controller
-    from weight_transfer.transfer.sender import WeightSender
+    from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.sender import WeightSender
 
     gpu = _trainer_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
@@ -420,10 +420,10 @@ def _source_bytes(spec: ModelSpec, cfg: BenchUpdateConfig) -> int:
 def _verify_update(cfg: BenchUpdateConfig, spec: ModelSpec, model: nn.Module, sender: Any, rank: int, step: int, dev: torch.device) -> list[str]:
     """Compare every engine tensor after update `step` with the reference recipes applied to
     the trainer's weights, by a keyed digest under a fresh secret key (transfer.verify)."""
-    from weight_transfer.transfer.manifest import local_part, torch_dtype
-    from weight_transfer.transfer.protocol import Digests
-    from weight_transfer.transfer.sender import full_tensor
-    from weight_transfer.transfer.verify import expected_digests
+    from weight_transfer.manifest import local_part, torch_dtype
+    from weight_transfer.protocol import Digests
+    from weight_transfer.sender import full_tensor
+    from weight_transfer.verify import expected_digests
 
     world = _n_trainers(cfg)
     with torch.no_grad():
@@ -453,7 +453,7 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
 
     store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=(rank == 0), timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     size = 1 + _n_engines(cfg)
-    from weight_transfer.transfer.sender import full_tensor
+    from weight_transfer.sender import full_tensor
 
     names = list(shapes)
     params = dict(model.named_parameters())
@@ -496,11 +496,11 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
     from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.transfer.config import ControlPlaneConfig
-    from weight_transfer.transfer.manifest import torch_dtype
-    from weight_transfer.transfer.protocol import Digests
-    from weight_transfer.transfer.receiver import WeightReceiver
-    from weight_transfer.transfer.verify import engine_digests
+    from weight_transfer.config import ControlPlaneConfig
+    from weight_transfer.manifest import torch_dtype
+    from weight_transfer.protocol import Digests
+    from weight_transfer.receiver import WeightReceiver
+    from weight_transfer.verify import engine_digests
 
     gpu = _engine_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
@@ -558,7 +558,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
     spec_of = {s.name: s for s in specs}
     bucket = torch.empty(cfg.bucket_bytes, dtype=torch.uint8, device=dev)
     flag = torch.ones(1, dtype=torch.int64, device=dev)
-    from weight_transfer.transfer.manifest import torch_dtype
+    from weight_transfer.manifest import torch_dtype
 
     for _ in range(cfg.repeats + 1):
         received: dict[str, torch.Tensor] = {}
@@ -617,9 +617,9 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
 
 def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from weight_transfer.transfer.demo import free_port
+    from weight_transfer.cli.run_demo import free_port
 
-    from weight_transfer.transfer.child_reports import ReportInbox
+    from weight_transfer.cli.child_reports import ReportInbox
 
     ctx = mp.get_context("spawn")
     inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others

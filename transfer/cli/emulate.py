@@ -1,5 +1,5 @@
 """`weight-transfer emulate`: a cluster preset as network namespaces with shaped links, real
-updates over tcp/ucx, measured beside the simulator (`transfer/emulate.py`, docs/simulator.md)."""
+updates over tcp/ucx, measured beside the simulator (`benchmarks/emulate.py`, docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weight_transfer.transfer.cli import command
+from weight_transfer.cli.command import Command
 
 
 def _emulate_args(p: argparse.ArgumentParser) -> None:
-    from weight_transfer.transfer.cli_plan import _cluster_args
+    from weight_transfer.cli.plan import _cluster_args
 
     _cluster_args(p)
     p.set_defaults(preset="emu-dense", memory_budget_gib=1 / 16)
@@ -66,12 +66,10 @@ def _line(r: dict[str, Any]) -> list[str]:
     return out
 
 
-@command("emulate", "emulate a cluster preset on this machine: namespaces, shaped links, real "
-         "updates, measured against the simulator (root)")(_emulate_args)
 def _emulate(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer.cli_plan import _preset
-    from weight_transfer.transfer.emulate import EmulateConfig, run
-    from weight_transfer.transfer.netns import unavailable_reason
+    from weight_transfer.cli.plan import _preset
+    from weight_transfer.benchmarks.emulate import EmulateConfig, run
+    from weight_transfer.benchmarks.netns import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -99,3 +97,9 @@ def _emulate(ns: argparse.Namespace) -> int:
     for e in result["errors"]:
         print(f"error: {e.splitlines()[-1] if e.strip() else e}", file=sys.stderr)
     return 0 if result["all_verified"] and not result["errors"] else 1
+
+
+COMMANDS = (
+    Command("emulate", "emulate a cluster preset on this machine: namespaces, shaped links, real "
+         "updates, measured against the simulator (root)", _emulate_args, _emulate),
+)

@@ -1,4 +1,4 @@
-"""Triton kernels of `_table_copy` (imported only when triton is present)."""
+"""Triton kernels of `table_copy` (imported only when triton is present)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """`weight-transfer bench transports|update`: benchmarks side by side with baselines.
 
-`bench transports` runs `weight_transfer.transfer.transport_harness` (a receiver and a sender
+`bench transports` runs `weight_transfer.benchmarks.transport_harness` (a receiver and a sender
 process per backend, baselines in the same run), prints a table with ratios, and optionally writes
-the JSON and a PNG plot. `bench update` runs `weight_transfer.transfer.bench_update` (whole
+the JSON and a PNG plot. `bench update` runs `weight_transfer.benchmarks.bench_update` (whole
 updates on GPUs beside their ceiling and baselines).
 """
 
@@ -13,7 +13,7 @@ import importlib.util
 import sys
 
 from weight_transfer.backends.base import BACKENDS
-from weight_transfer.transfer.cli import command
+from weight_transfer.cli.command import Command
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _transports_args(t)
-    from weight_transfer.transfer import bench_update
+    from weight_transfer.benchmarks import bench_update
 
     u = sub.add_parser(
         "update",
@@ -90,7 +90,7 @@ def _progress(line: str) -> None:
 
 
 def _transports(ns: argparse.Namespace) -> int:
-    from weight_transfer.transfer import transport_harness as harness
+    from weight_transfer.benchmarks import transport_harness as harness
 
     if ns.plot_path and importlib.util.find_spec("matplotlib") is None:
         print(
@@ -135,12 +135,14 @@ def _transports(ns: argparse.Namespace) -> int:
     return 1 if result.errors else 0
 
 
-@command("bench", "benchmark transports (or whole updates) side by side with baselines")(
-    _bench_args
-)
 def _bench(ns: argparse.Namespace) -> int:
     if ns.what == "transports":
         return _transports(ns)
-    from weight_transfer.transfer import bench_update
+    from weight_transfer.benchmarks import bench_update
 
     return bench_update.main(ns)
+
+
+COMMANDS = (
+    Command("bench", "benchmark transports (or whole updates) side by side with baselines", _bench_args, _bench),
+)
