@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
         RowParallelLinear,
     )
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
     from weight_transfer.planner.presets.models import ModelShape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
@@ -52,30 +53,60 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
     # The only stub: vLLM picks a block-FP8 matmul kernel at create_weights time, and every CPU
     # kernel needs AMX. No matmul runs in this test.
     fp8_module.init_fp8_linear_kernel = lambda *a, **k: None  # type: ignore[attr-defined]
-    vc = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="bfloat16",
-                                             skip_tokenizer_init=True))
+    vc = VllmConfig(
+        model_config=ModelConfig(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True)
+    )
     try:
         with set_current_vllm_config(vc):
-            init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                         backend="gloo")
+            init_distributed_environment(
+                world_size=world,
+                rank=rank,
+                local_rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                backend="gloo",
+            )
             initialize_model_parallel(world)
-            cfg = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                            weight_block_size=[128, 128])
+            cfg = Fp8Config(
+                is_checkpoint_fp8_serialized=True,
+                activation_scheme="dynamic",
+                weight_block_size=[128, 128],
+            )
             p = "model.layers.0."
             layers = {
                 p + "self_attn.qkv_proj": QKVParallelLinear(
-                    H, HEAD_DIM, HEADS, KV_HEADS, bias=False, quant_config=cfg,
-                    prefix=p + "self_attn.qkv_proj", params_dtype=torch.bfloat16),
+                    H,
+                    HEAD_DIM,
+                    HEADS,
+                    KV_HEADS,
+                    bias=False,
+                    quant_config=cfg,
+                    prefix=p + "self_attn.qkv_proj",
+                    params_dtype=torch.bfloat16,
+                ),
                 p + "self_attn.o_proj": RowParallelLinear(
-                    HEADS * HEAD_DIM, H, bias=False, quant_config=cfg,
-                    prefix=p + "self_attn.o_proj", params_dtype=torch.bfloat16),
+                    HEADS * HEAD_DIM,
+                    H,
+                    bias=False,
+                    quant_config=cfg,
+                    prefix=p + "self_attn.o_proj",
+                    params_dtype=torch.bfloat16,
+                ),
                 p + "mlp.gate_up_proj": MergedColumnParallelLinear(
-                    H, [INTER, INTER], bias=False, quant_config=cfg,
-                    prefix=p + "mlp.gate_up_proj", params_dtype=torch.bfloat16),
+                    H,
+                    [INTER, INTER],
+                    bias=False,
+                    quant_config=cfg,
+                    prefix=p + "mlp.gate_up_proj",
+                    params_dtype=torch.bfloat16,
+                ),
                 p + "mlp.down_proj": RowParallelLinear(
-                    INTER, H, bias=False, quant_config=cfg, prefix=p + "mlp.down_proj",
-                    params_dtype=torch.bfloat16),
+                    INTER,
+                    H,
+                    bias=False,
+                    quant_config=cfg,
+                    prefix=p + "mlp.down_proj",
+                    params_dtype=torch.bfloat16,
+                ),
             }
             g = torch.Generator().manual_seed(5)
             hf = {
@@ -92,8 +123,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
             shard_of = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": 0, "up_proj": 1}
             for n, (w, s) in ckpt.items():
                 mod, leaf = n.rsplit(".", 2)[0], n.rsplit(".", 2)[1]
-                fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}.get(leaf, leaf)
+                fused = {
+                    "q_proj": "qkv_proj",
+                    "k_proj": "qkv_proj",
+                    "v_proj": "qkv_proj",
+                    "gate_proj": "gate_up_proj",
+                    "up_proj": "gate_up_proj",
+                }.get(leaf, leaf)
                 layer = layers[mod + "." + fused]
                 for pname, value in (("weight", w), ("weight_scale_inv", s)):
                     param = getattr(layer, pname)
@@ -101,21 +137,31 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
                         param.weight_loader(param, value, shard_of[leaf])
                     else:
                         param.weight_loader(param, value)
-            got = {f"{m}.{n}": t.detach().clone() for m, layer in layers.items()
-                   for n, t in layer.named_parameters()}
-            shape = ModelShape(vocab_size=128, hidden_size=H, intermediate_size=INTER,
-                               num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                               head_dim=HEAD_DIM)
+            got = {
+                f"{m}.{n}": t.detach().clone()
+                for m, layer in layers.items()
+                for n, t in layer.named_parameters()
+            }
+            shape = ModelShape(
+                vocab_size=128,
+                hidden_size=H,
+                intermediate_size=INTER,
+                num_layers=1,
+                num_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                head_dim=HEAD_DIM,
+            )
             recipes = vllm_recipes(shape, rank, world, fp8=True)
-            specs = [s for s in vllm_tensor_specs(shape, rank, world, fp8=True)
-                     if s.name in got]
+            specs = [s for s in vllm_tensor_specs(shape, rank, world, fp8=True) if s.name in got]
             mine = [r for r in recipes if r.dest in got]
             want = materialize(mine, specs, full)
             bad = []
             for s in specs:
                 t = got[s.name]
                 if tuple(t.shape) != tuple(s.shape) or str(t.dtype) != f"torch.{s.dtype}":
-                    bad.append(f"{s.name}: vLLM {tuple(t.shape)} {t.dtype}, recipe {s.shape} {s.dtype}")
+                    bad.append(
+                        f"{s.name}: vLLM {tuple(t.shape)} {t.dtype}, recipe {s.shape} {s.dtype}"
+                    )
                 elif not torch.equal(t.view(torch.uint8), want[s.name].view(torch.uint8)):
                     bad.append(f"{s.name}: bytes differ")
             out.put((rank, sorted(got), bad))
@@ -127,11 +173,18 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_recipes_equal_vllms_fp8_loader(tp: int, tmp_path: Path) -> None:
     from transformers import LlamaConfig
+
     from weight_transfer.cli.run_demo import free_port
 
-    LlamaConfig(vocab_size=128, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                head_dim=HEAD_DIM).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=128,
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+    ).save_pretrained(tmp_path)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
