@@ -63,11 +63,21 @@ def lib() -> ctypes.CDLL:
                     errors.append(f"{c}: {exc}")
             else:
                 raise TransportError(f"cannot load the CUDA runtime: {'; '.join(errors)}")
-            cudart.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
+            cudart.cudaIpcOpenMemHandle.argtypes = [
+                ctypes.POINTER(ctypes.c_void_p),
+                _IpcHandle,
+                ctypes.c_uint,
+            ]
             cudart.cudaIpcOpenMemHandle.restype = ctypes.c_int
             cudart.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
             cudart.cudaIpcCloseMemHandle.restype = ctypes.c_int
-            cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            cudart.cudaMemcpyAsync.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
             cudart.cudaMemcpyAsync.restype = ctypes.c_int
             cudart.cudaGetErrorString.argtypes = [ctypes.c_int]
             cudart.cudaGetErrorString.restype = ctypes.c_char_p
@@ -106,7 +116,10 @@ def ipc_open(handle: bytes) -> int:
     ptr = ctypes.c_void_p()
     h = _IpcHandle()
     ctypes.memmove(ctypes.addressof(h), handle, _IPC_HANDLE_BYTES)
-    check(lib().cudaIpcOpenMemHandle(ctypes.byref(ptr), h, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+    check(
+        lib().cudaIpcOpenMemHandle(ctypes.byref(ptr), h, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+        "cudaIpcOpenMemHandle",
+    )
     assert ptr.value is not None
     return int(ptr.value)
 
@@ -119,6 +132,12 @@ def ipc_close(ptr: int) -> None:
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """cudaMemcpyAsync with cudaMemcpyDefault (unified addressing picks the direction)."""
     check(
-        lib().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes, CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(stream)),
+        lib().cudaMemcpyAsync(
+            ctypes.c_void_p(dst),
+            ctypes.c_void_p(src),
+            nbytes,
+            CUDA_MEMCPY_DEFAULT,
+            ctypes.c_void_p(stream),
+        ),
         "cudaMemcpyAsync",
     )

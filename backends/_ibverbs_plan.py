@@ -684,22 +684,25 @@ class Endpoint:
 
     def to_bytes(self) -> bytes:
         """msgpack map with a version field."""
-        return cast(bytes, msgpack.packb(
-            {
-                "v": ENDPOINT_VERSION,
-                "host": self.host,
-                "port": self.port,
-                "cookie": self.cookie,
-                "device": self.device,
-                "ib_port": self.ib_port,
-                "link_layer": self.link_layer,
-                "lid": self.lid,
-                "gid": self.gid,
-                "gid_index": self.gid_index,
-                "mtu": self.active_mtu,
-            },
-            use_bin_type=True,
-        ))
+        return cast(
+            bytes,
+            msgpack.packb(
+                {
+                    "v": ENDPOINT_VERSION,
+                    "host": self.host,
+                    "port": self.port,
+                    "cookie": self.cookie,
+                    "device": self.device,
+                    "ib_port": self.ib_port,
+                    "link_layer": self.link_layer,
+                    "lid": self.lid,
+                    "gid": self.gid,
+                    "gid_index": self.gid_index,
+                    "mtu": self.active_mtu,
+                },
+                use_bin_type=True,
+            ),
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Endpoint:
@@ -772,21 +775,24 @@ class ConnectRequest:
 
     def to_bytes(self) -> bytes:
         """msgpack list."""
-        return cast(bytes, msgpack.packb(
-            [
-                HANDSHAKE_VERSION,
-                "req",
-                self.cookie,
-                self.name,
-                self.link_layer,
-                self.lid,
-                self.gid,
-                self.active_mtu,
-                list(self.qpns),
-                list(self.psns),
-            ],
-            use_bin_type=True,
-        ))
+        return cast(
+            bytes,
+            msgpack.packb(
+                [
+                    HANDSHAKE_VERSION,
+                    "req",
+                    self.cookie,
+                    self.name,
+                    self.link_layer,
+                    self.lid,
+                    self.gid,
+                    self.active_mtu,
+                    list(self.qpns),
+                    list(self.psns),
+                ],
+                use_bin_type=True,
+            ),
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ConnectRequest:
@@ -845,10 +851,13 @@ class ConnectReply:
 
     def to_bytes(self) -> bytes:
         """msgpack list."""
-        return cast(bytes, msgpack.packb(
-            [HANDSHAKE_VERSION, "rep", self.error, list(self.qpns), list(self.psns)],
-            use_bin_type=True,
-        ))
+        return cast(
+            bytes,
+            msgpack.packb(
+                [HANDSHAKE_VERSION, "rep", self.error, list(self.qpns), list(self.psns)],
+                use_bin_type=True,
+            ),
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ConnectReply:

@@ -182,7 +182,10 @@ class Region:
 
     @classmethod
     def of(
-        cls, region_id: int, flat: torch.Tensor, role: RegionRole,
+        cls,
+        region_id: int,
+        flat: torch.Tensor,
+        role: RegionRole,
         descriptor: RegionDescriptor | None,
     ) -> Region:
         """The region covering all of `flat` (a contiguous uint8 tensor), as registered now.
@@ -205,7 +208,8 @@ class Region:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriteOp:
-    """One one-sided write: `nbytes` from `source` at `source_offset` to `target` at `target_offset`."""
+    """One one-sided write: `nbytes` from `source` at `source_offset` to `target` at
+    `target_offset`."""
 
     source: Region
     source_offset: int
@@ -715,7 +719,8 @@ def load_backend(name: str) -> type[Transport]:
     except ImportError as exc:
         hint = EXTRAS.get(name, "")
         raise TransportUnavailableError(
-            f"transport {name!r} is not available: {exc}" + (f"; install it with: {hint}" if hint else "")
+            f"transport {name!r} is not available: {exc}"
+            + (f"; install it with: {hint}" if hint else "")
         ) from exc
     cls = getattr(module, class_name)
     if not (isinstance(cls, type) and issubclass(cls, Transport)):

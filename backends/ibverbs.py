@@ -1046,7 +1046,8 @@ class IbverbsTransport(Transport):
             key = plan.RemoteKey.from_payload(descriptor.payload)
             if key.length != descriptor.nbytes:
                 raise ValueError(
-                    f"ibverbs descriptor length {key.length} != descriptor nbytes {descriptor.nbytes}"
+                    f"ibverbs descriptor length {key.length} != descriptor nbytes "
+                    f"{descriptor.nbytes}"
                 )
             if len(self._rkeys) > 65536:
                 self._rkeys.clear()

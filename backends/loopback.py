@@ -37,8 +37,13 @@ import msgpack
 import torch
 
 from weight_transfer.backends import _cudart
-from weight_transfer.kernels import table_copy as _table_copy
-from weight_transfer.backends._memory import ShmMapping, host_identity, host_view, memmove, shm_file_of
+from weight_transfer.backends._memory import (
+    ShmMapping,
+    host_identity,
+    host_view,
+    memmove,
+    shm_file_of,
+)
 from weight_transfer.backends.base import (
     ConfigurationError,
     MemoryKind,
@@ -54,6 +59,7 @@ from weight_transfer.backends.base import (
     WriteHandle,
     WriteOp,
 )
+from weight_transfer.kernels import table_copy as _table_copy
 
 __all__ = ["LoopbackTransport"]
 
@@ -248,7 +254,9 @@ class LoopbackTransport(Transport):
         self._peer_ids: dict[str, tuple[int, int]] = {}  # peer -> (pid, transport id)
         self._peer_procs: dict[str, _PeerProcess] = {}  # peers in other processes
         self._mappings: dict[str, dict[str, ShmMapping]] = {}  # peer -> shm name -> mapping
-        self._cuda_targets: dict[tuple[str, bytes, int], torch.Tensor] = {}  # (peer, handle, offset)
+        self._cuda_targets: dict[
+            tuple[str, bytes, int], torch.Tensor
+        ] = {}  # (peer, handle, offset)
         self._ipc_ptrs: dict[tuple[bytes, int], int] = {}  # (handle, device) -> base pointer
         self._decoded: dict[str, dict[bytes, _Target]] = {}  # peer -> payload -> checked target
         self._ipc_peers: dict[str, set[tuple[bytes, int]]] = {}
@@ -656,8 +664,10 @@ class LoopbackTransport(Transport):
         plain: list[_table_copy.Copy] = []
         align = _table_copy.ALIGN
         for c, from_device in copies:
-            if self._copy_kernel and from_device and not (
-                c.dst % align or c.src % align or c.nbytes % align
+            if (
+                self._copy_kernel
+                and from_device
+                and not (c.dst % align or c.src % align or c.nbytes % align)
             ):
                 kernel.append(c)
             else:
@@ -688,7 +698,9 @@ class LoopbackTransport(Transport):
                 table = _table_copy.DeviceTable(
                     table.chunks.pin_memory().to(stream.device, non_blocking=True),
                     table.tails.pin_memory().to(stream.device, non_blocking=True),
-                    table.plain, table.nbytes, 0,
+                    table.plain,
+                    table.nbytes,
+                    0,
                 )
             if table is not None:
                 _table_copy.launch(table)
@@ -717,10 +729,12 @@ class LoopbackTransport(Transport):
             device = self._writer_device(op)
             dst = self._open_ipc_ptr(peer, target.ipc, device)
             dst += int(target.ipc[3]) + target.offset + op.target_offset
-            per_device.setdefault(device, []).append((
-                _table_copy.Copy(dst, op.source.address + op.source_offset, op.nbytes),
-                op.source.kind is MemoryKind.CUDA,
-            ))
+            per_device.setdefault(device, []).append(
+                (
+                    _table_copy.Copy(dst, op.source.address + op.source_offset, op.nbytes),
+                    op.source.kind is MemoryKind.CUDA,
+                )
+            )
         plan = _RawPlan(self._generation.get(peer, 0), [])
         for device, copies in per_device.items():
             chunked, plain = self._raw_plan(copies, _TABLE_MIN_COPIES)

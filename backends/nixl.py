@@ -391,9 +391,7 @@ class NixlTransport(Transport):
 
     def _endpoint(self) -> bytes:
         metadata = bytes(self._agent.get_agent_metadata())
-        data: bytes = msgpack.packb(
-            [_ENDPOINT_TAG, self._agent_name, metadata], use_bin_type=True
-        )
+        data: bytes = msgpack.packb([_ENDPOINT_TAG, self._agent_name, metadata], use_bin_type=True)
         return data
 
     def _connect(self, peer: str, endpoint: bytes) -> None:

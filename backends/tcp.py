@@ -1,11 +1,13 @@
-"""TCP transport: a simulator of an RDMA NIC across hosts, for CI, laptops and clusters without RDMA.
+"""TCP transport: a simulator of an RDMA NIC across hosts, for CI, laptops and clusters without
+RDMA.
 
 Every transport listens from construction. A passive receive thread per incoming connection
 plays the NIC: for each batch it reads the table of (region key, offset, length) first, checks
 every entry against the registered TARGET regions, and only then receives the payload straight
 into the registered memory (`recv_into`, or `recvmsg_into` over up to 512 host ranges at once,
 memoryviews over the addresses; ranges that continue one another are merged first; CUDA targets
-go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A refused batch writes nothing: its payload is drained and an error frame
+go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A
+refused batch writes nothing: its payload is drained and an error frame
 names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
 
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
@@ -435,8 +437,11 @@ class TcpTransport(Transport):
                     log.error("tcp: accept failed, listener stops: %s", exc)
                 return
             if not self._handshakes.acquire(blocking=False):
-                log.warning("tcp: %d handshakes already pending; closing a connection from %s",
-                            _MAX_HANDSHAKES, addr)
+                log.warning(
+                    "tcp: %d handshakes already pending; closing a connection from %s",
+                    _MAX_HANDSHAKES,
+                    addr,
+                )
                 conn.close()
                 continue
             thread = threading.Thread(
@@ -449,8 +454,11 @@ class TcpTransport(Transport):
                     return
                 if len(self._conns) >= _MAX_CONNECTIONS:
                     self._handshakes.release()
-                    log.warning("tcp: %d connections already served; closing one from %s",
-                                _MAX_CONNECTIONS, addr)
+                    log.warning(
+                        "tcp: %d connections already served; closing one from %s",
+                        _MAX_CONNECTIONS,
+                        addr,
+                    )
                     conn.close()
                     continue
                 self._conns[conn] = thread
@@ -599,7 +607,7 @@ class TcpTransport(Transport):
             reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES)
             if reply is None:
                 raise ConnectionError("closed during the handshake")
-            reply, nonce = reply[:_HELLO.size], reply[_HELLO.size:]
+            reply, nonce = reply[: _HELLO.size], reply[_HELLO.size :]
             magic, version, listener_id = _HELLO.unpack(reply)
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake reply (magic {magic!r}, version {version})")

@@ -15,7 +15,8 @@ their own, UCX emulates puts with messages that the target's worker must progres
 `target_progress` below.
 
 Options (`TransportConfig.options`): `target_progress` is this backend's own; every other key
-is a UCX configuration variable, with or without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`, `("NET_DEVICES", "lo")`), applied with
+is a UCX configuration variable, with or without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`,
+`("NET_DEVICES", "lo")`), applied with
 `ucp_config_modify`; the library never reads the environment itself (UCX still honours `UCX_*`
 variables that the process already has, as `ucp_config_read` always does). If
 `NET_DEVICES` is not given and `config.listen_host` is a loopback address (the default), the
@@ -280,8 +281,13 @@ def _split_over_lanes(
     bounds = [min(share * k, total) for k in range(1, lanes)] + [total]
     return [
         [
-            (resolved[i][0] + off, n, resolved[i][2] + off, resolved[i][3].lane_rkeys[lane],
-             resolved[i][4])  # fmt: skip
+            (
+                resolved[i][0] + off,
+                n,
+                resolved[i][2] + off,
+                resolved[i][3].lane_rkeys[lane],
+                resolved[i][4],
+            )  # fmt: skip
             for i, off, n in pieces
         ]
         for lane, pieces in enumerate(cut_at([r[1] for r in resolved], bounds))

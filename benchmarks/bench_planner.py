@@ -63,7 +63,10 @@ def run(cfg: BenchConfig) -> dict[str, object]:
     engine_sizes = {d.engine: sum(t.nbytes for t in d.regions if t.index == 0) for d in dests}
     t0 = time.perf_counter()
     result = simulate(
-        schedule, sources, {d.engine: d.host for d in dests}, preset.rates,
+        schedule,
+        sources,
+        {d.engine: d.host for d in dests},
+        preset.rates,
         memory_budget_bytes=config.memory_budget_bytes,
         progress=lambda s: print(s, file=sys.stderr, flush=True),
     )

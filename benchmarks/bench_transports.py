@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.benchmarks import transport_harness as harness
 from benchmarks.conftest import MEASUREMENTS, bench_config
 from tests.markers import backend_unavailable_reason
+from weight_transfer.benchmarks import transport_harness as harness
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

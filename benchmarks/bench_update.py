@@ -49,7 +49,11 @@ from weight_transfer.backends.base import BACKENDS
 LAYOUTS = ("split", "colocated", "one-gpu")
 _SLEEP_CYCLES = 400_000_000
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,7 +135,9 @@ class ModelSpec:
             from weight_transfer.planner.presets.deepseek import mla_engine_dtypes
 
             extra = mla_engine_dtypes(_mla_slice())
-        return engine_tensor_specs(self.recipes(rank, tp, fp8), param_dtype="bfloat16", dtypes=extra)
+        return engine_tensor_specs(
+            self.recipes(rank, tp, fp8), param_dtype="bfloat16", dtypes=extra
+        )
 
 
 def _mla_slice() -> Any:
@@ -162,7 +168,9 @@ def model_spec(preset: str, layers: int = 0) -> ModelSpec:
 
 
 def param_module(
-    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
     dtypes: dict[str, str] | None = None,
 ) -> nn.Module:
     """A module whose parameters carry the given dotted names (no forward)."""
@@ -175,7 +183,9 @@ def param_module(
                 m.add_module(p, nn.Module())
             m = getattr(m, p)
         dt = getattr(torch, (dtypes or {}).get(name, "")) if (dtypes or {}).get(name) else dtype
-        m.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False))
+        m.register_parameter(
+            leaf, nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+        )
     return root
 
 
@@ -237,12 +247,15 @@ def _bcast(pg: Any, t: torch.Tensor, root: int) -> None:
     pg.broadcast([t], o).wait()
 
 
-def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token: str, out: Any) -> None:
+def trainer_main(
+    rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token: str, out: Any
+) -> None:
     """Trainer rank: FSDP2 over the trainer GPUs, our updates, then the baseline broadcasts."""
     os.environ.update(NCCL_ENV)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     from weight_transfer.backends.base import TransportConfig
     from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
     from weight_transfer.controller import Controller
@@ -253,8 +266,13 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
     dev = torch.device("cuda", gpu)
     world = _n_trainers(cfg)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["dist"]))
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        "nccl",
+        rank=rank,
+        world_size=world,
+        device_id=dev,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
     res: dict[str, Any] = {"rank": rank}
     try:
         spec = model_spec(cfg.preset, cfg.layers)
@@ -283,17 +301,26 @@ def trainer_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token
 
             controller = Controller(
                 ControllerConfig(
-                    num_trainer_ranks=world, num_engines=_n_engines(cfg),
+                    num_trainer_ranks=world,
+                    num_engines=_n_engines(cfg),
                     planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
                 ),
                 control,
             )
         torch.cuda.reset_peak_memory_stats(dev)
         sender = WeightSender(
-            model, rank=rank, world_size=world,
-            transport=TransportConfig(name=cfg.backend, device_index=gpu, options=cfg.transport_options),
-            control=control, controller=controller, device=dev,
-            config=SenderConfig(memory_budget_bytes=cfg.memory_budget_bytes, update_timeout_s=cfg.timeout_s),
+            model,
+            rank=rank,
+            world_size=world,
+            transport=TransportConfig(
+                name=cfg.backend, device_index=gpu, options=cfg.transport_options
+            ),
+            control=control,
+            controller=controller,
+            device=dev,
+            config=SenderConfig(
+                memory_budget_bytes=cfg.memory_budget_bytes, update_timeout_s=cfg.timeout_s
+            ),
         )
         if controller is not None:
             assert controller.schedule is not None
@@ -399,17 +426,25 @@ def _host_cost(stats: Any) -> dict[str, float]:
     prep = sum(max(0.0, r.prepare_end - r.prepare_start) for r in stats.records)
     total = stats.post_seconds + prep
     return {
-        "post_s": stats.post_seconds, "prepare_host_s": prep, "host_s": total,
+        "post_s": stats.post_seconds,
+        "prepare_host_s": prep,
+        "host_s": total,
         "per_task_us": total / max(1, stats.num_tasks) * 1e6,
         "per_write_us": total / max(1, stats.num_writes) * 1e6,
-        "num_tasks": stats.num_tasks, "num_writes": stats.num_writes,
+        "num_tasks": stats.num_tasks,
+        "num_writes": stats.num_writes,
         **{f"{name}_s": sec for name, sec in stats.phases},
     }
 
 
 def _source_bytes(spec: ModelSpec, cfg: BenchUpdateConfig) -> int:
     """Bytes of the trainer tensors the engine recipes read (each read once)."""
-    used = {p.source for e in range(_n_engines(cfg)) for r in spec.recipes(e, _n_engines(cfg), cfg.fp8) for p in r.parts}
+    used = {
+        p.source
+        for e in range(_n_engines(cfg))
+        for r in spec.recipes(e, _n_engines(cfg), cfg.fp8)
+        for p in r.parts
+    }
     total = 0
     for n in used:
         dt = getattr(torch, spec.dtypes.get(n, "bfloat16"))
@@ -417,7 +452,15 @@ def _source_bytes(spec: ModelSpec, cfg: BenchUpdateConfig) -> int:
     return total
 
 
-def _verify_update(cfg: BenchUpdateConfig, spec: ModelSpec, model: nn.Module, sender: Any, rank: int, step: int, dev: torch.device) -> list[str]:
+def _verify_update(
+    cfg: BenchUpdateConfig,
+    spec: ModelSpec,
+    model: nn.Module,
+    sender: Any,
+    rank: int,
+    step: int,
+    dev: torch.device,
+) -> list[str]:
     """Compare every engine tensor after update `step` with the reference recipes applied to
     the trainer's weights, by a keyed digest under a fresh secret key (transfer.verify)."""
     from weight_transfer.manifest import local_part, torch_dtype
@@ -434,12 +477,22 @@ def _verify_update(cfg: BenchUpdateConfig, spec: ModelSpec, model: nn.Module, se
     bad: list[str] = []
     if rank == 0:
         key = secrets.randbits(62)
-        sender._control.put(f"vkey/{step}", Digests(engine="key", step=step, version=0, digests=(("key", str(key)),)))
+        sender._control.put(
+            f"vkey/{step}",
+            Digests(engine="key", step=step, version=0, digests=(("key", str(key)),)),
+        )
         tp = _n_engines(cfg)
         for e in range(tp):
             specs = spec.specs(e, tp, cfg.fp8)
-            want = expected_digests(spec.recipes(e, tp, cfg.fp8), {s.name: (s.shape, torch_dtype(s.dtype)) for s in specs}, full, key)
-            got = dict(sender._control.get(f"digest/{step}/engine{e}", Digests, cfg.timeout_s).digests)
+            want = expected_digests(
+                spec.recipes(e, tp, cfg.fp8),
+                {s.name: (s.shape, torch_dtype(s.dtype)) for s in specs},
+                full,
+                key,
+            )
+            got = dict(
+                sender._control.get(f"digest/{step}/engine{e}", Digests, cfg.timeout_s).digests
+            )
             bad += [f"engine{e}:{n}" for n, v in want.items() if got.get(n) != f"{v[0]}:{v[1]}"]
             if len(want) != len(got):
                 bad.append(f"engine{e}: {len(got)} tensors digested, {len(want)} expected")
@@ -447,11 +500,24 @@ def _verify_update(cfg: BenchUpdateConfig, spec: ModelSpec, model: nn.Module, se
     return bad
 
 
-def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shapes: dict[str, tuple[int, ...]], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
+def _baseline_trainer(
+    cfg: BenchUpdateConfig,
+    rank: int,
+    model: nn.Module,
+    shapes: dict[str, tuple[int, ...]],
+    ports: dict[str, int],
+    dev: torch.device,
+) -> dict[str, Any]:
     """Rank-0 funnel: gather on rank 0, broadcast 1 GiB buckets to every engine rank."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=(rank == 0), timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
+    store = dist.TCPStore(
+        "127.0.0.1",
+        ports["baseline"],
+        is_master=(rank == 0),
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        wait_for_workers=False,
+    )  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     size = 1 + _n_engines(cfg)
     from weight_transfer.sender import full_tensor
 
@@ -476,7 +542,7 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
             pos = 0
             while pos < t.numel():
                 k = min(t.numel() - pos, cfg.bucket_bytes - off)
-                bucket[off:off + k].copy_(t[pos:pos + k])
+                bucket[off : off + k].copy_(t[pos : pos + k])
                 off += k
                 pos += k
                 if off == cfg.bucket_bytes:
@@ -492,7 +558,9 @@ def _baseline_trainer(cfg: BenchUpdateConfig, rank: int, model: nn.Module, shape
     return {"baseline_s": times}
 
 
-def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token: str, out: Any) -> None:
+def engine_main(
+    rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token: str, out: Any
+) -> None:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
     from weight_transfer.backends.base import TransportConfig
@@ -514,13 +582,21 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         tensors = {}
         for s in specs:
             t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev)
-            t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(generator=g)
+            t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(
+                generator=g
+            )
             tensors[s.name] = t
         torch.cuda.synchronize()
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
-        rx = WeightReceiver(tensors, recipes, engine=f"engine{rank}",
-                            transport=TransportConfig(name=cfg.backend, device_index=gpu, options=cfg.transport_options),
-                            control=control)
+        rx = WeightReceiver(
+            tensors,
+            recipes,
+            engine=f"engine{rank}",
+            transport=TransportConfig(
+                name=cfg.backend, device_index=gpu, options=cfg.transport_options
+            ),
+            control=control,
+        )
         for step in range(1, cfg.warmups + cfg.repeats + 1):
             # Every update is checked: digest every tensor under the key the trainer draws
             # after the update, once this step's version is committed.
@@ -528,8 +604,19 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
             key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
             torch.cuda.synchronize()
             got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
-            rx._control.put(f"digest/{step}/engine{rank}", Digests(engine=f"engine{rank}", step=step, version=rx.version, digests=tuple(sorted(got.items()))))
-        res: dict[str, Any] = {"rank": rank, "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+            rx._control.put(
+                f"digest/{step}/engine{rank}",
+                Digests(
+                    engine=f"engine{rank}",
+                    step=step,
+                    version=rx.version,
+                    digests=tuple(sorted(got.items())),
+                ),
+            )
+        res: dict[str, Any] = {
+            "rank": rank,
+            "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
         if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
         rx.close()
@@ -541,12 +628,27 @@ def engine_main(rank: int, cfg: BenchUpdateConfig, ports: dict[str, int], token:
         raise
 
 
-def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes: Any, specs: Any, tensors: dict[str, torch.Tensor], ports: dict[str, int], dev: torch.device) -> dict[str, Any]:
+def _baseline_engine(
+    cfg: BenchUpdateConfig,
+    rank: int,
+    spec: ModelSpec,
+    recipes: Any,
+    specs: Any,
+    tensors: dict[str, torch.Tensor],
+    ports: dict[str, int],
+    dev: torch.device,
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from weight_transfer.planner.reference import apply_recipe
 
-    store = dist.TCPStore("127.0.0.1", ports["baseline"], is_master=False, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)  # type: ignore[attr-defined]  # not re-exported in torch's stubs
+    store = dist.TCPStore(
+        "127.0.0.1",
+        ports["baseline"],
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        wait_for_workers=False,
+    )  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     pg = _baseline_pg(store, 1 + rank, 1 + _n_engines(cfg))
     shapes = spec.shapes
     names = list(shapes)
@@ -569,7 +671,11 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
         done_bytes = 0
         loaded: set[str] = set()
 
-        def load_ready(received: dict[str, torch.Tensor] = received, loaded: set[str] = loaded, pending: dict[str, torch.Tensor] = pending) -> None:
+        def load_ready(
+            received: dict[str, torch.Tensor] = received,
+            loaded: set[str] = loaded,
+            pending: dict[str, torch.Tensor] = pending,
+        ) -> None:
             # Like an engine's load_weights: build each parameter once all its sources arrived.
             for n in list(received):
                 for r in need.get(n, []):
@@ -577,8 +683,14 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
                         continue
                     s = spec_of[r.dest]
                     # Like an engine's loader: straight into its parameters, FP8 with the kernel.
-                    apply_recipe(r, s.shape, torch_dtype(s.dtype), received, out=tensors,
-                                 quantize=_quantize_into)
+                    apply_recipe(
+                        r,
+                        s.shape,
+                        torch_dtype(s.dtype),
+                        received,
+                        out=tensors,
+                        quantize=_quantize_into,
+                    )
                     loaded.add(r.dest)
             # Free sources whose every recipe is loaded (engines stream their load like this).
             for n in list(received):
@@ -596,7 +708,7 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
                     pending[name] = torch.empty(shapes[name], dtype=src_dtype[name], device=dev)
                 dst = pending[name].view(-1).view(torch.uint8)
                 k = min(nb - cursor[1], n - pos)
-                dst[cursor[1]:cursor[1] + k].copy_(bucket[pos:pos + k])
+                dst[cursor[1] : cursor[1] + k].copy_(bucket[pos : pos + k])
                 cursor[1] += k
                 pos += k
                 if cursor[1] == dst.numel():
@@ -617,9 +729,8 @@ def _baseline_engine(cfg: BenchUpdateConfig, rank: int, spec: ModelSpec, recipes
 
 def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from weight_transfer.cli.run_demo import free_port
-
     from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.run_demo import free_port
 
     ctx = mp.get_context("spawn")
     inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
@@ -627,13 +738,21 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     token = secrets.token_hex(16)
     procs = {}
     for r in range(_n_trainers(cfg)):
-        procs[f"trainer{r}"] = ctx.Process(target=trainer_main, args=(r, cfg, ports, token, inbox.reporter()))
+        procs[f"trainer{r}"] = ctx.Process(
+            target=trainer_main, args=(r, cfg, ports, token, inbox.reporter())
+        )
     for e in range(_n_engines(cfg)):
-        procs[f"engine{e}"] = ctx.Process(target=engine_main, args=(e, cfg, ports, token, inbox.reporter()))
+        procs[f"engine{e}"] = ctx.Process(
+            target=engine_main, args=(e, cfg, ports, token, inbox.reporter())
+        )
     for p in procs.values():
         p.start()
     inbox.started()
-    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "errors": [], "machine": _machine()}
+    results: dict[str, Any] = {
+        "config": dataclasses.asdict(cfg),
+        "errors": [],
+        "machine": _machine(),
+    }
     deadline = time.monotonic() + cfg.timeout_s + 60
     expected = len(procs)
     got = 0
@@ -660,14 +779,22 @@ def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     with open(cfg.json_path, "w") as f:
         json.dump(results, f, indent=1, default=str)
     if cfg.plot_path and "trainer0" in results and results["trainer0"].get("records"):
-        plot_timeline(results["trainer0"]["records"], cfg.plot_path, title=f"{cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} {cfg.backend}")
+        plot_timeline(
+            results["trainer0"]["records"],
+            cfg.plot_path,
+            title=f"{cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} {cfg.backend}",
+        )
     return results
 
 
 def _machine() -> dict[str, Any]:
     import platform
 
-    out: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    out: dict[str, Any] = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
     if torch.cuda.is_available():
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return out
@@ -740,8 +867,16 @@ def plot_timeline(records: list[dict[str, Any]], path: str, title: str = "") -> 
     recs = sorted(records, key=lambda r: r["task_id"])
     fig, ax = plt.subplots(figsize=(10, 0.12 * len(recs) + 1.5))
     for i, r in enumerate(recs):
-        ax.broken_barh([(r["prepare_start"] * 1e3, max(1e-3, (r["prepare_end"] - r["prepare_start"]) * 1e3))], (i, 0.8), color="tab:orange")
-        ax.broken_barh([(r["write_start"] * 1e3, max(1e-3, (r["write_end"] - r["write_start"]) * 1e3))], (i, 0.8), color="tab:blue")
+        ax.broken_barh(
+            [(r["prepare_start"] * 1e3, max(1e-3, (r["prepare_end"] - r["prepare_start"]) * 1e3))],
+            (i, 0.8),
+            color="tab:orange",
+        )
+        ax.broken_barh(
+            [(r["write_start"] * 1e3, max(1e-3, (r["write_end"] - r["write_start"]) * 1e3))],
+            (i, 0.8),
+            color="tab:blue",
+        )
     ax.set_xlabel("ms since update start")
     ax.set_ylabel("task")
     ax.set_title(f"{title}: prepare (orange) and write (blue) per task")
@@ -761,27 +896,46 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p = p or argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--preset", default="llama-3.1-8b", choices=preset_names(), metavar="PRESET",
-                   help=f"model shapes, one of: {', '.join(preset_names())}")
+    p.add_argument(
+        "--preset",
+        default="llama-3.1-8b",
+        choices=preset_names(),
+        metavar="PRESET",
+        help=f"model shapes, one of: {', '.join(preset_names())}",
+    )
     p.add_argument("--backend", default="loopback", choices=sorted(BACKENDS), help="transport")
     p.add_argument("--fp8", action="store_true", help="engine holds FP8 block-quantized weights")
-    p.add_argument("--offload", action="store_true", help="trainer parameters in pinned host memory")
-    p.add_argument("--layout", default="split", choices=list(LAYOUTS),
-                   help="split: trainer on GPU0, engine on GPU1; colocated: both processes on both "
-                   "GPUs; one-gpu: trainer and engine processes share GPU0")
+    p.add_argument(
+        "--offload", action="store_true", help="trainer parameters in pinned host memory"
+    )
+    p.add_argument(
+        "--layout",
+        default="split",
+        choices=list(LAYOUTS),
+        help="split: trainer on GPU0, engine on GPU1; colocated: both processes on both "
+        "GPUs; one-gpu: trainer and engine processes share GPU0",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed updates")
     p.add_argument("--warmups", type=int, default=1, help="untimed updates first")
     p.add_argument("--layers", type=int, default=0, help="decoder layers of the preset (0: all)")
-    p.add_argument("--no-sync", action="store_true",
-                   help="update right after a long kernel changed the weights")
+    p.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="update right after a long kernel changed the weights",
+    )
     p.add_argument("--memory-budget-bytes", type=int, default=4 << 30, help="sender budget")
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 NCCL baseline")
     p.add_argument("--timeout-s", type=float, default=500.0, help="limit for the whole run")
     p.add_argument("--json", default="bench_update.json", help="where the results go")
     p.add_argument("--trace", default="", help="Perfetto trace of the last timed update")
     p.add_argument("--plot", default="", help="PNG timeline of that update (needs matplotlib)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend option (repeatable)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (repeatable)",
+    )
     return p
 
 
@@ -816,11 +970,22 @@ def main(ns: argparse.Namespace) -> int:
                 raise ValueError(f"--option {o!r}: expected KEY=VALUE")
             options.append((key, value))
         cfg = BenchUpdateConfig(
-            preset=ns.preset, backend=ns.backend, fp8=ns.fp8, offload=ns.offload,
-            layout=ns.layout, repeats=ns.repeats, warmups=ns.warmups, layers=ns.layers,
-            no_sync=ns.no_sync, memory_budget_bytes=ns.memory_budget_bytes,
-            baseline=not ns.no_baseline, timeout_s=ns.timeout_s, json_path=ns.json,
-            trace_path=ns.trace, plot_path=ns.plot, transport_options=tuple(options),
+            preset=ns.preset,
+            backend=ns.backend,
+            fp8=ns.fp8,
+            offload=ns.offload,
+            layout=ns.layout,
+            repeats=ns.repeats,
+            warmups=ns.warmups,
+            layers=ns.layers,
+            no_sync=ns.no_sync,
+            memory_budget_bytes=ns.memory_budget_bytes,
+            baseline=not ns.no_baseline,
+            timeout_s=ns.timeout_s,
+            json_path=ns.json,
+            trace_path=ns.trace,
+            plot_path=ns.plot,
+            transport_options=tuple(options),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -829,7 +994,12 @@ def main(ns: argparse.Namespace) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    print(f"bench update: {cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} backend={cfg.backend} layout={cfg.layout} offload={cfg.offload}", file=sys.stderr, flush=True)
+    print(
+        f"bench update: {cfg.preset} {'FP8' if cfg.fp8 else 'BF16'} backend={cfg.backend} "
+        f"layout={cfg.layout} offload={cfg.offload}",
+        file=sys.stderr,
+        flush=True,
+    )
     res = run(cfg)
     print(json.dumps(res["summary"], indent=1))
     for e in res["errors"]:

@@ -90,9 +90,7 @@ def main() -> None:
             while offset < end:
                 step = min(chunk, end - offset)
                 local, far = _IoVec(src + offset, step), _IoVec(remote + offset, step)
-                got = _LIBC.process_vm_writev(
-                    pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0
-                )
+                got = _LIBC.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0)
                 if got != step:
                     raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {step}")
                 offset += step

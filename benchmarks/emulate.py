@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from weight_transfer.planner.presets.clusters import ClusterPreset
 from weight_transfer.benchmarks.netns import DEVICE, EmulatedCluster, LinkShape, enter_host
+from weight_transfer.planner.presets.clusters import ClusterPreset
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,10 @@ def planner_config(cfg: EmulateConfig) -> Any:
     """The planner's settings: the run's memory budget, writes of at most a quarter of it."""
     from weight_transfer.planner.plan import PlannerConfig
 
-    return PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes,
-                         max_write_bytes=min(64 << 20, cfg.memory_budget_bytes // 4))
+    return PlannerConfig(
+        memory_budget_bytes=cfg.memory_budget_bytes,
+        max_write_bytes=min(64 << 20, cfg.memory_budget_bytes // 4),
+    )
 
 
 def baseline_unsupported(preset: ClusterPreset) -> str | None:
@@ -135,12 +137,16 @@ def baseline_unsupported(preset: ClusterPreset) -> str | None:
 
     t = preset.trainer
     if t.dense_shard_size != t.num_gpus or get_shape(preset.model).num_experts:
-        return (f"preset {preset.name!r}: the rank-0 funnel needs one FSDP mesh of all trainer "
-                "ranks and no experts (rank 0 gathers every parameter)")
+        return (
+            f"preset {preset.name!r}: the rank-0 funnel needs one FSDP mesh of all trainer "
+            "ranks and no experts (rank 0 gathers every parameter)"
+        )
     return None
 
 
-def _param(name: str, shape: Sequence[int], dtype: torch.dtype, seed: int, step: int) -> torch.Tensor:
+def _param(
+    name: str, shape: Sequence[int], dtype: torch.dtype, seed: int, step: int
+) -> torch.Tensor:
     """The seeded global value of trainer parameter `name` at update `step`."""
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 20) ^ (seed * 1_000_003 + step))
     return torch.randn(tuple(shape), generator=g).to(dtype)
@@ -150,8 +156,9 @@ def _transport(backend: str, ip: str) -> Any:
     from weight_transfer.backends.base import TransportConfig
 
     if backend == "ucx":
-        return TransportConfig(name="ucx", listen_host=ip,
-                               options=(("TLS", "tcp"), ("NET_DEVICES", DEVICE)))
+        return TransportConfig(
+            name="ucx", listen_host=ip, options=(("TLS", "tcp"), ("NET_DEVICES", DEVICE))
+        )
     return TransportConfig(name="tcp", listen_host=ip)
 
 
@@ -200,8 +207,14 @@ def _gather_probe(meshes: dict[tuple[int, ...], Any], rank: int, repeats: int = 
 
     worst = None
     for ranks, mesh in sorted(meshes.items()):
-        x = DTensor.from_local(torch.ones(1, 8), mesh, [Shard(0)], run_check=False,
-                               shape=torch.Size((len(ranks), 8)), stride=(8, 1))
+        x = DTensor.from_local(
+            torch.ones(1, 8),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size((len(ranks), 8)),
+            stride=(8, 1),
+        )
         times = []
         for i in range(repeats + 3):
             t = time.perf_counter()
@@ -213,8 +226,15 @@ def _gather_probe(meshes: dict[tuple[int, ...], Any], rank: int, repeats: int = 
     return worst
 
 
-def trainer_main(rank: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str,
-                 rates: dict[str, float], out: Any) -> None:
+def trainer_main(
+    rank: int,
+    cfg: EmulateConfig,
+    hosts: list[str],
+    ips: list[str],
+    token: str,
+    rates: dict[str, float],
+    out: Any,
+) -> None:
     """One trainer rank in its own host: DTensor shards, sender, timed and verified updates."""
     try:
         _enter(hosts[rank])
@@ -226,23 +246,25 @@ def trainer_main(rank: int, cfg: EmulateConfig, hosts: list[str], ips: list[str]
         raise
 
 
-def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: dict[str, float],
-             out: Any) -> None:
+def _trainer(
+    rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: dict[str, float], out: Any
+) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
-    from weight_transfer.planner.reference import materialize
-    from weight_transfer.planner.simulate import rates_from_mapping, simulate
     from weight_transfer.config import ControllerConfig, SenderConfig
     from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
+    from weight_transfer.planner.reference import materialize
+    from weight_transfer.planner.simulate import rates_from_mapping, simulate
     from weight_transfer.sender import WeightSender, full_tensor
 
     n, m = cfg.num_trainers, cfg.num_engines
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group("gloo", init_method=f"tcp://{ips[0]}:{DIST_PORT}", rank=rank,
-                            world_size=n, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{ips[0]}:{DIST_PORT}", rank=rank, world_size=n, timeout=timeout
+    )
     try:
         meshes = _meshes(cfg, rank)
         mine = source_manifests(cfg.preset)[rank]
@@ -257,8 +279,12 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                 params[st.name] = local
             else:
                 params[st.name] = DTensor.from_local(
-                    local, meshes[st.mesh], [Shard(0)], run_check=False,
-                    shape=torch.Size(st.shape), stride=torch.empty(st.shape, device="meta").stride(),
+                    local,
+                    meshes[st.mesh],
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(st.shape),
+                    stride=torch.empty(st.shape, device="meta").stride(),
                 )
             locals_[st.name] = (local, st)
 
@@ -270,23 +296,37 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                 local.copy_(full[tuple(slice(a, b) for a, b in box)])
 
         def expected(step: int) -> dict[str, dict[str, torch.Tensor]]:
-            full = {t.name: _param(t.name, t.shape, torch_dtype(t.dtype), cfg.seed, step)
-                    for m0 in source_manifests(cfg.preset) for t in m0.tensors}
-            return {d.engine: materialize(d.recipes, d.tensors, full)
-                    for d in dest_manifests(cfg.preset)}
+            full = {
+                t.name: _param(t.name, t.shape, torch_dtype(t.dtype), cfg.seed, step)
+                for m0 in source_manifests(cfg.preset)
+                for t in m0.tensors
+            }
+            return {
+                d.engine: materialize(d.recipes, d.tensors, full)
+                for d in dest_manifests(cfg.preset)
+            }
 
         fill(0)
         gather_s = _gather_probe(meshes, rank)
         control = _control(ips[0], token, cfg.timeout_s)
         controller = None
         if rank == 0:
-            controller = Controller(ControllerConfig(num_trainer_ranks=n, num_engines=m,
-                                                     planner=planner_config(cfg)), control)
+            controller = Controller(
+                ControllerConfig(num_trainer_ranks=n, num_engines=m, planner=planner_config(cfg)),
+                control,
+            )
         sender = WeightSender(
-            params, rank=rank, world_size=n, transport=_transport(cfg.backend, ips[rank]),
-            control=control, controller=controller, device="cpu",
-            config=SenderConfig(memory_budget_bytes=cfg.memory_budget_bytes,
-                                update_timeout_s=min(cfg.timeout_s, 300.0)),
+            params,
+            rank=rank,
+            world_size=n,
+            transport=_transport(cfg.backend, ips[rank]),
+            control=control,
+            controller=controller,
+            device="cpu",
+            config=SenderConfig(
+                memory_budget_bytes=cfg.memory_budget_bytes,
+                update_timeout_s=min(cfg.timeout_s, 300.0),
+            ),
         )
         if controller is not None:
             assert controller.schedule is not None
@@ -299,26 +339,48 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                 # The fixed cost of one full_tensor() on these meshes, measured just now.
                 rates = {**rates, "collective_latency_s": gather_s}
             rt = rates_from_mapping(rates)
-            fifo = simulate(sched, sources, engine_hosts, rt,
-                            memory_budget_bytes=cfg.memory_budget_bytes, links="fifo")
-            r = simulate(sched, sources, engine_hosts, rt,
-                         memory_budget_bytes=cfg.memory_budget_bytes, links="fair")
+            fifo = simulate(
+                sched,
+                sources,
+                engine_hosts,
+                rt,
+                memory_budget_bytes=cfg.memory_budget_bytes,
+                links="fifo",
+            )
+            r = simulate(
+                sched,
+                sources,
+                engine_hosts,
+                rt,
+                memory_budget_bytes=cfg.memory_budget_bytes,
+                links="fair",
+            )
             tasks = [t for rs in sched.ranks for t in rs.tasks]
-            out.put(("sim", {
-                "predicted_s": r.predicted_s, "predicted_fifo_s": fifo.predicted_s,
-                "lower_bound_s": r.lower_bound_s,
-                "bottleneck": r.bottleneck, "stage_bound_s": r.stage_bound_s,
-                "busiest": r.busiest, "total_write_bytes": r.total_write_bytes,
-                "num_tasks": r.num_tasks,
-                "gather_tasks": sum(1 for t in tasks if t.kind == "gather"),
-                "writes": sum(len(t.writes) for t in tasks),
-                "bytes_per_rank": list(sched.bytes_per_rank),
-                "bytes_per_engine": list(sched.bytes_per_engine),
-                "trainer_nic_bytes_max": r.trainer_nic_bytes.max,
-                "engine_nic_bytes_max": r.engine_nic_bytes.max,
-                "mesh_groups": sched.num_mesh_groups, "fingerprint": sched.fingerprint[:16],
-                "gather_probe_s": gather_s, "rates": rates,
-            }))
+            out.put(
+                (
+                    "sim",
+                    {
+                        "predicted_s": r.predicted_s,
+                        "predicted_fifo_s": fifo.predicted_s,
+                        "lower_bound_s": r.lower_bound_s,
+                        "bottleneck": r.bottleneck,
+                        "stage_bound_s": r.stage_bound_s,
+                        "busiest": r.busiest,
+                        "total_write_bytes": r.total_write_bytes,
+                        "num_tasks": r.num_tasks,
+                        "gather_tasks": sum(1 for t in tasks if t.kind == "gather"),
+                        "writes": sum(len(t.writes) for t in tasks),
+                        "bytes_per_rank": list(sched.bytes_per_rank),
+                        "bytes_per_engine": list(sched.bytes_per_engine),
+                        "trainer_nic_bytes_max": r.trainer_nic_bytes.max,
+                        "engine_nic_bytes_max": r.engine_nic_bytes.max,
+                        "mesh_groups": sched.num_mesh_groups,
+                        "fingerprint": sched.fingerprint[:16],
+                        "gather_probe_s": gather_s,
+                        "rates": rates,
+                    },
+                )
+            )
         steps = cfg.warmups + cfg.repeats
         for step in range(1, steps + 1):
             fill(step)
@@ -332,8 +394,18 @@ def _trainer(rank: int, cfg: EmulateConfig, ips: list[str], token: str, rates: d
                 bad = controller.verify(step, expected(step), cfg.timeout_s)
                 out.put(("verified", "ours", step, bad))
         if cfg.baseline:
-            _funnel_trainer(rank, cfg, ips, params, sorted(locals_), fill, expected, controller,
-                            full_tensor, out)
+            _funnel_trainer(
+                rank,
+                cfg,
+                ips,
+                params,
+                sorted(locals_),
+                fill,
+                expected,
+                controller,
+                full_tensor,
+                out,
+            )
         if controller is not None:
             sender._control.put("emulate/finished", _Finished(step=steps))
         dist.barrier()
@@ -349,9 +421,13 @@ def _stage_seconds(records: Sequence[Any]) -> dict[str, float]:
     other = sum(r.prepare_end - r.prepare_start for r in records if r.kind != "gather")
     starts = [r.write_start for r in records if r.write_end > 0]
     ends = [r.write_end for r in records if r.write_end > 0]
-    return {"prepare_gather_s": gather, "prepare_other_s": other,
-            "first_write_s": min(starts, default=0.0), "last_write_s": max(ends, default=0.0),
-            "last_prepare_s": max((r.prepare_end for r in records), default=0.0)}
+    return {
+        "prepare_gather_s": gather,
+        "prepare_other_s": other,
+        "first_write_s": min(starts, default=0.0),
+        "last_write_s": max(ends, default=0.0),
+        "last_prepare_s": max((r.prepare_end for r in records), default=0.0),
+    }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -362,10 +438,19 @@ class _Finished:
 def _funnel_pg(ips: list[str], rank: int, size: int, cfg: EmulateConfig) -> Any:
     import torch.distributed as dist
 
-    store = dist.TCPStore(ips[0], BASELINE_PORT, is_master=(rank == 0),  # type: ignore[attr-defined]  # not re-exported in torch's stubs
-                          timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
-    return dist.ProcessGroupGloo(dist.PrefixStore("funnel/", store), rank, size,  # type: ignore[attr-defined]  # not re-exported in torch's stubs
-                                 datetime.timedelta(seconds=cfg.timeout_s))
+    store = dist.TCPStore(
+        ips[0],
+        BASELINE_PORT,
+        is_master=(rank == 0),  # type: ignore[attr-defined]  # not re-exported in torch's stubs
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore("funnel/", store),
+        rank,
+        size,  # type: ignore[attr-defined]  # not re-exported in torch's stubs
+        datetime.timedelta(seconds=cfg.timeout_s),
+    )
 
 
 def _funnel_step(i: int) -> int:
@@ -373,10 +458,18 @@ def _funnel_step(i: int) -> int:
     return 1000 + i
 
 
-def _funnel_trainer(rank: int, cfg: EmulateConfig, ips: list[str], params: dict[str, torch.Tensor],
-                    names: list[str], fill: Callable[[int], None],
-                    expected: Callable[[int], dict[str, dict[str, torch.Tensor]]],
-                    controller: Any, full_tensor: Callable[..., torch.Tensor], out: Any) -> None:
+def _funnel_trainer(
+    rank: int,
+    cfg: EmulateConfig,
+    ips: list[str],
+    params: dict[str, torch.Tensor],
+    names: list[str],
+    fill: Callable[[int], None],
+    expected: Callable[[int], dict[str, dict[str, torch.Tensor]]],
+    controller: Any,
+    full_tensor: Callable[..., torch.Tensor],
+    out: Any,
+) -> None:
     """`bench update`'s rank-0 funnel on the CPU: every rank gathers each parameter in order,
     rank 0 packs them into buckets and broadcasts each over gloo to every engine rank."""
     import torch.distributed as dist
@@ -396,7 +489,7 @@ def _funnel_trainer(rank: int, cfg: EmulateConfig, ips: list[str], params: dict[
             pos = 0
             while pos < t.numel():
                 k = min(t.numel() - pos, cfg.bucket_bytes - off)
-                bucket[off:off + k].copy_(t[pos:pos + k])
+                bucket[off : off + k].copy_(t[pos : pos + k])
                 off, pos = off + k, pos + k
                 if off == cfg.bucket_bytes:
                     pg.broadcast(bucket, 0).wait()
@@ -413,8 +506,9 @@ def _funnel_trainer(rank: int, cfg: EmulateConfig, ips: list[str], params: dict[
             out.put(("verified", "funnel", i, bad))
 
 
-def engine_main(index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str,
-                out: Any) -> None:
+def engine_main(
+    index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str, out: Any
+) -> None:
     """One engine rank in its own host: seeded random tensors, receiver, digests per update."""
     try:
         _enter(hosts[cfg.num_trainers + index])
@@ -427,17 +521,22 @@ def engine_main(index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str]
 
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
-    from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.receiver import WeightReceiver
 
     dm = dest_manifests(cfg.preset)[index]
     g = torch.Generator().manual_seed(90_000 + index)
-    tensors = {t.name: torch.randn(t.shape, generator=g).to(torch_dtype(t.dtype))
-               for t in dm.tensors}  # random, never zeros: an unwritten byte shows
-    rx = WeightReceiver(tensors, dm.recipes, engine=dm.engine,
-                        transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),
-                        control=_control(ips[0], token, cfg.timeout_s))
+    tensors = {
+        t.name: torch.randn(t.shape, generator=g).to(torch_dtype(t.dtype)) for t in dm.tensors
+    }  # random, never zeros: an unwritten byte shows
+    rx = WeightReceiver(
+        tensors,
+        dm.recipes,
+        engine=dm.engine,
+        transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),
+        control=_control(ips[0], token, cfg.timeout_s),
+    )
     try:
         steps = cfg.warmups + cfg.repeats
         c0, t0 = _cpu_s(), time.perf_counter()
@@ -452,7 +551,8 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
             os.makedirs(folder, exist_ok=True)
             for name, t in tensors.items():
                 t.contiguous().view(-1).view(torch.uint8).numpy().tofile(
-                    os.path.join(folder, f"{name}.bin"))
+                    os.path.join(folder, f"{name}.bin")
+                )
         if cfg.baseline:
             _funnel_engine(index, cfg, ips, dm, tensors, source_manifests(cfg.preset)[0], rx, out)
         rx._control.get("emulate/finished", _Finished, cfg.timeout_s)
@@ -460,14 +560,25 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
         rx.close()
 
 
-def _funnel_engine(index: int, cfg: EmulateConfig, ips: list[str], dm: Any,
-                   tensors: dict[str, torch.Tensor], src: Any, rx: Any, out: Any) -> None:
+def _funnel_engine(
+    index: int,
+    cfg: EmulateConfig,
+    ips: list[str],
+    dm: Any,
+    tensors: dict[str, torch.Tensor],
+    src: Any,
+    rx: Any,
+    out: Any,
+) -> None:
     """Receive the funnel's buckets and load them like an engine's load_weights."""
-    from weight_transfer.planner.reference import apply_recipe
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.reference import apply_recipe
 
     pg = _funnel_pg(ips, 1 + index, 1 + cfg.num_engines, cfg)
-    order = [(t.name, tuple(t.shape), torch_dtype(t.dtype)) for t in sorted(src.tensors, key=lambda t: t.name)]
+    order = [
+        (t.name, tuple(t.shape), torch_dtype(t.dtype))
+        for t in sorted(src.tensors, key=lambda t: t.name)
+    ]
     need: dict[str, list[Any]] = {}
     for r in dm.recipes:
         for p in r.parts:
@@ -491,7 +602,7 @@ def _funnel_engine(index: int, cfg: EmulateConfig, ips: list[str], dm: Any,
                     pending = torch.empty(shape, dtype=dt)
                 dst = pending.view(-1).view(torch.uint8)
                 take = min(dst.numel() - filled, k - pos)
-                dst[filled:filled + take].copy_(bucket[pos:pos + take])
+                dst[filled : filled + take].copy_(bucket[pos : pos + take])
                 filled, pos = filled + take, pos + take
                 if filled == dst.numel():
                     received[name] = pending
@@ -598,7 +709,10 @@ def cpu_rates(repeats: int = 5) -> dict[str, float]:
         t = time.perf_counter()
         q, _s = quantize_fp8_blockwise(src, (128, 128))
         quant.append(q.numel() / (time.perf_counter() - t) / 1e9)
-    return {"prepare_gb_per_s": statistics.median(copy), "quantize_gb_per_s": statistics.median(quant)}
+    return {
+        "prepare_gb_per_s": statistics.median(copy),
+        "quantize_gb_per_s": statistics.median(quant),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,8 +724,9 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else {}
 
 
-def _wait_all(procs: dict[str, Any], inbox: Any, deadline: float,
-              handle: Callable[[tuple[Any, ...]], None]) -> list[str]:
+def _wait_all(
+    procs: dict[str, Any], inbox: Any, deadline: float, handle: Callable[[tuple[Any, ...]], None]
+) -> list[str]:
     errors: list[str] = []
     try:
         while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
@@ -644,8 +759,11 @@ def _wait_all(procs: dict[str, Any], inbox: Any, deadline: float,
 
 def _machine() -> dict[str, Any]:
     return {
-        "host": platform.node(), "kernel": platform.release(), "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
         "python": platform.python_version(),
     }
 
@@ -656,15 +774,16 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     Returns the whole result (what `emulate` writes as JSON). Namespaces are removed on return,
     on an exception, and at interpreter exit.
     """
+    from weight_transfer.cli.child_reports import ReportInbox
     from weight_transfer.planner.presets.clusters import model_bytes, source_manifests
     from weight_transfer.planner.simulate import funnel_baseline, rates_from_mapping
     from weight_transfer.planner.types import dtype_size, numel
-    from weight_transfer.cli.child_reports import ReportInbox
 
     say = progress or (lambda s: log.info("%s", s))
     n, m = cfg.num_trainers, cfg.num_engines
-    shape = LinkShape(rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms,
-                      queue_latency_ms=cfg.queue_ms)
+    shape = LinkShape(
+        rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms, queue_latency_ms=cfg.queue_ms
+    )
     ctx = mp.get_context("spawn")
     t_start = time.monotonic()
     deadline = t_start + cfg.timeout_s
@@ -673,16 +792,29 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         hosts, ips = cluster.hosts, cluster.ips
         # 1. Ceiling: a plain socket transfer through two shaped links (trainer 0 -> engine 0).
         nbytes = cfg.ceiling_bytes or int(3 * cfg.rate_mbyte_per_s * 1e6)
-        say(f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} MB/s tbf")
+        say(
+            f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} MB/s "
+            "tbf"
+        )
         inbox = ReportInbox(ctx)
         probe: dict[str, Any] = {}
-        pr = {"probe-rx": ctx.Process(target=_probe_receiver, args=(hosts[n], ips[n], nbytes, inbox.reporter())),
-              "probe-tx": ctx.Process(target=_probe_sender, args=(hosts[0], ips[n], nbytes, inbox.reporter()))}
+        pr = {
+            "probe-rx": ctx.Process(
+                target=_probe_receiver, args=(hosts[n], ips[n], nbytes, inbox.reporter())
+            ),
+            "probe-tx": ctx.Process(
+                target=_probe_sender, args=(hosts[0], ips[n], nbytes, inbox.reporter())
+            ),
+        }
         for p in pr.values():
             p.start()
         inbox.started()
-        errors = _wait_all(pr, inbox, min(deadline, time.monotonic() + 120),
-                           lambda msg: probe.update(msg=msg) if msg[0] == "probe" else None)
+        errors = _wait_all(
+            pr,
+            inbox,
+            min(deadline, time.monotonic() + 120),
+            lambda msg: probe.update(msg=msg) if msg[0] == "probe" else None,
+        )
         inbox.close()
         if errors or "msg" not in probe:
             raise RuntimeError(f"ceiling probe failed: {errors or 'no report'}")
@@ -693,26 +825,35 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         if share is None:
             share = min(1.0, (os.cpu_count() or 1) / n)
         rates = {
-            "nic_gb_per_s": ceiling / 1e9, "nvlink_gb_per_s": ceiling / 1e9,
+            "nic_gb_per_s": ceiling / 1e9,
+            "nvlink_gb_per_s": ceiling / 1e9,
             "prepare_gb_per_s": cpu["prepare_gb_per_s"] * share,
             "quantize_gb_per_s": cpu["quantize_gb_per_s"] * share,
-            "collective_latency_s": rtt, "write_latency_s": rtt / 2, "barrier_s": rtt,
+            "collective_latency_s": rtt,
+            "write_latency_s": rtt / 2,
+            "barrier_s": rtt,
         }
-        say(f"ceiling {ceiling / 1e6:.2f} MB/s, rtt {rtt * 1e3:.3f} ms, copy "
+        say(
+            f"ceiling {ceiling / 1e6:.2f} MB/s, rtt {rtt * 1e3:.3f} ms, copy "
             f"{cpu['prepare_gb_per_s']:.2f} GB/s, quantize {cpu['quantize_gb_per_s']:.3f} GB/s "
-            f"(x {share:.3g} per host: the hosts share {os.cpu_count()} core(s))")
+            f"(x {share:.3g} per host: the hosts share {os.cpu_count()} core(s))"
+        )
         # 2. The cluster.
         token = secrets.token_hex(16)
         inbox = ReportInbox(ctx)
         procs: dict[str, Any] = {}
         for r in range(n):
             procs[f"trainer{r}"] = ctx.Process(
-                target=trainer_main, args=(r, cfg, hosts, ips, token, rates, inbox.reporter()),
-                name=f"wt-emu-trainer{r}")
+                target=trainer_main,
+                args=(r, cfg, hosts, ips, token, rates, inbox.reporter()),
+                name=f"wt-emu-trainer{r}",
+            )
         for e in range(m):
             procs[f"engine{e}"] = ctx.Process(
-                target=engine_main, args=(e, cfg, hosts, ips, token, inbox.reporter()),
-                name=f"wt-emu-engine{e}")
+                target=engine_main,
+                args=(e, cfg, hosts, ips, token, inbox.reporter()),
+                name=f"wt-emu-engine{e}",
+            )
         say(f"starting {n} trainer and {m} engine processes ({cfg.preset.describe()})")
         for p in procs.values():
             p.start()
@@ -749,28 +890,54 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             cpu_use[x[1]]["wall_s"] += x[3]
     for v in cpu_use.values():
         v["cpu_fraction"] = v["cpu_s"] / v["wall_s"] if v["wall_s"] else 0.0
-    verified = [{"kind": x[1], "step": x[2], "mismatches": list(x[3])} for x in msgs if x[0] == "verified"]
+    verified = [
+        {"kind": x[1], "step": x[2], "mismatches": list(x[3])} for x in msgs if x[0] == "verified"
+    ]
     result: dict[str, Any] = {
-        "preset": cfg.preset.name, "describe": cfg.preset.describe(), "backend": cfg.backend,
-        "trainer_ranks": n, "engine_ranks": m,
-        "link": {"tbf_mbyte_per_s": cfg.rate_mbyte_per_s, "delay_ms": cfg.delay_ms,
-                 "queue_ms": cfg.queue_ms,
-                 "burst_bytes": shape.burst_bytes},
-        "ceiling": {"bytes": got, "seconds": secs, "mbyte_per_s": ceiling / 1e6, "rtt_s": rtt,
-                    "of_tbf_rate": ceiling / (cfg.rate_mbyte_per_s * 1e6)},
-        "cpu_rates": cpu, "cpu_share": share, "rates_fed_to_simulator": rates,
+        "preset": cfg.preset.name,
+        "describe": cfg.preset.describe(),
+        "backend": cfg.backend,
+        "trainer_ranks": n,
+        "engine_ranks": m,
+        "link": {
+            "tbf_mbyte_per_s": cfg.rate_mbyte_per_s,
+            "delay_ms": cfg.delay_ms,
+            "queue_ms": cfg.queue_ms,
+            "burst_bytes": shape.burst_bytes,
+        },
+        "ceiling": {
+            "bytes": got,
+            "seconds": secs,
+            "mbyte_per_s": ceiling / 1e6,
+            "rtt_s": rtt,
+            "of_tbf_rate": ceiling / (cfg.rate_mbyte_per_s * 1e6),
+        },
+        "cpu_rates": cpu,
+        "cpu_share": share,
+        "rates_fed_to_simulator": rates,
         "model_bytes": model_bytes(cfg.preset)[0],
-        "warmups": cfg.warmups, "repeats": cfg.repeats,
-        "measured_s": _spread(ours), "measured_all_s": ours, "executor_s": _spread(executor),
+        "warmups": cfg.warmups,
+        "repeats": cfg.repeats,
+        "measured_s": _spread(ours),
+        "measured_all_s": ours,
+        "executor_s": _spread(executor),
         "simulated": sim,
-        "ratio_measured_over_predicted": (statistics.median(ours) / sim["predicted_s"]) if ours and sim else None,
-        "ratio_measured_over_predicted_fifo": (statistics.median(ours) / sim["predicted_fifo_s"]) if ours and sim else None,
-        "cpu_per_process": cpu_use, "verified": verified,
+        "ratio_measured_over_predicted": (statistics.median(ours) / sim["predicted_s"])
+        if ours and sim
+        else None,
+        "ratio_measured_over_predicted_fifo": (statistics.median(ours) / sim["predicted_fifo_s"])
+        if ours and sim
+        else None,
+        "cpu_per_process": cpu_use,
+        "verified": verified,
         "updates_raw": [list(x) for x in msgs if x[0] in ("update", "engine_update")],
         "all_verified": bool(verified) and all(not v["mismatches"] for v in verified),
         "namespaces": [cluster.switch, *hosts],
-        "loadavg_before": load_before, "loadavg_after": load_after,
-        "machine": _machine(), "errors": errors, "qdisc": qdisc,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "machine": _machine(),
+        "errors": errors,
+        "qdisc": qdisc,
         "wall_s": time.monotonic() - t_start,
     }
     if cfg.baseline:
@@ -784,19 +951,41 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         for v in fcpu.values():
             v["cpu_fraction"] = v["cpu_s"] / v["wall_s"] if v["wall_s"] else 0.0
         src = source_manifests(cfg.preset)[0]
-        pbytes = [numel(t.shape) * dtype_size(t.dtype) for t in sorted(src.tensors, key=lambda t: t.name)]
+        pbytes = [
+            numel(t.shape) * dtype_size(t.dtype) for t in sorted(src.tensors, key=lambda t: t.name)
+        ]
         engine_bytes = sim["bytes_per_engine"] if sim else []
-        pred = funnel_baseline(pbytes, n, engine_bytes, rates_from_mapping(rates),
-                               bucket_bytes=cfg.bucket_bytes, broadcast="binomial",
-                               fp8=cfg.preset.engine.fp8)
+        pred = funnel_baseline(
+            pbytes,
+            n,
+            engine_bytes,
+            rates_from_mapping(rates),
+            bucket_bytes=cfg.bucket_bytes,
+            broadcast="binomial",
+            fp8=cfg.preset.engine.fp8,
+        )
         result["funnel"] = {
-            "bucket_bytes": cfg.bucket_bytes, "measured_s": _spread(fun), "measured_all_s": fun,
-            "predicted_s": pred.predicted_s, "gather_s": pred.gather_s,
-            "broadcast_s": pred.broadcast_s, "load_s": pred.load_s, "num_buckets": pred.num_buckets,
-            "ratio_measured_over_predicted": statistics.median(fun) / pred.predicted_s if fun else None,
+            "bucket_bytes": cfg.bucket_bytes,
+            "measured_s": _spread(fun),
+            "measured_all_s": fun,
+            "predicted_s": pred.predicted_s,
+            "gather_s": pred.gather_s,
+            "broadcast_s": pred.broadcast_s,
+            "load_s": pred.load_s,
+            "num_buckets": pred.num_buckets,
+            "ratio_measured_over_predicted": statistics.median(fun) / pred.predicted_s
+            if fun
+            else None,
             "cpu_per_process": fcpu,
         }
     return result
 
 
-__all__ = ["EmulateConfig", "baseline_unsupported", "cpu_rates", "engine_main", "run", "trainer_main"]
+__all__ = [
+    "EmulateConfig",
+    "baseline_unsupported",
+    "cpu_rates",
+    "engine_main",
+    "run",
+    "trainer_main",
+]

@@ -20,9 +20,11 @@ def _s(x: dict[str, float]) -> str:
 
 def main(paths: list[str]) -> int:
     runs = [json.loads(Path(p).read_text()) | {"_file": Path(p).name} for p in paths]
-    print("| run | trainer -> engines | backend | ceiling MB/s | measured s (min / median / max) "
-          "| predicted s (fair) | ratio | predicted s (FIFO) | ratio | bound (stage) | "
-          "busiest CPU | verified |")
+    print(
+        "| run | trainer -> engines | backend | ceiling MB/s | measured s (min / median / max) "
+        "| predicted s (fair) | ratio | predicted s (FIFO) | ratio | bound (stage) | "
+        "busiest CPU | verified |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         sim = r["simulated"] or {}
@@ -30,39 +32,49 @@ def main(paths: list[str]) -> int:
         worst = max(cpu, key=lambda k: cpu[k]["cpu_fraction"]) if cpu else "-"
         e = r["describe"].split("-> ")[1].split(",")[0]
         name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
-        print(f"| {name} | {r['trainer_ranks']} -> {e}) | {r['backend']} | "
-              f"{r['ceiling']['mbyte_per_s']:.2f} | {_s(r['measured_s'])} | "
-              f"{sim.get('predicted_s', 0):.3f} | {r['ratio_measured_over_predicted']:.3f} | "
-              f"{sim.get('predicted_fifo_s', 0):.3f} | {r['ratio_measured_over_predicted_fifo']:.3f} | "
-              f"{sim.get('lower_bound_s', 0):.3f} ({sim.get('bottleneck', '-')}) | "
-              f"{cpu[worst]['cpu_fraction']:.0%} ({worst}) | "
-              f"{'yes' if r['all_verified'] else 'NO'} ({len(r['verified'])}) |")
+        print(
+            f"| {name} | {r['trainer_ranks']} -> {e}) | {r['backend']} | "
+            f"{r['ceiling']['mbyte_per_s']:.2f} | {_s(r['measured_s'])} | "
+            f"{sim.get('predicted_s', 0):.3f} | {r['ratio_measured_over_predicted']:.3f} | "
+            f"{sim.get('predicted_fifo_s', 0):.3f} | "
+            f"{r['ratio_measured_over_predicted_fifo']:.3f} | "
+            f"{sim.get('lower_bound_s', 0):.3f} ({sim.get('bottleneck', '-')}) | "
+            f"{cpu[worst]['cpu_fraction']:.0%} ({worst}) | "
+            f"{'yes' if r['all_verified'] else 'NO'} ({len(r['verified'])}) |"
+        )
     fun = [r for r in runs if "funnel" in r]
     if fun:
         print()
-        print("| rank-0 funnel | trainer ranks | measured s (min / median / max) | predicted s | "
-              "gather + broadcast + load s | ratio | ours median s | funnel / ours |")
+        print(
+            "| rank-0 funnel | trainer ranks | measured s (min / median / max) | predicted s | "
+            "gather + broadcast + load s | ratio | ours median s | funnel / ours |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in sorted(fun, key=lambda r: r["trainer_ranks"]):
             f = r["funnel"]
             name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
-        print(f"| {name} | {r['trainer_ranks']} | {_s(f['measured_s'])} | "
-                  f"{f['predicted_s']:.3f} | {f['gather_s']:.3f} + {f['broadcast_s']:.3f} + "
-                  f"{f['load_s']:.3f} | {f['ratio_measured_over_predicted']:.3f} | "
-                  f"{r['measured_s']['median']:.3f} | "
-                  f"{f['measured_s']['median'] / r['measured_s']['median']:.1f}x |")
+        print(
+            f"| {name} | {r['trainer_ranks']} | {_s(f['measured_s'])} | "
+            f"{f['predicted_s']:.3f} | {f['gather_s']:.3f} + {f['broadcast_s']:.3f} + "
+            f"{f['load_s']:.3f} | {f['ratio_measured_over_predicted']:.3f} | "
+            f"{r['measured_s']['median']:.3f} | "
+            f"{f['measured_s']['median'] / r['measured_s']['median']:.1f}x |"
+        )
     print()
     print("| run | rates fed to the simulator | load average before / after | wall s |")
     print("|---|---|---|---|")
     for r in runs:
         rt = (r["simulated"] or {}).get("rates") or r["rates_fed_to_simulator"]
         probe = (r["simulated"] or {}).get("gather_probe_s")
-        print(f"| {r['_file']} | NIC {rt['nic_gb_per_s'] * 1e3:.2f} MB/s, copy "
-              f"{rt['prepare_gb_per_s']:.2f} GB/s, quantize {rt['quantize_gb_per_s'] * 1e3:.0f} MB/s, "
-              f"collective latency {rt['collective_latency_s'] * 1e6:.0f} us"
-              f"{' (gather probe)' if probe else ' (round trip)'}, write latency "
-              f"{rt['write_latency_s'] * 1e6:.0f} us | "
-              f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} | {r['wall_s']:.0f} |")
+        print(
+            f"| {r['_file']} | NIC {rt['nic_gb_per_s'] * 1e3:.2f} MB/s, copy "
+            f"{rt['prepare_gb_per_s']:.2f} GB/s, quantize {rt['quantize_gb_per_s'] * 1e3:.0f} "
+            "MB/s, "
+            f"collective latency {rt['collective_latency_s'] * 1e6:.0f} us"
+            f"{' (gather probe)' if probe else ' (round trip)'}, write latency "
+            f"{rt['write_latency_s'] * 1e6:.0f} us | "
+            f"{r['loadavg_before'][0]:.2f} / {r['loadavg_after'][0]:.2f} | {r['wall_s']:.0f} |"
+        )
     return 0
 
 

@@ -41,12 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape  # noqa: E402
 from weight_transfer.kernels.fp8_triton import (  # noqa: E402
     quantize_fp8,
     quantize_fp8_blockwise_gpu,
     triton_available,
 )
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape  # noqa: E402
 
 BLOCK = (128, 128)
 SENTINEL = 0x5A

@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def sender(conn, size: int, res) -> None:
 
     torch.cuda.set_device(0)
     fields = conn.recv()
-    results = {}
+    results: dict[str, Any] = {}
     src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
     expect = int(src.to(torch.int64).sum().item())
 
@@ -66,7 +67,10 @@ def sender(conn, size: int, res) -> None:
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
     dst1 = torch.empty(0, dtype=torch.uint8, device="cuda:1").set_(storage, 0, (size,), (1,))
     ptr = dst1.data_ptr()
-    sync_all = lambda: (torch.cuda.synchronize(0), torch.cuda.synchronize(1))  # noqa: E731
+
+    def sync_all() -> None:
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
 
     def record(name, ts):
         med = statistics.median(ts)
@@ -88,22 +92,32 @@ def sender(conn, size: int, res) -> None:
         except Exception as exc:  # already enabled by torch
             results["enable_peer"] = str(exc)
         stream = cupy.cuda.Stream(non_blocking=True)
+
         def b():
             cupy.cuda.runtime.memcpyAsync(ptr, src.data_ptr(), size, 4, stream.ptr)
+
         record("B cudaMemcpyAsync default (dev0 stream)", timeit(b, stream.synchronize))
         check("B cudaMemcpyAsync default (dev0 stream)")
+
         def c():
             cupy.cuda.runtime.memcpyPeerAsync(ptr, 1, src.data_ptr(), 0, size, stream.ptr)
+
         record("C cudaMemcpyPeerAsync", timeit(c, stream.synchronize))
         check("C cudaMemcpyPeerAsync")
         # D. SM copy kernel on device 0 writing through the mapping
         mem = cupy.cuda.UnownedMemory(ptr, size, None, device_id=0)
-        dst_cp = cupy.ndarray((size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        dst_cp = cupy.ndarray(
+            (size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(mem, 0)
+        )
         smem = cupy.cuda.UnownedMemory(src.data_ptr(), size, None, device_id=0)
-        src_cp = cupy.ndarray((size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(smem, 0))
+        src_cp = cupy.ndarray(
+            (size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(smem, 0)
+        )
+
         def d():
             with stream:
                 cupy.copyto(dst_cp, src_cp)
+
         try:
             record("D cupy copy kernel on dev0", timeit(d, stream.synchronize))
             check("D cupy copy kernel on dev0")
@@ -111,10 +125,12 @@ def sender(conn, size: int, res) -> None:
             results["D cupy copy kernel on dev0"] = {"error": str(exc)}
         # E. chunked memcpyAsync over 4 streams
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(4)]
+
         def e():
             n = size // 4
             for i, s in enumerate(streams):
                 cupy.cuda.runtime.memcpyAsync(ptr + i * n, src.data_ptr() + i * n, n, 4, s.ptr)
+
         record("E memcpyAsync 4 streams", timeit(e, lambda: [s.synchronize() for s in streams]))
         check("E memcpyAsync 4 streams")
     # H/I. open the legacy IPC handle in the SENDER's context (device 0, lazy peer access), as
@@ -124,21 +140,29 @@ def sender(conn, size: int, res) -> None:
         base = cupy.cuda.runtime.ipcOpenMemHandle(handle, 1)
         ptr0 = base + int(fields[3])
         s2 = cupy.cuda.Stream(non_blocking=True)
+
         def h():
             cupy.cuda.runtime.memcpyAsync(ptr0, src.data_ptr(), size, 4, s2.ptr)
+
         record("H ipc opened on dev0 + memcpyAsync", timeit(h, s2.synchronize))
         check("H ipc opened on dev0 + memcpyAsync")
         mem0 = cupy.cuda.UnownedMemory(ptr0, size, None, device_id=0)
-        dst0 = cupy.ndarray((size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(mem0, 0))
+        dst0 = cupy.ndarray(
+            (size // 16,), dtype=cupy.complex128, memptr=cupy.cuda.MemoryPointer(mem0, 0)
+        )
+
         def i():
             with s2:
                 cupy.copyto(dst0, src_cp)
+
         record("I ipc opened on dev0 + copy kernel", timeit(i, s2.synchronize))
         check("I ipc opened on dev0 + copy kernel")
         for mib in (1, 16, 64):
             n = mib << 20
+
             def hs(n=n):
                 cupy.cuda.runtime.memcpyAsync(ptr0, src.data_ptr(), n, 4, s2.ptr)
+
             ts = timeit(hs, s2.synchronize, reps=20)
             results[f"H size {mib} MiB"] = {"gbps": n / statistics.median(ts) / 1e9}
             print(f"H size {mib} MiB: {n / statistics.median(ts) / 1e9:.1f} GB/s", flush=True)
@@ -148,7 +172,10 @@ def sender(conn, size: int, res) -> None:
     torch.cuda.set_device(0)
     with torch.cuda.stream(torch.cuda.Stream(0)):
         s0 = torch.cuda.current_stream(0)
-        record("G torch copy_ on dev0 stream into dst1", timeit(lambda: dst1.copy_(src, non_blocking=True), s0.synchronize))
+        record(
+            "G torch copy_ on dev0 stream into dst1",
+            timeit(lambda: dst1.copy_(src, non_blocking=True), s0.synchronize),
+        )
     # Ceiling: in-process peer copy
     a = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
     bb = torch.empty(size, dtype=torch.uint8, device="cuda:1")
@@ -176,7 +203,15 @@ def main() -> None:
     out["exit_codes"] = [pr.exitcode, ps.exitcode]
     with open(ns.json, "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: (v.get("gbps"), v.get("verified")) if isinstance(v, dict) else v for k, v in out.items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: (v.get("gbps"), v.get("verified")) if isinstance(v, dict) else v
+                for k, v in out.items()
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

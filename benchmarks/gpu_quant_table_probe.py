@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from typing import Any
 
 import torch
 
 from benchmarks.gpu_table_copy_probe import _time
-from weight_transfer.planner.fp8 import scale_shape
 from weight_transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
+from weight_transfer.planner.fp8 import scale_shape
 
 
 def _workloads(dev: torch.device) -> dict[str, list[torch.Tensor]]:
@@ -35,28 +36,33 @@ def _workloads(dev: torch.device) -> dict[str, list[torch.Tensor]]:
     return {"llama8b_4layers": llama, "qwen3_moe_4layers_experts": qwen}
 
 
-def main() -> None:
-    dev = torch.device("cuda", 0)
-    res: dict[str, object] = {"device": torch.cuda.get_device_name(0), "cases": []}
-    n = 4 << 30
+def _copy_time(dev: torch.device, n: int) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    t = statistics.median(_time(lambda: b.copy_(a)))
+    return statistics.median(_time(lambda: b.copy_(a)))
+
+
+def main() -> None:
+    dev = torch.device("cuda", 0)
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "cases": []}
+    n = 4 << 30
+    t = _copy_time(dev, n)
     rate = 2 * n / t
     res["copy_rate_Bps"] = rate
     print(f"copy_ 4 GiB: {t * 1e3:.3f} ms, r = {rate / 1e12:.2f} TB/s (read + write)")
-    del a, b
     for wname, xs in _workloads(dev).items():
         outs = []
         for x in xs:
             q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=dev)
-            s = torch.empty(scale_shape(tuple(x.shape), (128, 128)), dtype=torch.float32, device=dev)
+            s = torch.empty(
+                scale_shape(tuple(x.shape), (128, 128)), dtype=torch.float32, device=dev
+            )
             outs.append((x, q, s))
         nread = sum(x.numel() * 2 for x in xs)
         nwrite = sum(q.numel() + s.numel() * 4 for _, q, s in outs)
         ceiling = (nread + nwrite) / rate
 
-        def per_call(warps: int = 8) -> None:
+        def per_call(warps: int = 8, outs: list = outs) -> None:
             for x, q, s in outs:
                 quantize_fp8_blockwise_gpu(x, out_q=q, out_scale=s, num_warps=warps)
 
@@ -71,7 +77,9 @@ def main() -> None:
         with torch.cuda.graph(graph, stream=stream):
             per_call()
         variants = {"per_call_w8": per_call, "per_call_graph_w8": graph.replay}
-        grid = [(w, sub, None) for w in (8, 16) for sub in (16, 32, 64)]
+        grid: list[tuple[int, int, int | None]] = [
+            (w, sub, None) for w in (8, 16) for sub in (16, 32, 64)
+        ]
         grid += [(w, 32, st) for w in (4, 8) for st in (1, 2, 4)]
         for warps, sub, stages in grid:
             table = QuantTable(outs, (128, 128), num_warps=warps, sub_rows=sub, num_stages=stages)
@@ -82,16 +90,29 @@ def main() -> None:
                 s.fill_(-7.0)
             fn()
             torch.cuda.synchronize()
-            ok = all(torch.equal(q.view(torch.uint8), wq) and torch.equal(s, ws)
-                     for (_, q, s), (wq, ws) in zip(outs, want, strict=True))
+            ok = all(
+                torch.equal(q.view(torch.uint8), wq) and torch.equal(s, ws)
+                for (_, q, s), (wq, ws) in zip(outs, want, strict=True)
+            )
             times = _time(fn)
             med = statistics.median(times)
-            row = {"workload": wname, "variant": vname, "calls": len(outs), "read_bytes": nread,
-                   "write_bytes": nwrite, "seconds": times, "median_s": med,
-                   "ceiling_s": ceiling, "ratio": med / ceiling, "exact": ok}
+            row = {
+                "workload": wname,
+                "variant": vname,
+                "calls": len(outs),
+                "read_bytes": nread,
+                "write_bytes": nwrite,
+                "seconds": times,
+                "median_s": med,
+                "ceiling_s": ceiling,
+                "ratio": med / ceiling,
+                "exact": ok,
+            }
             res["cases"].append(row)
-            print(f"{wname:28s} {vname:18s} {med * 1e3:8.3f} ms  ceiling {ceiling * 1e3:7.3f} ms"
-                  f"  {med / ceiling:5.2f}x  exact={ok}")
+            print(
+                f"{wname:28s} {vname:18s} {med * 1e3:8.3f} ms  ceiling {ceiling * 1e3:7.3f} ms"
+                f"  {med / ceiling:5.2f}x  exact={ok}"
+            )
         del outs, want, graph
         torch.cuda.empty_cache()
     with open(sys.argv[1], "w") as f:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from typing import Any
 
 import torch
 
-from weight_transfer.backends import _table_copy as tc
+from weight_transfer.kernels import table_copy as tc
 
 
 def _time(fn, reps: int = 7) -> list[float]:
@@ -45,9 +46,12 @@ def main() -> None:
     k = n // (piece + gap)
     work = {
         "contiguous": [tc.Copy(dst.data_ptr(), src.data_ptr(), n)],
-        "3MiB_x%d" % k: [tc.Copy(dst.data_ptr() + i * (piece + gap), src.data_ptr() + i * (piece + gap), piece) for i in range(k)],
+        f"3MiB_x{k}": [
+            tc.Copy(dst.data_ptr() + i * (piece + gap), src.data_ptr() + i * (piece + gap), piece)
+            for i in range(k)
+        ],
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for wname, copies in work.items():
         nbytes = sum(c.nbytes for c in copies)
         for chunk in (64 << 10, 256 << 10, 1 << 20):
@@ -59,15 +63,42 @@ def main() -> None:
                     dst.fill_(0x5A)
                     tc.launch(table, chunk, block, warps)
                     torch.cuda.synchronize()
-                    ok = all(torch.equal(dst[c.dst - dst.data_ptr():c.dst - dst.data_ptr() + c.nbytes], src[c.src - src.data_ptr():c.src - src.data_ptr() + c.nbytes]) for c in copies[:: max(1, len(copies) // 64)])
-                    ok = ok and torch.equal(dst[:nbytes if wname == "contiguous" else 0], src[:nbytes if wname == "contiguous" else 0])
-                    ts = _time(lambda table=table, chunk=chunk, block=block, warps=warps: tc.launch(table, chunk, block, warps))
+                    ok = all(
+                        torch.equal(
+                            dst[c.dst - dst.data_ptr() : c.dst - dst.data_ptr() + c.nbytes],
+                            src[c.src - src.data_ptr() : c.src - src.data_ptr() + c.nbytes],
+                        )
+                        for c in copies[:: max(1, len(copies) // 64)]
+                    )
+                    ok = ok and torch.equal(
+                        dst[: nbytes if wname == "contiguous" else 0],
+                        src[: nbytes if wname == "contiguous" else 0],
+                    )
+                    ts = _time(
+                        lambda table=table, chunk=chunk, block=block, warps=warps: tc.launch(
+                            table, chunk, block, warps
+                        )
+                    )
                     med = statistics.median(ts)
-                    rows.append({"work": wname, "chunk": chunk, "block": block, "warps": warps, "ok": ok,
-                                 "s": ts, "median_s": med, "vs_copy": med / (base * nbytes / n)})
-                    print(f"{wname:>14} chunk {chunk >> 10:>5} KiB block {block:>5} warps {warps:>2}: {med * 1e3:.3f} ms = {med / (base * nbytes / n):.3f}x copy_ {'ok' if ok else 'MISMATCH'}")
+                    rows.append(
+                        {
+                            "work": wname,
+                            "chunk": chunk,
+                            "block": block,
+                            "warps": warps,
+                            "ok": ok,
+                            "s": ts,
+                            "median_s": med,
+                            "vs_copy": med / (base * nbytes / n),
+                        }
+                    )
+                    print(
+                        f"{wname:>14} chunk {chunk >> 10:>5} KiB block {block:>5} warps "
+                        f"{warps:>2}: {med * 1e3:.3f} ms = {med / (base * nbytes / n):.3f}x copy_ "
+                        f"{'ok' if ok else 'MISMATCH'}"
+                    )
     res["rows"] = rows
-    best = {}
+    best: dict[str, Any] = {}
     for r in rows:
         if r["ok"] and (r["work"] not in best or r["median_s"] < best[r["work"]]["median_s"]):
             best[r["work"]] = r
@@ -78,9 +109,12 @@ def main() -> None:
         score[key] = score.get(key, 0.0) + (r["vs_copy"] if r["ok"] else 1e9)
     pick = min(score, key=lambda k: score[k])
     res["pick"] = pick
-    print("PICK=%d,%d,%d" % pick)
+    print("PICK={},{},{}".format(*pick))
     for w, r in best.items():
-        print(f"best {w}: chunk {r['chunk']} block {r['block']} warps {r['warps']} {r['vs_copy']:.3f}x")
+        print(
+            f"best {w}: chunk {r['chunk']} block {r['block']} warps {r['warps']} "
+            f"{r['vs_copy']:.3f}x"
+        )
     json.dump(res, open(sys.argv[1], "w"), indent=1)
 
 

@@ -177,7 +177,8 @@ def run_backend(backend: str, cfg: CheckConfig) -> dict[str, Any]:
             elif msg[0] == "times":
                 result[str(msg[1])] = _summary(msg[1], msg[2])
                 print(
-                    f"{backend:6s} {msg[1] >> 20:6d} MiB  {result[str(msg[1])]['median_gbps']:8.1f} GB/s",
+                    f"{backend:6s} {msg[1] >> 20:6d} MiB  "
+                    f"{result[str(msg[1])]['median_gbps']:8.1f} GB/s",
                     flush=True,
                 )
             elif msg[0] == "done":

@@ -49,8 +49,25 @@ def unavailable_reason() -> str | None:
         return f"cannot create a network namespace here: {r.stderr.strip()}"
     try:
         r = subprocess.run(
-            ["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit",
-             "burst", "32kb", "latency", "50ms"], capture_output=True, text=True,
+            [
+                "tc",
+                "-n",
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "32kb",
+                "latency",
+                "50ms",
+            ],
+            capture_output=True,
+            text=True,
         )
         if r.returncode != 0:
             return f"cannot shape a link with tc tbf here: {r.stderr.strip()}"
@@ -80,7 +97,9 @@ class LinkShape:
 
     def __post_init__(self) -> None:
         if not self.rate_mbyte_per_s > 0:
-            raise ValueError(f"LinkShape.rate_mbyte_per_s must be positive, got {self.rate_mbyte_per_s}")
+            raise ValueError(
+                f"LinkShape.rate_mbyte_per_s must be positive, got {self.rate_mbyte_per_s}"
+            )
         if self.burst_bytes < 65536 + 1514:
             raise ValueError("LinkShape.burst_bytes must hold one 64 KiB GSO segment")
         if self.delay_ms < 0 or self.queue_latency_ms <= 0:
@@ -89,8 +108,15 @@ class LinkShape:
     def tc_args(self) -> list[str]:
         """The `tbf` arguments of this shape."""
         bits = int(self.rate_mbyte_per_s * 8e6)
-        return ["tbf", "rate", f"{bits}bit", "burst", str(self.burst_bytes),
-                "latency", f"{self.queue_latency_ms:g}ms"]
+        return [
+            "tbf",
+            "rate",
+            f"{bits}bit",
+            "burst",
+            str(self.burst_bytes),
+            "latency",
+            f"{self.queue_latency_ms:g}ms",
+        ]
 
 
 class EmulatedCluster:
@@ -121,15 +147,42 @@ class EmulatedCluster:
         s = self.shape
         if s.delay_ms > 0:
             try:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                     "delay", f"{s.delay_ms:g}ms", "limit", "100000")
+                _run(
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "handle",
+                    "1:",
+                    "netem",
+                    "delay",
+                    f"{s.delay_ms:g}ms",
+                    "limit",
+                    "100000",
+                )
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"cannot add a {s.delay_ms:g} ms delay: tc netem failed ({exc}); this kernel "
                     "may lack sch_netem. Run without a delay."
                 ) from exc
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                 *s.tc_args())
+            _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                *s.tc_args(),
+            )
         else:
             _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *s.tc_args())
 
@@ -155,15 +208,23 @@ class EmulatedCluster:
             _run("ip", "-n", sw, "link", "set", b, "up")
             self._shape(ns, DEVICE)  # what the host sends
             self._shape(sw, b)  # what the host receives
-        log.info("emulated cluster %s: %d hosts at %.1f MB/s per link", self.tag,
-                 len(self.hosts), self.shape.rate_mbyte_per_s)
+        log.info(
+            "emulated cluster %s: %d hosts at %.1f MB/s per link",
+            self.tag,
+            len(self.hosts),
+            self.shape.rate_mbyte_per_s,
+        )
 
     def qdisc_stats(self) -> dict[str, str]:
         """`tc -s qdisc` of every host's link (sent bytes, drops, overlimits)."""
         out = {}
         for ns in self.hosts:
-            r = subprocess.run(["tc", "-n", ns, "-s", "qdisc", "show", "dev", DEVICE],
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                ["tc", "-n", ns, "-s", "qdisc", "show", "dev", DEVICE],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             out[ns] = r.stdout.strip()
         return out
 
@@ -217,5 +278,11 @@ def enter_host(name: str) -> None:
         raise OSError(ctypes.get_errno(), "mounting sysfs failed")
 
 
-__all__ = ["DEVICE", "EmulatedCluster", "LinkShape", "enter_host", "leftover_namespaces",
-           "unavailable_reason"]
+__all__ = [
+    "DEVICE",
+    "EmulatedCluster",
+    "LinkShape",
+    "enter_host",
+    "leftover_namespaces",
+    "unavailable_reason",
+]

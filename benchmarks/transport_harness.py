@@ -5,7 +5,8 @@ For each message size `n` a *sample* is one batch of `k` writes of `n` bytes to 
 offsets (`k = ceil(min_sample_bytes / n)`, so small messages are measured as a stream, like
 `ucx_perftest` and `nixlbench` do), timed on the sender from `post_writes` until
 `Transport.wait` returns: what a user of the transport gets (it sleeps on the batch's completion
-event where the backend has one, spins on progress-driven backends, else polls with backoff). Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
+event where the backend has one, spins on progress-driven backends, else polls with backoff).
+Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
 
 Baselines, measured in the same run with the same sizes, ops and sample counts:
 - `socket`: a plain TCP stream over 127.0.0.1 between two processes; a sample is `k` `sendall`

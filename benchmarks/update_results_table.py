@@ -1,6 +1,7 @@
 """Markdown table of the one-GPU update results from the stored JSON (no figure typed by hand).
 
-    python benchmarks/update_results_table.py [benchmarks/results/update_h200_202612.json] [--readme]
+    python benchmarks/update_results_table.py [benchmarks/results/update_h200_202612.json]
+    [--readme]
 
 Picks, per case, the last device call that measured it with the final code (`FINAL`), and
 prints min / median / max of the whole `sender.update()` call, the executor time, the ceiling
@@ -48,7 +49,8 @@ def rows(path: Path) -> list[str]:
     data = json.loads(path.read_text())["calls"]
     out = [
         "| case | bytes written | whole update ms, min / median / max | executor ms (median) | "
-        "ceiling, same run (ms) | update / ceiling | executor / ceiling | target | host per task / per write | verified | "
+        "ceiling, same run (ms) | update / ceiling | executor / ceiling | target | host per task "
+        "/ per write | verified | "
         "other runs, same code: whole update median (ratio) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -65,11 +67,14 @@ def rows(path: Path) -> list[str]:
         verdict = "met" if r <= target else "missed"
         h = s["host"]
         out.append(
-            f"| {label} | {s['bytes_written'] / 1e9:.2f} GB | {_ms(u['min'])} / **{_ms(u['median'])}** / "
+            f"| {label} | {s['bytes_written'] / 1e9:.2f} GB | {_ms(u['min'])} / "
+            f"**{_ms(u['median'])}** / "
             f"{_ms(u['max'])} | {_ms(x['median'])} | {what} | **{r:.2f}x** | {rx:.2f}x | "
             f"<= {target}x: {verdict} | {h['per_task_us']:.1f} us / {h['per_write_us']:.2f} us "
-            f"({h['num_tasks']} tasks, {h['num_writes']} writes) | {s['verified_updates']}/{s['updates']} | "
-            + ", ".join(_other(data, c, name) for c in SAME_CODE.get(name, [])) + " |"
+            f"({h['num_tasks']} tasks, {h['num_writes']} writes) | "
+            f"{s['verified_updates']}/{s['updates']} | "
+            + ", ".join(_other(data, c, name) for c in SAME_CODE.get(name, []))
+            + " |"
         )
     return out
 

@@ -23,8 +23,14 @@ from weight_transfer import (
 )
 
 tp_rank, tp_size = int(sys.argv[1]), int(sys.argv[2])
-hf_config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704,
-                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+hf_config = LlamaConfig(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 shape = from_hf_config(hf_config)
 
 # Trainer rank 0 hosts the control plane (a TCPStore) at this address; every member connects.

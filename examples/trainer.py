@@ -13,9 +13,9 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from weight_transfer import (
-    ControlPlaneConfig,
     Controller,
     ControllerConfig,
+    ControlPlaneConfig,
     SenderConfig,
     TransportConfig,
     WeightSender,
@@ -25,8 +25,14 @@ NUM_ENGINES = 2  # engine ranks of all replicas together
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-hf_config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704,
-                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+hf_config = LlamaConfig(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 torch.manual_seed(0)
 model = LlamaForCausalLM(hf_config).to(torch.bfloat16)
 mesh = init_device_mesh("cpu", (world,))
@@ -38,11 +44,18 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 control = ControlPlaneConfig(host="127.0.0.1", port=29700, token=os.environ["WT_TOKEN"])
 controller = None
 if rank == 0:  # hosts the control plane and plans the transfer
-    controller = Controller(ControllerConfig(num_trainer_ranks=world, num_engines=NUM_ENGINES),
-                            control)
-sender = WeightSender(model, rank=rank, world_size=world,
-                      transport=TransportConfig(name="loopback"), control=control,
-                      controller=controller, config=SenderConfig(memory_budget_bytes=64 << 20))
+    controller = Controller(
+        ControllerConfig(num_trainer_ranks=world, num_engines=NUM_ENGINES), control
+    )
+sender = WeightSender(
+    model,
+    rank=rank,
+    world_size=world,
+    transport=TransportConfig(name="loopback"),
+    control=control,
+    controller=controller,
+    config=SenderConfig(memory_budget_bytes=64 << 20),
+)
 try:
     for step in range(1, 4):
         tokens = torch.randint(0, hf_config.vocab_size, (2, 16))

@@ -1,4 +1,5 @@
-"""Train a model and push every step straight into a running vLLM engine (CPU, tiny random Llama)."""
+"""Train a model and push every step straight into a running vLLM engine (CPU, tiny random
+Llama)."""
 
 import secrets
 import socket
@@ -8,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+
 from weight_transfer.vllm import (
     LLMWeightSyncClient,
     OneSidedUpdater,
@@ -17,22 +19,36 @@ from weight_transfer.vllm import (
 
 def main() -> None:
     model_dir = tempfile.mkdtemp()
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704,
-                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     trainer = LlamaForCausalLM(config)  # float32; the engine runs float32 too
     trainer.save_pretrained(model_dir)
 
     # The plug-in registers itself with vLLM (entry point); select it by name.
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=128, gpu_memory_utilization=0.08,
-              weight_transfer_config={"backend": "weight_transfer"})
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        gpu_memory_utilization=0.08,
+        weight_transfer_config={"backend": "weight_transfer"},
+    )
     with socket.socket() as s:  # a free port for the control plane
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     updater = OneSidedUpdater(
-        TrainerInitInfo(rank=0, world_size=1, num_engines=1, port=port,
-                        token=secrets.token_hex(16)),
-        trainer, LLMWeightSyncClient(llm),
+        TrainerInitInfo(
+            rank=0, world_size=1, num_engines=1, port=port, token=secrets.token_hex(16)
+        ),
+        trainer,
+        LLMWeightSyncClient(llm),
     )
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     for step in (1, 2, 3):
@@ -41,17 +57,22 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         stats = updater.update(step)  # one-sided writes into vLLM's memory
-        print(f"update {step}: {stats.seconds * 1e3:.1f} ms, "
-              f"vLLM weight version {llm.llm_engine.get_weight_version()}")
+        print(
+            f"update {step}: {stats.seconds * 1e3:.1f} ms, "
+            f"vLLM weight version {llm.llm_engine.get_weight_version()}"
+        )
 
     prompt = [1, 5, 9, 33]
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=8, temperature=0.0),
+        use_tqdm=False,
+    )
     seq = list(prompt)
     with torch.no_grad():  # the trainer's own greedy tokens
         for _ in range(8):
             seq.append(int(trainer(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    assert list(out[0].outputs[0].token_ids) == seq[len(prompt):]
+    assert list(out[0].outputs[0].token_ids) == seq[len(prompt) :]
     print("verified: vLLM generates the trained model's greedy tokens")
     updater.close()
 

@@ -86,7 +86,8 @@ def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
             if len(args) != len(data):
                 raise ValueError(f"{path}: expected {len(args)} items, got {len(data)}")
             return tuple(
-                _decode(a, v, f"{path}[{i}]", depth + 1) for i, (a, v) in enumerate(zip(args, data, strict=True))
+                _decode(a, v, f"{path}[{i}]", depth + 1)
+                for i, (a, v) in enumerate(zip(args, data, strict=True))
             )
         return [_decode(args[0], v, f"{path}[{i}]", depth + 1) for i, v in enumerate(data)]
     if origin is dict:
@@ -104,7 +105,9 @@ def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = set(data) - set(fields)
         if unknown:
-            raise ValueError(f"{path}: unknown field(s) {sorted(map(str, unknown))} for {tp.__name__}")
+            raise ValueError(
+                f"{path}: unknown field(s) {sorted(map(str, unknown))} for {tp.__name__}"
+            )
         kwargs = {}
         for name, f in fields.items():
             if name not in data:

@@ -37,7 +37,9 @@ def quantize_fp8_blockwise(
         (weight float8_e4m3fn of x's shape, scale float32 of `scale_shape(x.shape, block)`).
     """
     if x.dim() < 2:
-        raise ValueError(f"FP8 block quantization needs at least 2 dims, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"FP8 block quantization needs at least 2 dims, got shape {tuple(x.shape)}"
+        )
     b0, b1 = block
     *lead, rows, cols = x.shape
     nr, nc = math.ceil(rows / b0), math.ceil(cols / b1)

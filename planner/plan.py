@@ -89,7 +89,6 @@ class PlannerConfig:
             )
 
 
-
 _Holder = tuple[int, Box | None, tuple[int, ...], bool]
 """One trainer rank's shard of a source tensor: (rank, local box, mesh, offloaded). A plain
 tuple: there are 10^6 of them at trainer scale."""
@@ -202,7 +201,10 @@ def map_subbox(part: Part, sub: Box) -> Box:
     out = list(part.dest_box)
     for sd, dd in zip(sdims, ddims, strict=True):
         delta0 = sub[sd][0] - part.source_box[sd][0]
-        out[dd] = (part.dest_box[dd][0] + delta0, part.dest_box[dd][0] + delta0 + sub[sd][1] - sub[sd][0])
+        out[dd] = (
+            part.dest_box[dd][0] + delta0,
+            part.dest_box[dd][0] + delta0 + sub[sd][1] - sub[sd][0],
+        )
     return tuple(out)
 
 
@@ -216,7 +218,10 @@ def _clip_part_to_dest(part: Part, dest_box: Box) -> Part | None:
     src = list(part.source_box)
     for sd, dd in zip(sdims, ddims, strict=True):
         delta0 = inter[dd][0] - part.dest_box[dd][0]
-        src[sd] = (part.source_box[sd][0] + delta0, part.source_box[sd][0] + delta0 + inter[dd][1] - inter[dd][0])
+        src[sd] = (
+            part.source_box[sd][0] + delta0,
+            part.source_box[sd][0] + delta0 + inter[dd][1] - inter[dd][0],
+        )
     return Part(part.source, tuple(src), inter)
 
 
@@ -279,7 +284,9 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
                 continue
             seen.add(name)
             if dtype not in DTYPE_SIZES:
-                problems.append(f"trainer rank {rank}: tensor {name!r} has unsupported dtype {dtype!r}")
+                problems.append(
+                    f"trainer rank {rank}: tensor {name!r} has unsupported dtype {dtype!r}"
+                )
                 continue
             if lb is not None and box_ok.get(id(lb)) != shape:
                 if _box_fits(lb, shape):
@@ -294,7 +301,9 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
             if ok is None:
                 ok = mesh_ok[id(mesh)] = rank in mesh
             if not ok:
-                problems.append(f"trainer rank {rank}: tensor {name!r} mesh {mesh} does not contain the rank")
+                problems.append(
+                    f"trainer rank {rank}: tensor {name!r} mesh {mesh} does not contain the rank"
+                )
                 continue
             src = table.get(name)
             if src is None:
@@ -326,7 +335,8 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
         for mesh, have in by_mesh.items():
             if len(have) != len(mesh) or have != set(mesh):
                 problems.append(
-                    f"tensor {src.name!r}: mesh {mesh} is missing rank(s) {sorted(set(mesh) - have)}"
+                    f"tensor {src.name!r}: mesh {mesh} is missing rank(s) "
+                    f"{sorted(set(mesh) - have)}"
                 )
         if not has_none:
             # Tensors of one shape sharded alike share their boxes: compute coverage once.
@@ -336,7 +346,8 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
                 covered = covered_memo[distinct] = _union_volume(distinct)
             if covered < numel(src.shape):
                 problems.append(
-                    f"tensor {src.name!r}: trainer shards cover {covered} of {numel(src.shape)} elements"
+                    f"tensor {src.name!r}: trainer shards cover {covered} of {numel(src.shape)} "
+                    "elements"
                 )
     return table
 
@@ -401,8 +412,12 @@ def _validate_dests(
     # valid again (only the engine name, which no check reads, differs).
     valid_layouts: set[tuple[object, ...]] = set()
     for d in dests:
-        layout = (id(d.tensors), id(d.recipes), tuple((r.index, r.nbytes) for r in d.regions),
-                  d.version_region)
+        layout = (
+            id(d.tensors),
+            id(d.recipes),
+            tuple((r.index, r.nbytes) for r in d.regions),
+            d.version_region,
+        )
         if layout in valid_layouts:
             continue
         num_problems = len(problems)
@@ -411,7 +426,9 @@ def _validate_dests(
             problems.append(f"engine {d.engine!r}: duplicate region indices")
         vr = regions.get(d.version_region)
         if vr is None or vr.nbytes < 8:
-            problems.append(f"engine {d.engine!r}: version region {d.version_region} missing or < 8 bytes")
+            problems.append(
+                f"engine {d.engine!r}: version region {d.version_region} missing or < 8 bytes"
+            )
         tensors: dict[str, DestTensor] = {}
         for t in d.tensors:
             if t.name in tensors:
@@ -421,7 +438,9 @@ def _validate_dests(
             try:
                 size = numel(t.shape) * dtype_size(t.dtype)
             except ValueError:
-                problems.append(f"engine {d.engine!r}: tensor {t.name!r} has unsupported dtype {t.dtype!r}")
+                problems.append(
+                    f"engine {d.engine!r}: tensor {t.name!r} has unsupported dtype {t.dtype!r}"
+                )
                 continue
             r = regions.get(t.region)
             if r is None or t.offset_bytes < 0 or t.offset_bytes + size > r.nbytes:
@@ -438,7 +457,9 @@ def _validate_dests(
             recipes[rc.dest] = rc
             dt = tensors.get(rc.dest)
             if dt is None:
-                problems.append(f"engine {d.engine!r}: recipe for unknown engine tensor {rc.dest!r}")
+                problems.append(
+                    f"engine {d.engine!r}: recipe for unknown engine tensor {rc.dest!r}"
+                )
                 continue
             written.add(rc.dest)
             bad = False
@@ -466,8 +487,10 @@ def _validate_dests(
                         f"{box_shape(p.source_box)} but lands in {box_shape(p.dest_box)}"
                     )
                     bad = True
-                if rc.quant is None and s.dtype != dt.dtype and not (
-                    s.dtype in FLOAT_DTYPES and dt.dtype in FLOAT_DTYPES
+                if (
+                    rc.quant is None
+                    and s.dtype != dt.dtype
+                    and not (s.dtype in FLOAT_DTYPES and dt.dtype in FLOAT_DTYPES)
                 ):
                     problems.append(
                         f"engine {d.engine!r}: {rc.dest!r} is {dt.dtype} but {p.source!r} is "
@@ -475,7 +498,9 @@ def _validate_dests(
                     )
                     bad = True
                 if rc.quant is not None and s.dtype not in FLOAT_DTYPES:
-                    problems.append(f"engine {d.engine!r}: cannot FP8-quantize {p.source!r} of dtype {s.dtype}")
+                    problems.append(
+                        f"engine {d.engine!r}: cannot FP8-quantize {p.source!r} of dtype {s.dtype}"
+                    )
                     bad = True
             if not bad:
                 why = _check_parts_cover(rc, dt)
@@ -488,10 +513,13 @@ def _validate_dests(
                     )
                 st = tensors.get(rc.quant.scale_dest)
                 if len(dt.shape) < 2:
-                    problems.append(f"engine {d.engine!r}: FP8 tensor {rc.dest!r} must have >= 2 dims")
+                    problems.append(
+                        f"engine {d.engine!r}: FP8 tensor {rc.dest!r} must have >= 2 dims"
+                    )
                 elif st is None:
                     problems.append(
-                        f"engine {d.engine!r}: scale tensor {rc.quant.scale_dest!r} of {rc.dest!r} is missing"
+                        f"engine {d.engine!r}: scale tensor {rc.quant.scale_dest!r} of "
+                        f"{rc.dest!r} is missing"
                     )
                 else:
                     b0, b1 = rc.quant.block
@@ -499,7 +527,8 @@ def _validate_dests(
                     want = (*lead, -(-rows // b0), -(-cols // b1))
                     if st.shape != want or st.dtype != "float32":
                         problems.append(
-                            f"engine {d.engine!r}: scale tensor {st.name!r} is {st.shape}/{st.dtype}, "
+                            f"engine {d.engine!r}: scale tensor {st.name!r} is "
+                            f"{st.shape}/{st.dtype}, "
                             f"expected {want}/float32"
                         )
                     written.add(st.name)
@@ -590,7 +619,10 @@ def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] |
 
 
 def _direct_template(
-    rc: Recipe, dt: DestTensor, table: dict[str, _Source], config: PlannerConfig,
+    rc: Recipe,
+    dt: DestTensor,
+    table: dict[str, _Source],
+    config: PlannerConfig,
     problems: list[str],
 ) -> tuple[list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]]:
     """A copy recipe's direct pieces, and the parts whose shards are not boxes (gather, then
@@ -615,16 +647,24 @@ def _direct_template(
             for chunk in _split_box(piece, max(out_size, isz), config.max_write_bytes):
                 dbox = map_subbox(p, chunk)
                 runs = dest_runs(dt.shape, dbox, out_size, dt.offset_bytes, dt.region)
-                pieces.append(_Piece(
-                    p.source, chunk, dbox, runs, sum(r.nbytes for r in runs), cands, boxes,
-                    offl, isz, any(offl.values()),
-                ))
+                pieces.append(
+                    _Piece(
+                        p.source,
+                        chunk,
+                        dbox,
+                        runs,
+                        sum(r.nbytes for r in runs),
+                        cands,
+                        boxes,
+                        offl,
+                        isz,
+                        any(offl.values()),
+                    )
+                )
     return pieces, gathered
 
 
-_DirectTemplate = tuple[
-    list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]
-]
+_DirectTemplate = tuple[list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -808,8 +848,15 @@ class _Planning:
             lay = layouts.get((id(d.tensors), id(d.recipes)))
             if lay is None:
                 lay = layouts[(id(d.tensors), id(d.recipes))] = _compile_layout(
-                    d, table, self.config, problems, direct_by_id, direct_by_value, quant_by_id,
-                    quant_by_value, self.cands_of,
+                    d,
+                    table,
+                    self.config,
+                    problems,
+                    direct_by_id,
+                    direct_by_value,
+                    quant_by_id,
+                    quant_by_value,
+                    self.cands_of,
                 )
                 for key, sq in lay.gather_seq.items():
                     self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
@@ -817,14 +864,27 @@ class _Planning:
                     self.pending_seq[names] = min(sq, self.pending_seq.get(names, sq))
             self.directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
             for key, p, runs, nbytes, dest, dtype in lay.copies:
-                self.gather_units[key].append((
-                    SliceWrite(engine, dest, p.source, p.source_box, p.dest_box, dtype, runs,
-                               False),
-                    nbytes, numel(box_shape(p.dest_box)),
-                ))
+                self.gather_units[key].append(
+                    (
+                        SliceWrite(
+                            engine, dest, p.source, p.source_box, p.dest_box, dtype, runs, False
+                        ),
+                        nbytes,
+                        numel(box_shape(p.dest_box)),
+                    )
+                )
             for u, dest, sdest, block, sq, quant_names in lay.quants:
-                qw = QuantWrite(engine, dest, sdest, block, u.parts, u.dest_box, u.scale_box,
-                                u.weight_runs, u.scale_runs)
+                qw = QuantWrite(
+                    engine,
+                    dest,
+                    sdest,
+                    block,
+                    u.parts,
+                    u.dest_box,
+                    u.scale_box,
+                    u.weight_runs,
+                    u.scale_runs,
+                )
                 if u.local:
                     self.local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
                 elif quant_names is not None:
@@ -901,8 +961,10 @@ class _Planning:
             mesh, names = key
             units_k = self.gather_units[key]
             local = key in self.gather_local
-            scratch = 0 if local else sum(
-                numel(table[n].shape) * dtype_size(table[n].dtype) for n in names
+            scratch = (
+                0
+                if local
+                else sum(numel(table[n].shape) * dtype_size(table[n].dtype) for n in names)
             )
             scratch += max(u[2] for u in units_k) * 4  # assembly in float32
             ranks_sorted = sorted(mesh)
@@ -984,8 +1046,17 @@ class _Planning:
                 nbytes = g.staging[rank]
                 self.rank_bytes[rank] += nbytes
                 self.per_rank[rank].append(
-                    Task(self.next_id, task_kind, group, g.mesh, g.sources, tuple(mine),
-                         nbytes, g.scratch_bytes, 0)
+                    Task(
+                        self.next_id,
+                        task_kind,
+                        group,
+                        g.mesh,
+                        g.sources,
+                        tuple(mine),
+                        nbytes,
+                        g.scratch_bytes,
+                        0,
+                    )
                 )
             self.next_id += 1
 
@@ -1002,7 +1073,7 @@ class _Planning:
         for rank in range(world):
             q = queues[rank]
             order: list[int] = []
-            rot = engines[rank % len(engines):] + engines[: rank % len(engines)]
+            rot = engines[rank % len(engines) :] + engines[: rank % len(engines)]
             active = [q[e] for e in rot if e in q]
             depth = 0
             while active:
@@ -1025,12 +1096,17 @@ class _Planning:
                         zero = is_contiguous_box(box_shape(lb), local_box)
                     zero_memo[zkey] = zero
                 cost = 0 if zero else pc.nbytes
-                if batch and (batch_bytes + pc.nbytes > config.task_target_bytes
-                              or staging + cost > half_budget):
+                if batch and (
+                    batch_bytes + pc.nbytes > config.task_target_bytes
+                    or staging + cost > half_budget
+                ):
                     self._direct_task(rank, batch, staging, h2d)
                     batch, staging, h2d, batch_bytes = [], 0, 0, 0
-                batch.append(SliceWrite(engine, dest, pc.source, pc.source_box, pc.dest_box,
-                                        dtype, pc.runs, zero))
+                batch.append(
+                    SliceWrite(
+                        engine, dest, pc.source, pc.source_box, pc.dest_box, dtype, pc.runs, zero
+                    )
+                )
                 staging += cost
                 batch_bytes += pc.nbytes
                 self.rank_bytes[rank] += pc.nbytes
@@ -1056,7 +1132,7 @@ class _Planning:
                 step = max(1, -(-len(direct) // (len(gath) + 1)))
                 di = 0
                 for t in gath:
-                    merged.extend(direct[di:di + step])
+                    merged.extend(direct[di : di + step])
                     di += step
                     merged.append(t)
                 merged.extend(direct[di:])
@@ -1098,9 +1174,11 @@ class _Planning:
         num_groups = max(1, len(self.groups))
         ranks_out = [
             RankSchedule(
-                rank=rank, tasks=tuple(self.per_rank[rank]),
+                rank=rank,
+                tasks=tuple(self.per_rank[rank]),
                 peers=tuple(sorted(peers_of[rank] | set(version_engines[rank]))),
-                version_engines=tuple(version_engines[rank]), num_mesh_groups=num_groups,
+                version_engines=tuple(version_engines[rank]),
+                num_mesh_groups=num_groups,
             )
             for rank in range(world)
         ]
@@ -1148,10 +1226,12 @@ def _quant_units(
         sbox = prefix + tuple((0, n) for n in st.shape[nlead:])
         candidates = parts_at.get(idx, []) if lead else rc.parts
         parts = tuple(
-            c for c in (
+            c
+            for c in (
                 p if p.dest_box[:nlead] == prefix else _clip_part_to_dest(p, ubox)
                 for p in candidates
-            ) if c is not None
+            )
+            if c is not None
         )
         if lead:
             # A unit is one whole leading slice: one run at its flat index.
@@ -1163,11 +1243,19 @@ def _quant_units(
         else:
             wruns = dest_runs(dt.shape, ubox, 1, dt.offset_bytes, dt.region)
             sruns = dest_runs(st.shape, sbox, 4, st.offset_bytes, st.region)
-        out.append(_QuantUnit(
-            ubox, sbox, parts, tuple(sorted({p.source for p in parts})), wruns, sruns,
-            _local_holder(parts, table),
-            sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns), numel(box_shape(ubox)),
-        ))
+        out.append(
+            _QuantUnit(
+                ubox,
+                sbox,
+                parts,
+                tuple(sorted({p.source for p in parts})),
+                wruns,
+                sruns,
+                _local_holder(parts, table),
+                sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns),
+                numel(box_shape(ubox)),
+            )
+        )
     return out
 
 
@@ -1195,8 +1283,10 @@ def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int
         if numel(box_shape(p.source_box)) > table[p.source].max_shard_numel():
             return ()
         ranks = {
-            h[RANK] for b, hs in table[p.source].by_box().items()
-            if box_in(p.source_box, b) for h in hs
+            h[RANK]
+            for b, hs in table[p.source].by_box().items()
+            if box_in(p.source_box, b)
+            for h in hs
         }
         common = ranks if common is None else common & ranks
         if not common:
@@ -1239,14 +1329,27 @@ def fingerprint(
         h.update(packer.pack(d.engine))
         h.update(packer.pack(d.host))
         h.update(packer.pack([(r.index, r.nbytes, r.descriptor) for r in d.regions]))
-        h.update(once(d.tensors, lambda d=d: [  # type: ignore[misc]
-            (t.name, t.shape, t.dtype, t.region, t.offset_bytes) for t in d.tensors
-        ]))
-        h.update(once(d.recipes, lambda d=d: [  # type: ignore[misc]
-            (rc.dest, [(p.source, p.source_box, p.dest_box) for p in rc.parts],
-             None if rc.quant is None else (rc.quant.scale_dest, rc.quant.block))
-            for rc in d.recipes
-        ]))
+        h.update(
+            once(
+                d.tensors,
+                lambda d=d: [  # type: ignore[misc]
+                    (t.name, t.shape, t.dtype, t.region, t.offset_bytes) for t in d.tensors
+                ],
+            )
+        )
+        h.update(
+            once(
+                d.recipes,
+                lambda d=d: [  # type: ignore[misc]
+                    (
+                        rc.dest,
+                        [(p.source, p.source_box, p.dest_box) for p in rc.parts],
+                        None if rc.quant is None else (rc.quant.scale_dest, rc.quant.block),
+                    )
+                    for rc in d.recipes
+                ],
+            )
+        )
         h.update(packer.pack(d.version_region))
     h.update(packer.pack(codec.to_plain(config)))
     return h.hexdigest()

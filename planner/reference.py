@@ -259,9 +259,7 @@ def materialize(
     return out
 
 
-def _check_casts(
-    recipe: Recipe, spec: TensorSpecLike, sources: Mapping[str, torch.Tensor]
-) -> None:
+def _check_casts(recipe: Recipe, spec: TensorSpecLike, sources: Mapping[str, torch.Tensor]) -> None:
     """Only float-to-float casts, and FP8 only from floats (naming the tensors)."""
     name = recipe.dest
     for part in recipe.parts:

@@ -34,6 +34,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from weight_transfer.planner.types import (
     QuantWrite,
@@ -135,8 +136,10 @@ class Spread:
         if not values:
             return Spread(min=0.0, median=0.0, max=0.0, mean=0.0)
         return Spread(
-            min=float(min(values)), median=float(statistics.median(values)),
-            max=float(max(values)), mean=float(sum(values) / len(values)),
+            min=float(min(values)),
+            median=float(statistics.median(values)),
+            max=float(max(values)),
+            mean=float(sum(values) / len(values)),
         )
 
     @property
@@ -273,7 +276,8 @@ def simulate(
         memory_budget_bytes: temporary memory per trainer rank.
         progress: called now and then with a short status line.
         links: "fifo": a batch holds the sender's and then the receiver's link alone (two FIFO
-            servers in tandem; fast at any scale). "fair": every batch is a flow, a cross-host gather
+            servers in tandem; fast at any scale). "fair": every batch is a flow, a cross-host
+            gather
             is one flow per rank to the next rank of its ring ((n-1)/n of the tensors), and
             flows share each link max-min fairly (as TCP
             connections do), recomputed whenever a flow starts or ends; the trainer's receive
@@ -295,8 +299,13 @@ def simulate(
         raise ValueError(f"no host for engine(s) {unknown[:10]}")
     hosts = [by_rank[r].host for r in range(schedule.num_ranks)]
     sim = _Simulation(
-        schedule, _task_costs(schedule, sources, rates, hosts), hosts, engine_hosts, rates,
-        memory_budget_bytes, fair=links == "fair",
+        schedule,
+        _task_costs(schedule, sources, rates, hosts),
+        hosts,
+        engine_hosts,
+        rates,
+        memory_budget_bytes,
+        fair=links == "fair",
     )
     sim.run(progress)
     return sim.result()
@@ -314,7 +323,7 @@ class _Fluid:
 
     def __init__(self) -> None:
         self.cap: dict[object, float] = {}
-        self.flows: dict[int, list[object]] = {}  # id -> [remaining bytes, rate, links, done]
+        self.flows: dict[int, list[Any]] = {}  # id -> [remaining bytes, rate, links, done]
         self.now = 0.0
         self.next_id = 0
 
@@ -323,7 +332,7 @@ class _Fluid:
         dt = t - self.now
         if dt > 0:
             for f in self.flows.values():
-                f[0] = max(0.0, f[0] - f[1] * dt)  # type: ignore[operator]
+                f[0] = max(0.0, f[0] - f[1] * dt)
         self.now = max(self.now, t)
 
     def add(self, nbytes: float, links: tuple[object, ...], done: object) -> None:
@@ -336,16 +345,16 @@ class _Fluid:
         """When the first flow ends at the current rates."""
         best = _INF
         for rem, rate, _, _ in self.flows.values():
-            if rate > 0:  # type: ignore[operator]
-                best = min(best, self.now + rem / rate)  # type: ignore[operator]
+            if rate > 0:
+                best = min(best, self.now + rem / rate)
         return best
 
-    def pop_done(self) -> list[object]:
+    def pop_done(self) -> list[Any]:
         """Remove the flows that ended by now (a relative byte tolerance); their `done`s."""
         out = []
         for fid in list(self.flows):
             rem, rate, _, done = self.flows[fid]
-            if rem <= 1e-9 * max(1.0, rate) or rem < 1e-3:  # type: ignore[operator]
+            if rem <= 1e-9 * max(1.0, rate) or rem < 1e-3:
                 out.append(done)
                 del self.flows[fid]
         if out:
@@ -357,7 +366,7 @@ class _Fluid:
         left = {}
         users: dict[object, list[int]] = defaultdict(list)
         for fid, (_, _, links, _) in self.flows.items():
-            for ln in links:  # type: ignore[attr-defined]
+            for ln in links:
                 users[ln].append(fid)
                 left[ln] = self.cap[ln]
         frozen: set[int] = set()
@@ -370,7 +379,7 @@ class _Fluid:
                     continue
                 frozen.add(fid)
                 self.flows[fid][1] = share
-                for other in self.flows[fid][2]:  # type: ignore[attr-defined]
+                for other in self.flows[fid][2]:
                     left[other] -= share
                     count[other] -= 1
 
@@ -488,20 +497,21 @@ class _Simulation:
             del self.batches_left[key]
             self.push(self.task_finish.pop(key), _WRITE_DONE, rank, idx)
 
-    def flow_done(self, done: object, t: float) -> None:
+    def flow_done(self, done: Any, t: float) -> None:
         """A flow of the fair model ended at `t`."""
-        kind = done[0]  # type: ignore[index]
+        kind = done[0]
         if kind == "write":
-            _, rank, idx, floor = done  # type: ignore[misc]
+            _, rank, idx, floor = done
             key = (rank, idx)
             self.task_finish[key] = max(self.task_finish[key], t, floor)
             self.batches_left[key] -= 1
             if not self.batches_left[key]:
                 del self.batches_left[key]
-                self.push(self.task_finish.pop(key) + self.rates.write_latency_s, _WRITE_DONE,
-                          rank, idx)
+                self.push(
+                    self.task_finish.pop(key) + self.rates.write_latency_s, _WRITE_DONE, rank, idx
+                )
         else:  # one ring step of a gather; the collective ends with its last one
-            _, cid, members = done  # type: ignore[misc]
+            _, cid, members = done
             self.gathers_left[cid] -= 1
             if not self.gathers_left[cid]:
                 del self.gathers_left[cid]
@@ -553,8 +563,12 @@ class _Simulation:
                 for i, r in enumerate(members):
                     nxt = members[(i + 1) % len(members)]
                     self.send_bytes[r] += self.costs[r][self.prepared[r]].gather_bytes
-                    self.flow(start, self.costs[r][self.prepared[r]].gather_bytes,
-                              (("tx", r), ("rx", nxt)), ("gather", c0.collective, tuple(members)))
+                    self.flow(
+                        start,
+                        self.costs[r][self.prepared[r]].gather_bytes,
+                        (("tx", r), ("rx", nxt)),
+                        ("gather", c0.collective, tuple(members)),
+                    )
                 return
         for rank, start in ranks_start:
             idx = self.prepared[rank]
@@ -566,7 +580,9 @@ class _Simulation:
                     self.nvl_bytes[rank] += c.gather_bytes
                 else:
                     t += c.gather_bytes / self.nic
-                    self.send_free[rank] = max(self.send_free[rank], start) + c.gather_bytes / self.nic
+                    self.send_free[rank] = (
+                        max(self.send_free[rank], start) + c.gather_bytes / self.nic
+                    )
                     self.send_bytes[rank] += c.gather_bytes
             t += c.compute_s
             self.compute_total[rank] += c.compute_s
@@ -777,8 +793,11 @@ def binomial_broadcast_s(nbytes: float, participants: int, link_bytes_per_s: flo
     done = [0.0] * participants
     for v in range(participants):
         low = v.bit_length()  # bits below this are v's own; children use bits from here up
-        children = [v + (1 << i) for i in range(low, participants.bit_length() + 1)
-                    if v + (1 << i) < participants]
+        children = [
+            v + (1 << i)
+            for i in range(low, participants.bit_length() + 1)
+            if v + (1 << i) < participants
+        ]
         for c in children:
             done[c] = done[v] + len(children) * hop
     return max(done)
@@ -835,9 +854,11 @@ def funnel_baseline(
     nic = rates.gpu_nic_bytes_per_s
     n = num_trainer_ranks
     total = sum(param_bytes)
-    gather = sum(
-        (b * (n - 1) / n) / nic + rates.collective_latency_s for b in param_bytes
-    ) if n > 1 else 0.0
+    gather = (
+        sum((b * (n - 1) / n) / nic + rates.collective_latency_s for b in param_bytes)
+        if n > 1
+        else 0.0
+    )
     buckets = [bucket_bytes] * (total // bucket_bytes)
     if total % bucket_bytes:
         buckets.append(total % bucket_bytes)
@@ -863,8 +884,13 @@ def funnel_baseline(
         # Rank 0 blocks in each gather and each broadcast; the engines load bucket i while
         # rank 0 gathers bucket i + 1, so only the last bucket's load is exposed.
         predicted = gather + bcast + load / k
-    return FunnelResult(predicted_s=predicted, gather_s=gather, broadcast_s=bcast, load_s=load,
-                        num_buckets=len(buckets))
+    return FunnelResult(
+        predicted_s=predicted,
+        gather_s=gather,
+        broadcast_s=bcast,
+        load_s=load,
+        num_buckets=len(buckets),
+    )
 
 
 __all__ = [

@@ -17,6 +17,15 @@ Trainer side::
 from __future__ import annotations
 
 from weight_transfer.backends.base import TransportConfig
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    ReceiverConfig,
+    SenderConfig,
+    TransferConfig,
+    load_toml,
+)
+from weight_transfer.controller import Controller
 from weight_transfer.errors import (
     ConfigurationError,
     ControlPlaneAuthError,
@@ -28,6 +37,7 @@ from weight_transfer.errors import (
     UpdateAbortedError,
     WeightTransferError,
 )
+from weight_transfer.manifest import allocate_engine_tensors
 from weight_transfer.planner.presets.models import (
     MODEL_SHAPES,
     ModelShape,
@@ -35,16 +45,6 @@ from weight_transfer.planner.presets.models import (
     get_model_shape,
 )
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-from weight_transfer.config import (
-    ControllerConfig,
-    ControlPlaneConfig,
-    ReceiverConfig,
-    SenderConfig,
-    TransferConfig,
-    load_toml,
-)
-from weight_transfer.controller import Controller
-from weight_transfer.manifest import allocate_engine_tensors
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -74,6 +74,7 @@ __all__ = [
     "allocate_engine_tensors",
     "from_hf_config",
     "get_model_shape",
+    "load_toml",
     "vllm_recipes",
     "vllm_tensor_specs",
 ]

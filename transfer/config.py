@@ -181,7 +181,9 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         if self.transport not in BACKENDS:
-            raise ValueError(f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}")
+            raise ValueError(
+                f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}"
+            )
 
     def transport_config(self, device_index: int | None = None) -> TransportConfig:
         """The `TransportConfig` for one process."""
@@ -213,7 +215,7 @@ def _checked(where: str, tp: Any, value: Any) -> Any:
         raise ValueError(
             f"{where}: expected {_TYPE_WORDS[tp]}, got {type(value).__name__} {value!r}"
         )
-    return float(value) if tp is float else value
+    return float(typing.cast(float, value)) if tp is float else value
 
 
 def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:

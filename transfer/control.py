@@ -45,8 +45,8 @@ from weight_transfer.backends.base import (
     TransportTimeoutError,
     WeightTransferError,
 )
-from weight_transfer.planner import codec
 from weight_transfer.config import ControlPlaneConfig
+from weight_transfer.planner import codec
 from weight_transfer.protocol import Go, Hello
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ def derive_key(token: str, session: str, run_id: bytes) -> bytes:
     """The AES-256 key of one run of a control plane session: HKDF-SHA256 of the token,
     salted with the run id (empty for the `hello` key, which only carries the run id)."""
     hkdf = HKDF(
-        algorithm=hashes.SHA256(), length=32, salt=run_id or None,
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=run_id or None,
         info=b"weight-transfer/v3/control/" + session.encode(),
     )
     return hkdf.derive(token.encode())
@@ -101,7 +103,7 @@ def _open_store(
         try:
             # torch's stubs omit TCPStore from torch.distributed's exports.
             result.append(
-                dist.TCPStore(  # type: ignore[attr-defined]
+                dist.TCPStore(
                     config.host,
                     config.port,
                     is_master=server,
@@ -120,9 +122,7 @@ def _open_store(
     if failure:
         raise failure[0]
     if not result:
-        raise TimeoutError(
-            "no TCPStore answered there (is the port held by another program?)"
-        )
+        raise TimeoutError("no TCPStore answered there (is the port held by another program?)")
     return result[0]
 
 
@@ -172,9 +172,7 @@ class ControlPlane:
             self.run_id = os.urandom(_RUN_ID_BYTES)
             hello = Hello(protocol=PROTOCOL_VERSION, session=config.session, run_id=self.run_id)
             nonce = os.urandom(_NONCE_BYTES)
-            value = nonce + self._hello_aead.encrypt(
-                nonce, codec.to_msgpack(hello), full.encode()
-            )
+            value = nonce + self._hello_aead.encrypt(nonce, codec.to_msgpack(hello), full.encode())
             self._call("publishing 'hello'", lambda: self._store.set(full, value))  # type: ignore[arg-type]
         else:
             self.wait(["hello"])
@@ -211,8 +209,12 @@ class ControlPlane:
 
     def auth_failures(self) -> int:
         """How many members were refused because they hold another token."""
-        return int(self._call("reading auth failures",
-                              lambda: self._store.add(self._prefix + self._AUTH_FAILURES, 0)))
+        return int(
+            self._call(
+                "reading auth failures",
+                lambda: self._store.add(self._prefix + self._AUTH_FAILURES, 0),
+            )
+        )
 
     # -- the store, with the controller's loss named -----------------------------------------
 
@@ -329,9 +331,7 @@ class ControlPlane:
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def barrier(
-        self, name: str, count: int, index: int, timeout_s: float | None = None
-    ) -> None:
+    def barrier(self, name: str, count: int, index: int, timeout_s: float | None = None) -> None:
         """Block until members 0..`count`-1 have entered the barrier `name` (used once per
         name); this member is `index`. Each arrival is a sealed value: a stranger's write
         fails authentication instead of releasing the barrier early.

@@ -30,10 +30,10 @@ from weight_transfer.backends.base import (
     TransportTimeoutError,
     WeightTransferError,
 )
-from weight_transfer.planner.plan import plan
-from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.planner.plan import plan
+from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
 from weight_transfer.protocol import (
     Decision,
     Digests,
@@ -213,8 +213,11 @@ class Controller:
         t0 = time.perf_counter()
         schedule = plan(self.sources, [j.manifest for j in joins], self.config.planner)
         log.info(
-            "plan %d: %d tasks for %d ranks -> %d engines in %.3f s", self.epoch,
-            sum(len(r.tasks) for r in schedule.ranks), len(self.sources), len(joins),
+            "plan %d: %d tasks for %d ranks -> %d engines in %.3f s",
+            self.epoch,
+            sum(len(r.tasks) for r in schedule.ranks),
+            len(self.sources),
+            len(joins),
             time.perf_counter() - t0,
         )
         self.joins = {j.manifest.engine: j for j in joins}
@@ -262,7 +265,8 @@ class Controller:
                 cp.wait([f"engine_slot/{i}" for i in range(self._slots_read, claimed)])
                 self._read_slots(claimed)
                 waiting = [
-                    e for e in names
+                    e
+                    for e in names
                     if e not in self._latest
                     or (e in rejoined and self._latest[e][0] <= self._slot_of.get(e, -1))
                 ]
@@ -364,7 +368,8 @@ class Controller:
         groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
         keys += [
             f"barrier/group/{step}/{g}/{r}"
-            for g in range(1, groups) for r in range(self.config.num_trainer_ranks)
+            for g in range(1, groups)
+            for r in range(self.config.num_trainer_ranks)
         ]
         if self._janitor is None:
             self._janitor = _Janitor(self.control)
@@ -404,8 +409,11 @@ class Controller:
                 if waiting:
                     time.sleep(0.01)
             if waiting:
-                log.info("controller: closing before engine(s) %s saw update %d", waiting,
-                         self._last_committed)
+                log.info(
+                    "controller: closing before engine(s) %s saw update %d",
+                    waiting,
+                    self._last_committed,
+                )
         if self._janitor is not None:
             self._janitor.close()
         self.control.close()

@@ -18,7 +18,6 @@ __all__ = [
 ]
 
 
-
 class WeightTransferError(RuntimeError):
     """Base class of every error this project raises on purpose."""
 

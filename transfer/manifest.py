@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"bfloat16" for torch.bfloat16."""
+    """ "bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
 
 

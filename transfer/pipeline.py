@@ -46,6 +46,7 @@ from weight_transfer.backends.base import (
     WriteHandle,
     WriteOp,
 )
+from weight_transfer.manifest import local_part, torch_dtype
 from weight_transfer.planner.types import (
     Box,
     QuantWrite,
@@ -56,7 +57,6 @@ from weight_transfer.planner.types import (
     box_shape,
     numel,
 )
-from weight_transfer.manifest import local_part, torch_dtype
 
 try:
     from torch.distributed.tensor import DTensor
@@ -141,7 +141,7 @@ class StagingArena:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The uint8 slice of the arena at `offset`."""
-        return self.buffer[offset:offset + nbytes]
+        return self.buffer[offset : offset + nbytes]
 
 
 @dataclasses.dataclass(slots=True)
@@ -321,7 +321,9 @@ def _slices(box: Box, origin: Sequence[int] | None = None) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), o in zip(box, origin, strict=True))
 
 
-def default_quantize(x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_s: torch.Tensor) -> None:
+def default_quantize(
+    x: torch.Tensor, block: tuple[int, int], out_q: torch.Tensor, out_s: torch.Tensor
+) -> None:
     """Quantize into `out_q`/`out_s` with the GPU kernel on CUDA, else the reference."""
     if x.is_cuda:
         from weight_transfer.kernels.fp8_triton import quantize_fp8
@@ -388,7 +390,8 @@ class Executor:
         # torch.cuda.Stream/Event constructors are unannotated in torch's stubs.
         self._stream = (
             torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-            if device.type == "cuda" else None
+            if device.type == "cuda"
+            else None
         )
         self._static: dict[int, _StaticTask] = {}
         for t in schedule.tasks:
@@ -417,7 +420,9 @@ class Executor:
                 self._graphs = {}
                 self._graph_skip = set()
             except RuntimeError as exc:  # capture refused (driver, allocator): run eagerly
-                log.warning("trainer rank %d: CUDA graph capture failed, running eagerly: %s", rank, exc)
+                log.warning(
+                    "trainer rank %d: CUDA graph capture failed, running eagerly: %s", rank, exc
+                )
                 self._graphs = {}
                 self._graph_skip = set()
                 torch.cuda.synchronize(device)
@@ -464,8 +469,12 @@ class Executor:
                 other exception of a stage is raised as it is.
         """
         st = _RunState(
-            step=step, t0=time.perf_counter(), deadline=time.monotonic() + timeout_s,
-            timeout_s=timeout_s, ready=queue.Queue(), abort=threading.Event(),
+            step=step,
+            t0=time.perf_counter(),
+            deadline=time.monotonic() + timeout_s,
+            timeout_s=timeout_s,
+            ready=queue.Queue(),
+            abort=threading.Event(),
             cancelled=cancelled,
         )
         self._settle_quarantine()
@@ -477,7 +486,9 @@ class Executor:
         worker: threading.Thread | None = None
         if self._prepare_stage:
             worker = threading.Thread(
-                target=self._prepare_loop, args=(st,), name=f"wt-prepare-r{self.rank}",
+                target=self._prepare_loop,
+                args=(st,),
+                name=f"wt-prepare-r{self.rank}",
                 daemon=True,
             )
             # Preparation starts at once; a failure while posting the static batches sets
@@ -539,7 +550,8 @@ class Executor:
         if worker.is_alive():
             log.warning(
                 "trainer rank %d: preparation of update %d still running at its deadline",
-                self.rank, st.step,
+                self.rank,
+                st.step,
             )
         for p in st.waiting:
             self._release(p)
@@ -654,7 +666,9 @@ class Executor:
             for tid in batch.task_ids:
                 task = self._task_by_id[tid]
                 recs.append(TaskRecord(tid, task.kind, task.nbytes, now, now, now, now))
-            first = self._task_by_id[batch.task_ids[0]] if batch.task_ids else self.schedule.tasks[0]
+            first = (
+                self._task_by_id[batch.task_ids[0]] if batch.task_ids else self.schedule.tasks[0]
+            )
             rec = recs[0] if recs else TaskRecord(first.task_id, first.kind, 0)
             p = _Prepared(first, rec, {batch.peer: batch.ops}, [], 0, None)
             # In flight before posting: a failed post leaves the batches posted before it to be
@@ -795,9 +809,7 @@ class Executor:
         for i, e in enumerate(engines):
             vdesc = self.descriptors[e][self.version_regions[e]]
             handles.append(
-                self.transport.post_writes(
-                    e, [WriteOp(self._version_region, i * 8, vdesc, 0, 8)]
-                )
+                self.transport.post_writes(e, [WriteOp(self._version_region, i * 8, vdesc, 0, 8)])
             )
         for h in handles:
             self.transport.wait(h, timeout_s)
@@ -810,14 +822,19 @@ class Executor:
         # Admission: scratch within budget (a task alone may use it all), staging from the arena.
         while True:
             with self._lock:
-                if self._scratch_in_use == 0 or self._scratch_in_use + task.scratch_bytes <= self.scratch_budget:
+                if (
+                    self._scratch_in_use == 0
+                    or self._scratch_in_use + task.scratch_bytes <= self.scratch_budget
+                ):
                     self._scratch_in_use += task.scratch_bytes
                     self._scratch_peak = max(self._scratch_peak, self._scratch_in_use)
                     break
             if abort.is_set():
                 return None
             if time.monotonic() > deadline:
-                raise TransportTimeoutError(f"trainer rank {self.rank}: task {task.task_id} never admitted")
+                raise TransportTimeoutError(
+                    f"trainer rank {self.rank}: task {task.task_id} never admitted"
+                )
             self.arena.wait_change(0.01)
         blocks: list[tuple[int, int]] = []
         try:
@@ -853,7 +870,12 @@ class Executor:
         return dict(ops)
 
     def _prepare(
-        self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event,
+        self,
+        task: Task,
+        rec: TaskRecord,
+        t0: float,
+        deadline: float,
+        abort: threading.Event,
         blocks: list[tuple[int, int]],
     ) -> _Prepared:
         rec.admit = time.perf_counter() - t0
@@ -890,7 +912,11 @@ class Executor:
         work_of: dict[int, tuple[int, int]] = {}
         pos = 0
         for t in todo:
-            if t.kind != "direct" or not t.gather or not all(isinstance(w, QuantWrite) for w in t.writes):
+            if (
+                t.kind != "direct"
+                or not t.gather
+                or not all(isinstance(w, QuantWrite) for w in t.writes)
+            ):
                 raise _NotGraphable(f"task {t.task_id} is not a local quantization")
             for n in t.gather:
                 local = self._local(n)
@@ -926,7 +952,8 @@ class Executor:
         for item in per_task:
             work, ncalls = work_of[item[0].task_id]
             if groups and (
-                totals[0] + item[1] <= group_limit and totals[1] + work <= _GROUP_BYTES
+                totals[0] + item[1] <= group_limit
+                and totals[1] + work <= _GROUP_BYTES
                 and totals[2] + ncalls <= _GROUP_CALLS
             ):
                 groups[-1].append(item)
@@ -949,7 +976,10 @@ class Executor:
             flat = []
             base = start
             for _task, tsize, layout in members:
-                flat += [(w, aligned, base - start + woff, base - start + soff, direct) for w, aligned, woff, soff, direct in layout]
+                flat += [
+                    (w, aligned, base - start + woff, base - start + soff, direct)
+                    for w, aligned, woff, soff, direct in layout
+                ]
                 base += tsize
             for w, aligned, woff, soff, direct in flat:
                 shape = box_shape(w.dest_box)
@@ -957,14 +987,29 @@ class Executor:
                 if direct is not None:
                     q, sc = direct  # quantize straight into the engine's memory: no staging
                 else:
-                    q = self.arena.view(start + woff, numel(shape)).view(torch.float8_e4m3fn).view(shape[-2], shape[-1])
-                    sc = self.arena.view(start + soff, numel(sshape) * 4).view(torch.float32).view(sshape[-2], sshape[-1])
+                    q = (
+                        self.arena.view(start + woff, numel(shape))
+                        .view(torch.float8_e4m3fn)
+                        .view(shape[-2], shape[-1])
+                    )
+                    sc = (
+                        self.arena.view(start + soff, numel(sshape) * 4)
+                        .view(torch.float32)
+                        .view(sshape[-2], sshape[-1])
+                    )
                 b0, b1 = w.block
                 for p, (r0, r1, c0, c1) in aligned:
-                    src = self._local_as_global(p.source)[_slices(p.source_box)].reshape(r1 - r0, c1 - c0)
-                    calls.append(_QuantCall(
-                        src, w.block, q[r0:r1, c0:c1], sc[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)]
-                    ))
+                    src = self._local_as_global(p.source)[_slices(p.source_box)].reshape(
+                        r1 - r0, c1 - c0
+                    )
+                    calls.append(
+                        _QuantCall(
+                            src,
+                            w.block,
+                            q[r0:r1, c0:c1],
+                            sc[r0 // b0 : -(-r1 // b0), c0 // b1 : -(-c1 // b1)],
+                        )
+                    )
                 if direct is not None:
                     keep += [q, sc]
                     continue
@@ -980,13 +1025,23 @@ class Executor:
             with torch.cuda.graph(graph, stream=self._stream):
                 for launch in launches:
                     launch()
-            keep += [t for launch in launches if isinstance(launch, _TableLaunch)
-                     for t in (launch.table.units, launch.table.block_unit)]
+            keep += [
+                t
+                for launch in launches
+                if isinstance(launch, _TableLaunch)
+                for t in (launch.table.units, launch.table.block_unit)
+            ]
             first = members[0][0]
             names = tuple(sorted({n for t, _, _ in members for n in t.gather}))
             nbytes = sum(t.nbytes for t, _, _ in members)
             graphs[first.task_id] = _GraphGroup(
-                graph, dict(ops), start, start + size, names, nbytes, direct=tuple(keep),
+                graph,
+                dict(ops),
+                start,
+                start + size,
+                names,
+                nbytes,
+                direct=tuple(keep),
                 fast_check=_PointerCheck.of([self.sources[n].param for n in names]),
             )
             for t, _, _ in members[1:]:
@@ -1025,8 +1080,12 @@ class Executor:
             return None
         descs = self.descriptors[w.engine]
         try:
-            qv = self.transport.direct_view(w.engine, descs[wr.region], wr.offset_bytes, wr.nbytes, self.device)
-            sv = self.transport.direct_view(w.engine, descs[sr.region], sr.offset_bytes, sr.nbytes, self.device)
+            qv = self.transport.direct_view(
+                w.engine, descs[wr.region], wr.offset_bytes, wr.nbytes, self.device
+            )
+            sv = self.transport.direct_view(
+                w.engine, descs[sr.region], sr.offset_bytes, sr.nbytes, self.device
+            )
         except (ValueError, WeightTransferError) as exc:  # e.g. not connected yet: stage it
             log.info("trainer rank %d: %s staged, no direct view: %s", self.rank, w.dest, exc)
             return None
@@ -1092,7 +1151,9 @@ class Executor:
             self._scratch_in_use -= p.scratch
         p.scratch = 0
 
-    def _alloc(self, nbytes: int, blocks: list[tuple[int, int]], deadline: float, abort: threading.Event) -> int:
+    def _alloc(
+        self, nbytes: int, blocks: list[tuple[int, int]], deadline: float, abort: threading.Event
+    ) -> int:
         while True:
             off = self.arena.try_alloc(nbytes)
             if off is not None:
@@ -1102,7 +1163,8 @@ class Executor:
                 raise WeightTransferError("update aborted")
             if time.monotonic() > deadline:
                 raise TransportTimeoutError(
-                    f"trainer rank {self.rank}: no staging memory for {nbytes} bytes before the deadline"
+                    f"trainer rank {self.rank}: no staging memory for {nbytes} bytes before the "
+                    "deadline"
                 )
             self.arena.wait_change(0.01)
 
@@ -1183,12 +1245,19 @@ class Executor:
         if keep:
             log.warning(
                 "trainer rank %d: %d task(s) of a failed update still have writes in flight; "
-                "their staging memory stays reserved", self.rank, len(keep),
+                "their staging memory stays reserved",
+                self.rank,
+                len(keep),
             )
         self._quarantine = keep
 
     def _ops_for_runs(
-        self, engine: str, runs: Sequence[WriteRun], source: Region, base: int, ops: dict[str, list[WriteOp]]
+        self,
+        engine: str,
+        runs: Sequence[WriteRun],
+        source: Region,
+        base: int,
+        ops: dict[str, list[WriteOp]],
     ) -> None:
         descs = self.descriptors[engine]
         off = base
@@ -1216,7 +1285,7 @@ class Executor:
             src = local[_slices(w.source_box, origin)]
             if w.zero_copy and b.region is not None:
                 assert src.is_contiguous() or src.numel() == 1
-                base = (src.data_ptr() - b.region.address)
+                base = src.data_ptr() - b.region.address
                 self._ops_for_runs(w.engine, w.runs, b.region, base, ops)
                 return
         nbytes = w.nbytes
@@ -1255,8 +1324,10 @@ class Executor:
                 if src.device != q2.device:
                     src = src.to(q2.device, non_blocking=True)
                 self.quantize(
-                    src, w.block, q2[r0:r1, c0:c1],
-                    s2[r0 // b0:-(-r1 // b0), c0 // b1:-(-c1 // b1)],
+                    src,
+                    w.block,
+                    q2[r0:r1, c0:c1],
+                    s2[r0 // b0 : -(-r1 // b0), c0 // b1 : -(-c1 // b1)],
                 )
         else:
             dev = next(iter(fulls.values())).device if fulls else self.device
@@ -1298,9 +1369,14 @@ class _PointerCheck:
     @staticmethod
     def of(params: list[Any]) -> _PointerCheck | None:
         """None for a mix of DTensors and plain tensors (checked one by one instead)."""
-        if DTensor is not None and params and all(
-            isinstance(p, DTensor) and isinstance(getattr(p, "_local_tensor", None), torch.Tensor)
-            for p in params
+        if (
+            DTensor is not None
+            and params
+            and all(
+                isinstance(p, DTensor)
+                and isinstance(getattr(p, "_local_tensor", None), torch.Tensor)
+                for p in params
+            )
         ):
             getter: Any = operator.attrgetter("_local_tensor")
         elif DTensor is None or not any(isinstance(p, DTensor) for p in params):
@@ -1386,7 +1462,9 @@ def _block_aligned_parts(
     b0, b1 = w.block
     out = []
     for p in w.parts:
-        (r0, r1), (c0, c1) = [(a - o, b - o) for (a, b), o in zip(p.dest_box[-2:], origin[-2:], strict=True)]
+        (r0, r1), (c0, c1) = [
+            (a - o, b - o) for (a, b), o in zip(p.dest_box[-2:], origin[-2:], strict=True)
+        ]
         if r0 % b0 or c0 % b1 or (r1 % b0 and r1 != rows) or (c1 % b1 and c1 != cols):
             return None
         if numel(box_shape(p.source_box)) != (r1 - r0) * (c1 - c0):
@@ -1405,7 +1483,10 @@ def trace_events(
     """
     events: list[dict[str, Any]] = []
     for r in records:
-        for stage, a, b in (("prepare", r.prepare_start, r.prepare_end), ("write", r.write_start, r.write_end)):
+        for stage, a, b in (
+            ("prepare", r.prepare_start, r.prepare_end),
+            ("write", r.write_start, r.write_end),
+        ):
             if b > a:
                 events.append(
                     {

@@ -24,10 +24,10 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
+from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,10 @@ class WeightReceiver:
             raise
         log.info(
             "engine %s: registered %d tensors in %d regions over %s",
-            engine, len(self._manifest.tensors), len(self._manifest.regions), self._transport.name,
+            engine,
+            len(self._manifest.tensors),
+            len(self._manifest.regions),
+            self._transport.name,
         )
 
     def _publish_join(self) -> None:
@@ -159,8 +162,9 @@ class WeightReceiver:
                 "(the controller did not restart; a restarted engine passes rejoin=True)"
             )
         self._publish_join()
-        log.info("engine %s: joined a new control plane session (version %d)",
-                 self.engine, self.version)
+        log.info(
+            "engine %s: joined a new control plane session (version %d)", self.engine, self.version
+        )
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -208,7 +212,10 @@ class WeightReceiver:
             s = t.untyped_storage()
             idx = None
             for i, r in enumerate(self._regions):
-                if r.tensor.untyped_storage().data_ptr() == s.data_ptr() and r.tensor.device == t.device:
+                if (
+                    r.tensor.untyped_storage().data_ptr() == s.data_ptr()
+                    and r.tensor.device == t.device
+                ):
                     idx = i
                     break
             assert idx is not None, f"storage of {n} not registered"
@@ -336,8 +343,12 @@ class WeightReceiver:
         d = self.digests()
         self._control.put(
             f"digest/{step}/{self.engine}",
-            Digests(engine=self.engine, step=step, version=self.version,
-                    digests=tuple(sorted(d.items()))),
+            Digests(
+                engine=self.engine,
+                step=step,
+                version=self.version,
+                digests=tuple(sorted(d.items())),
+            ),
         )
 
     def close(self) -> None:

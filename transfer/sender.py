@@ -22,12 +22,12 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.planner.types import SliceWrite
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
+from weight_transfer.planner.types import SliceWrite
 from weight_transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,18 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
     """
     if DTensor is not None and isinstance(t, DTensor):
         local = t.to_local()
-        if device is not None and local.device != device and t.device_mesh.device_type != local.device.type:
+        if (
+            device is not None
+            and local.device != device
+            and t.device_mesh.device_type != local.device.type
+        ):
             moved = DTensor.from_local(
-                local.to(device, non_blocking=True), t.device_mesh, t.placements,
-                run_check=False, shape=t.shape, stride=t.stride(),
+                local.to(device, non_blocking=True),
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
             )
             return moved.full_tensor()
         return t.full_tensor()
@@ -102,8 +110,10 @@ class WeightSender:
             first = next(iter(self._params.values()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
-        self._control = controller.control if controller else ControlPlane(
-            control, server=False, member=f"trainer rank {rank}"
+        self._control = (
+            controller.control
+            if controller
+            else ControlPlane(control, server=False, member=f"trainer rank {rank}")
         )
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
@@ -137,9 +147,7 @@ class WeightSender:
             raise WeightTransferError(self._control.get(key, Failure).message)
         return self._control.get(key, RankPlan)
 
-    def replan(
-        self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()
-    ) -> None:
+    def replan(self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()) -> None:
         """Switch to a new plan after engines restarted, joined or left. Collective.
 
         Every trainer rank calls it between updates with the same arguments; the rank hosting
@@ -167,7 +175,9 @@ class WeightSender:
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
         self._executor = self._build(rp)
-        log.info("trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks))
+        log.info(
+            "trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks)
+        )
 
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
@@ -180,7 +190,9 @@ class WeightSender:
 
     def _build(self, rp: RankPlan) -> Executor:
         zero_copy = {
-            w.source for t in self.schedule.tasks for w in t.writes
+            w.source
+            for t in self.schedule.tasks
+            for w in t.writes
             if isinstance(w, SliceWrite) and w.zero_copy
         }
         regions: dict[tuple[str, int], Any] = {}
@@ -198,7 +210,9 @@ class WeightSender:
                     self._source_regions.append(regions[key])
                 region = regions[key]
             bindings[name] = SourceBinding(
-                param=p, local_box=self._boxes.get(name), region=region,
+                param=p,
+                local_box=self._boxes.get(name),
+                region=region,
                 storage_ptr=local.untyped_storage().data_ptr(),
             )
         for engine, endpoint in rp.endpoints:
@@ -238,7 +252,9 @@ class WeightSender:
             TransportTimeoutError: a wait ran past `config.update_timeout_s`.
         """
         if step <= self._last_step:
-            raise ValueError(f"update step {step} must be larger than the previous ({self._last_step})")
+            raise ValueError(
+                f"update step {step} must be larger than the previous ({self._last_step})"
+            )
         self._current_step = step
         timeout = self.config.update_timeout_s
         cp = self._control
@@ -253,7 +269,8 @@ class WeightSender:
         t0 = time.perf_counter()
         try:
             stats = self._executor.run(
-                step, timeout,
+                step,
+                timeout,
                 # Only another trainer rank can abort an update midway.
                 cancelled=self._peer_failure(step) if self.world_size > 1 else None,
                 on_failure=lambda exc: cp.put(
@@ -270,8 +287,14 @@ class WeightSender:
             else:
                 log.exception("trainer rank %d: update %d failed", self.rank, step)
         t_exec = time.perf_counter()
-        done = Done(rank=self.rank, step=step, ok=not error, error=error,
-                    nbytes=stats.nbytes if stats else 0, seconds=time.perf_counter() - t0)
+        done = Done(
+            rank=self.rank,
+            step=step,
+            ok=not error,
+            error=error,
+            nbytes=stats.nbytes if stats else 0,
+            seconds=time.perf_counter() - t0,
+        )
         # The rank hosting the controller hands its reports over in memory: with one trainer
         # rank an update's control plane is then a single store write (the result).
         if self.controller is not None:
@@ -291,10 +314,16 @@ class WeightSender:
         except Exception as exc:  # reported like any other failure, then raised on every rank
             cause = exc
             error = self._describe(exc)
-            log.error("trainer rank %d: writing version words of update %d failed: %s",
-                      self.rank, step, error)
+            log.error(
+                "trainer rank %d: writing version words of update %d failed: %s",
+                self.rank,
+                step,
+                error,
+            )
         t_versions = time.perf_counter()
-        committed = Done(rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0)
+        committed = Done(
+            rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0
+        )
         if self.controller is not None:
             result = self.controller.decide(step, Phase.COMMITTED, timeout, own=committed)
         else:
@@ -307,18 +336,27 @@ class WeightSender:
             try:
                 self._executor.write_versions(self._committed_step, timeout)
             except Exception as exc:  # an engine that is gone keeps what it had
-                log.warning("trainer rank %d: rolling back version words of update %d: %s",
-                            self.rank, step, exc)
+                log.warning(
+                    "trainer rank %d: rolling back version words of update %d: %s",
+                    self.rank,
+                    step,
+                    exc,
+                )
             raise WeightTransferError(
                 f"update {step}: version words not all written: {result.error}"
             ) from cause
         self._committed_step = step
         assert stats is not None
         t_end = time.perf_counter()
-        stats = dataclasses.replace(stats, phases=(
-            ("go", t0 - t_go), ("done", t_done - t_exec), ("versions", t_versions - t_done),
-            ("result", t_end - t_versions),
-        ))
+        stats = dataclasses.replace(
+            stats,
+            phases=(
+                ("go", t0 - t_go),
+                ("done", t_done - t_exec),
+                ("versions", t_versions - t_done),
+                ("result", t_end - t_versions),
+            ),
+        )
         if self.config.record_trace:
             self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]

@@ -36,7 +36,7 @@ def fingerprint(t: torch.Tensor) -> int:
     words = b.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=b.device)
     for start in range(0, words.numel(), _CHUNK):
-        w = words[start:start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        w = words[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
         idx = torch.arange(start, start + w.numel(), device=b.device, dtype=torch.int64)
         total += (w * (idx % 1021 + 1)).sum()
     return int(total.item()) & ((1 << 64) - 1)
@@ -52,10 +52,12 @@ def keyed_digest(t: torch.Tensor, key: int) -> tuple[int, int]:
     g = torch.Generator(device=b.device)
     sums = [torch.zeros((), dtype=torch.int64, device=b.device) for _ in range(2)]
     for start in range(0, words.numel(), _CHUNK):
-        w = words[start:start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        w = words[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
         for i, acc in enumerate(sums):
             g.manual_seed((key * 2654435761 + start * 2 + i) & ((1 << 63) - 1))
-            k = torch.randint(0, 1 << 62, (w.numel(),), generator=g, device=b.device, dtype=torch.int64)
+            k = torch.randint(
+                0, 1 << 62, (w.numel(),), generator=g, device=b.device, dtype=torch.int64
+            )
             acc += (w * k).sum()
     mask = (1 << 64) - 1
     return int(sums[0].item()) & mask, int(sums[1].item()) & mask

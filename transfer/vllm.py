@@ -34,10 +34,11 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
+
 from weight_transfer.backends.base import TransportConfig
-from weight_transfer.errors import ConfigurationError, TransportTimeoutError, WeightTransferError
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
+from weight_transfer.errors import ConfigurationError, TransportTimeoutError, WeightTransferError
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
 
@@ -101,19 +102,26 @@ class EngineInitInfo:
         if not self.engine_prefix or "/" in self.engine_prefix:
             raise ValueError("engine_prefix must be non-empty and contain no '/'")
         if self.hf_moe_layout not in ("per_expert", "fused"):
-            raise ValueError(f"hf_moe_layout must be per_expert or fused, got {self.hf_moe_layout!r}")
+            raise ValueError(
+                f"hf_moe_layout must be per_expert or fused, got {self.hf_moe_layout!r}"
+            )
 
     def control(self) -> ControlPlaneConfig:
         """The `ControlPlaneConfig` this describes."""
         return ControlPlaneConfig(
-            host=self.host, port=self.port, token=self.token, session=self.session,
+            host=self.host,
+            port=self.port,
+            token=self.token,
+            session=self.session,
             timeout_s=self.timeout_s,
         )
 
     def transport_config(self) -> TransportConfig:
         """The `TransportConfig` this describes."""
         listen = "127.0.0.1" if self.host == "localhost" else self.host
-        return TransportConfig(name=self.transport, listen_host=listen, options=self.transport_options)
+        return TransportConfig(
+            name=self.transport, listen_host=listen, options=self.transport_options
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form for `init_weight_transfer_engine`."""
@@ -195,10 +203,16 @@ class TrainerInitInfo:
     def engine_init_info(self) -> EngineInitInfo:
         """The `EngineInitInfo` rank 0 sends to the vLLM workers."""
         return EngineInitInfo(
-            host=self.host, port=self.port, token=self.token, session=self.session,
-            timeout_s=self.timeout_s, transport=self.transport,
-            transport_options=self.transport_options, engine_prefix=self.engine_prefix,
-            publish_digests=self.publish_digests, hf_moe_layout=self.hf_moe_layout,
+            host=self.host,
+            port=self.port,
+            token=self.token,
+            session=self.session,
+            timeout_s=self.timeout_s,
+            transport=self.transport,
+            transport_options=self.transport_options,
+            engine_prefix=self.engine_prefix,
+            publish_digests=self.publish_digests,
+            hf_moe_layout=self.hf_moe_layout,
         )
 
 
@@ -349,7 +363,9 @@ class OneSidedUpdater:
         """
         step = self.last_step + 1 if step is None else step
         if step <= self.last_step:
-            raise ValueError(f"update step {step} must be larger than the previous ({self.last_step})")
+            raise ValueError(
+                f"update step {step} must be larger than the previous ({self.last_step})"
+            )
         self.last_step = step
         if not self.is_sender:
             return self.sender.update(step)

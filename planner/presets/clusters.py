@@ -64,14 +64,26 @@ _EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
 LARGE_SHAPES: dict[str, ModelShape] = {
     # Qwen/Qwen3-235B-A22B config.json.
     "qwen3-235b-a22b": ModelShape(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94,
-        num_heads=64, num_kv_heads=4, head_dim=128, num_experts=128,
-        moe_intermediate_size=1536, qk_norm=True,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        moe_intermediate_size=1536,
+        qk_norm=True,
     ),
     # meta-llama/Llama-3.1-405B config.json.
     "llama-3.1-405b": ModelShape(
-        vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126,
-        num_heads=128, num_kv_heads=8, head_dim=128,
+        vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        head_dim=128,
     ),
 }
 """Large Llama/Qwen-style shapes used by the cluster presets."""
@@ -79,9 +91,19 @@ LARGE_SHAPES: dict[str, ModelShape] = {
 SMALL_MLA: dict[str, MlaShape] = {
     # Kimi-K2's structure (MLA, first dense layer, shared + routed experts) at toy sizes.
     "kimi-k2-mini": MlaShape(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=8,
-        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, num_experts=16, moe_intermediate_size=128, num_shared_experts=1,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+        num_heads=8,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=16,
+        moe_intermediate_size=128,
+        num_shared_experts=1,
         first_k_dense=1,
     ),
 }
@@ -92,14 +114,29 @@ AnyShape = ModelShape | MlaShape
 EMU_SHAPES: dict[str, AnyShape] = {
     # Llama-style, 13.6 M parameters (27 MB in BF16): tens of MB at 10-50 MB/s per link.
     "emu-dense": ModelShape(
-        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=3, num_heads=8,
-        num_kv_heads=4, head_dim=64,
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
     ),
     # Kimi-K2's structure (MLA, a first dense layer, shared + 16 routed experts) at tens of MB.
     "emu-moe": MlaShape(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=3, num_heads=8,
-        q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, num_experts=16, moe_intermediate_size=256, num_shared_experts=1,
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=3,
+        num_heads=8,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=16,
+        moe_intermediate_size=256,
+        num_shared_experts=1,
         first_k_dense=1,
     ),
 }
@@ -233,10 +270,13 @@ def _h200x2(name: str, model: str, *, fp8: bool = False, colocated: bool = False
     engine with tp=2 over both GPUs."""
     n = 2 if colocated else 1
     return ClusterPreset(
-        name=name, model=model,
+        name=name,
+        model=model,
         trainer=TrainerLayout(num_gpus=n, dense_shard_size=n, expert_shard_size=n),
         engine=EngineLayout(num_replicas=1, tp=n, fp8=fp8),
-        gpus_per_node=2, rates=H200X2_RATES, shared_hosts=True,
+        gpus_per_node=2,
+        rates=H200X2_RATES,
+        shared_hosts=True,
     )
 
 
@@ -252,12 +292,17 @@ about 19.2 MB/s of TCP payload (1448 of every 1514 frame bytes). `weight-transfe
 measures the ceiling and the CPU's copy and quantize rates in the same run and uses those."""
 
 
-def _emu(name: str, model: str, trainer: int, dense: int, expert: int, engine: EngineLayout) -> ClusterPreset:
+def _emu(
+    name: str, model: str, trainer: int, dense: int, expert: int, engine: EngineLayout
+) -> ClusterPreset:
     """An emulated cluster: every trainer and engine rank is a host of its own (one NIC each)."""
     return ClusterPreset(
-        name=name, model=model,
+        name=name,
+        model=model,
         trainer=TrainerLayout(num_gpus=trainer, dense_shard_size=dense, expert_shard_size=expert),
-        engine=engine, gpus_per_node=1, rates=EMU_RATES,
+        engine=engine,
+        gpus_per_node=1,
+        rates=EMU_RATES,
     )
 
 
@@ -265,29 +310,34 @@ PRESETS: dict[str, ClusterPreset] = {
     # Perplexity's setting: 256 BF16 trainer GPUs -> 128 FP8 engine GPUs, 400 Gb/s per GPU.
     # Engines: 4 replicas of 32 GPUs (DP-attention 4 x tp 8, experts EP 32).
     "kimi-k2": ClusterPreset(
-        name="kimi-k2", model="kimi-k2",
+        name="kimi-k2",
+        model="kimi-k2",
         trainer=TrainerLayout(num_gpus=256, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=4, tp=8, ep=32),
     ),
     # The same 128 engine GPUs as 8 replicas of 16 (tp 16, EP 16): twice the bytes to receive.
     "kimi-k2-ep16": ClusterPreset(
-        name="kimi-k2-ep16", model="kimi-k2",
+        name="kimi-k2-ep16",
+        model="kimi-k2",
         trainer=TrainerLayout(num_gpus=256, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=8, tp=16, ep=16),
     ),
     "deepseek-v3": ClusterPreset(
-        name="deepseek-v3", model="deepseek-v3",
+        name="deepseek-v3",
+        model="deepseek-v3",
         trainer=TrainerLayout(num_gpus=128, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=4, tp=8, ep=16),
     ),
     # Perplexity's earlier post: Qwen3-235B, 128 -> 32 GPUs.
     "qwen3-235b-a22b": ClusterPreset(
-        name="qwen3-235b-a22b", model="qwen3-235b-a22b",
+        name="qwen3-235b-a22b",
+        model="qwen3-235b-a22b",
         trainer=TrainerLayout(num_gpus=128, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=4, tp=8),
     ),
     "llama-3.1-405b": ClusterPreset(
-        name="llama-3.1-405b", model="llama-3.1-405b",
+        name="llama-3.1-405b",
+        model="llama-3.1-405b",
         trainer=TrainerLayout(num_gpus=128, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=8, tp=8),
     ),
@@ -298,20 +348,24 @@ PRESETS: dict[str, ClusterPreset] = {
     "h200x2-qwen3-30b-bf16": _h200x2("h200x2-qwen3-30b-bf16", "qwen3-30b-a3b"),
     # Kimi-K2's structure at toy sizes: 32 trainer GPUs -> 2 replicas of 8 engine GPUs.
     "kimi-k2-mini": ClusterPreset(
-        name="kimi-k2-mini", model="kimi-k2-mini",
+        name="kimi-k2-mini",
+        model="kimi-k2-mini",
         trainer=TrainerLayout(num_gpus=32, dense_shard_size=8, expert_shard_size=8),
         engine=EngineLayout(num_replicas=2, tp=4, ep=8),
     ),
     # Emulated clusters (`weight-transfer emulate`, docs/simulator.md): one host per rank.
     # 8 trainer ranks (FSDP over all 8) -> 2 BF16 replicas x tp 2.
-    "emu-dense": _emu("emu-dense", "emu-dense", 8, 8, 8,
-                      EngineLayout(num_replicas=2, tp=2, fp8=False)),
+    "emu-dense": _emu(
+        "emu-dense", "emu-dense", 8, 8, 8, EngineLayout(num_replicas=2, tp=2, fp8=False)
+    ),
     # The same into FP8 engines, HSDP: 2 replica meshes of 4, so quantized units are gathered.
-    "emu-dense-fp8": _emu("emu-dense-fp8", "emu-dense", 8, 4, 4,
-                          EngineLayout(num_replicas=2, tp=2, fp8=True)),
+    "emu-dense-fp8": _emu(
+        "emu-dense-fp8", "emu-dense", 8, 4, 4, EngineLayout(num_replicas=2, tp=2, fp8=True)
+    ),
     # MoE: HSDP meshes of 4 for dense tensors, 2 expert meshes of 4; 1 BF16 replica (tp 2, EP 4).
-    "emu-moe": _emu("emu-moe", "emu-moe", 8, 4, 4,
-                    EngineLayout(num_replicas=1, tp=2, ep=4, fp8=False)),
+    "emu-moe": _emu(
+        "emu-moe", "emu-moe", 8, 4, 4, EngineLayout(num_replicas=1, tp=2, ep=4, fp8=False)
+    ),
 }
 """Named cluster presets."""
 
@@ -344,9 +398,7 @@ def chunk_bounds(size: int, num_chunks: int) -> tuple[tuple[int, int], ...]:
     if num_chunks < 1:
         raise ValueError(f"cannot chunk into {num_chunks} parts")
     step = -(-size // num_chunks) if size else 0
-    return tuple(
-        (min(size, i * step), min(size, (i + 1) * step)) for i in range(num_chunks)
-    )
+    return tuple((min(size, i * step), min(size, (i + 1) * step)) for i in range(num_chunks))
 
 
 def trainer_host(preset: ClusterPreset, rank: int) -> str:
@@ -440,8 +492,9 @@ def source_manifests(preset: ClusterPreset) -> list[SourceManifest]:
                 for name, dims, dtype, bx in experts_by_mesh[m]
             )
         out.append(
-            SourceManifest(rank=rank, world_size=world, host=trainer_host(preset, rank),
-                           tensors=tuple(tensors))
+            SourceManifest(
+                rank=rank, world_size=world, host=trainer_host(preset, rank), tensors=tuple(tensors)
+            )
         )
     return out
 
@@ -450,8 +503,12 @@ def _engine_recipes(shape: AnyShape, engine: EngineLayout, k: int) -> tuple[Reci
     tp_rank = k % engine.tp
     if isinstance(shape, MlaShape):
         return mla_recipes(
-            shape, tp_rank=tp_rank, tp_size=engine.tp,
-            ep_rank=k if engine.ep > 1 else 0, ep_size=engine.ep, fp8=engine.fp8,
+            shape,
+            tp_rank=tp_rank,
+            tp_size=engine.tp,
+            ep_rank=k if engine.ep > 1 else 0,
+            ep_size=engine.ep,
+            fp8=engine.fp8,
         )
     if engine.ep > 1:
         raise ConfigurationError(
@@ -500,12 +557,15 @@ def dest_manifests(preset: ClusterPreset) -> list[DestManifest]:
             name = f"r{r}/ep{k}" if e.ep > 1 else f"r{r}/tp{k}"
             out.append(
                 DestManifest(
-                    engine=name, host=engine_host(preset, index),
+                    engine=name,
+                    host=engine_host(preset, index),
                     regions=(
                         DestRegion(0, max(nbytes, 8), f"sim:{name}:0".encode()),
                         DestRegion(1, 8, f"sim:{name}:version".encode()),
                     ),
-                    tensors=rank_tensors, recipes=recipes, version_region=1,
+                    tensors=rank_tensors,
+                    recipes=recipes,
+                    version_region=1,
                 )
             )
     return out
@@ -552,9 +612,9 @@ def model_bytes(preset: ClusterPreset) -> tuple[int, int]:
     shape = get_shape(preset.model)
     train = sum(numel(d) * dtype_size(dt) for _, d, dt, _ in _params(shape, preset.trainer.dtype))
     engine = 0
-    for dm in dest_manifests(dataclasses.replace(
-        preset, engine=dataclasses.replace(preset.engine, num_replicas=1)
-    )):
+    for dm in dest_manifests(
+        dataclasses.replace(preset, engine=dataclasses.replace(preset.engine, num_replicas=1))
+    ):
         engine += sum(numel(t.shape) * dtype_size(t.dtype) for t in dm.tensors)
     return train, engine
 

@@ -117,17 +117,37 @@ class MlaShape:
 MLA_SHAPES: dict[str, MlaShape] = {
     # moonshotai/Kimi-K2-Instruct config.json (1.04T parameters).
     "kimi-k2": MlaShape(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, num_layers=61,
-        num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, num_experts=384, moe_intermediate_size=2048,
-        num_shared_experts=1, first_k_dense=1,
+        vocab_size=163840,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=61,
+        num_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=384,
+        moe_intermediate_size=2048,
+        num_shared_experts=1,
+        first_k_dense=1,
     ),
     # deepseek-ai/DeepSeek-V3 config.json (671B parameters).
     "deepseek-v3": MlaShape(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61,
-        num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, num_experts=256, moe_intermediate_size=2048,
-        num_shared_experts=1, first_k_dense=3,
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=61,
+        num_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=256,
+        moe_intermediate_size=2048,
+        num_shared_experts=1,
+        first_k_dense=3,
     ),
 }
 """Named MLA model shapes."""
@@ -244,63 +264,120 @@ def mla_recipes(
     def mlp(prefix: str, src: str, inter: int) -> list[Recipe]:
         bounds = even(inter, f"{prefix}gate_up_proj.weight (intermediate {inter})")
         return [
-            q(fused_gate_up(
-                prefix + "gate_up_proj.weight", src + "gate_proj.weight", src + "up_proj.weight",
-                shape=(inter, h), tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
-            )),
-            q(row_shard(
-                prefix + "down_proj.weight", src + "down_proj.weight", (h, inter),
-                tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
-            )),
+            q(
+                fused_gate_up(
+                    prefix + "gate_up_proj.weight",
+                    src + "gate_proj.weight",
+                    src + "up_proj.weight",
+                    shape=(inter, h),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            ),
+            q(
+                row_shard(
+                    prefix + "down_proj.weight",
+                    src + "down_proj.weight",
+                    (h, inter),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=bounds,
+                )
+            ),
         ]
 
     vocab_bounds = [vocab_rows(shape.vocab_size, r, tp_size) for r in range(tp_size)]
     vocab_shape = (shape.vocab_size, h)
     out: list[Recipe] = [
         column_shard(
-            "model.embed_tokens.weight", "model.embed_tokens.weight", vocab_shape,
-            tp_rank=tp_rank, tp_size=tp_size, bounds=vocab_bounds,
+            "model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+            vocab_shape,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            bounds=vocab_bounds,
         )
     ]
     kv_a_rows = shape.kv_lora_rank + shape.qk_rope_head_dim
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        out.append(q(concat_rows(
-            a + "fused_qkv_a_proj.weight",
-            [
-                (a + "q_a_proj.weight", (shape.q_lora_rank, h), (0, shape.q_lora_rank)),
-                (a + "kv_a_proj_with_mqa.weight", (kv_a_rows, h), (0, kv_a_rows)),
-            ],
-        )))
-        out.append(identity(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight",
-                            (shape.q_lora_rank,)))
+        out.append(
+            q(
+                concat_rows(
+                    a + "fused_qkv_a_proj.weight",
+                    [
+                        (a + "q_a_proj.weight", (shape.q_lora_rank, h), (0, shape.q_lora_rank)),
+                        (a + "kv_a_proj_with_mqa.weight", (kv_a_rows, h), (0, kv_a_rows)),
+                    ],
+                )
+            )
+        )
+        out.append(
+            identity(a + "q_a_layernorm.weight", a + "q_a_layernorm.weight", (shape.q_lora_rank,))
+        )
         qk = shape.qk_head_dim
-        out.append(q(column_shard(
-            a + "q_b_proj.weight", a + "q_b_proj.weight",
-            (shape.num_heads * qk, shape.q_lora_rank), tp_rank=tp_rank, tp_size=tp_size,
-            bounds=[(r0 * qk, r1 * qk) for r0, r1 in split_bounds(shape.num_heads, tp_size)],
-        )))
-        out.append(identity(a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight",
-                            (shape.kv_lora_rank,)))
+        out.append(
+            q(
+                column_shard(
+                    a + "q_b_proj.weight",
+                    a + "q_b_proj.weight",
+                    (shape.num_heads * qk, shape.q_lora_rank),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=[
+                        (r0 * qk, r1 * qk) for r0, r1 in split_bounds(shape.num_heads, tp_size)
+                    ],
+                )
+            )
+        )
+        out.append(
+            identity(
+                a + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", (shape.kv_lora_rank,)
+            )
+        )
         kvh = shape.qk_nope_head_dim + shape.v_head_dim
-        out.append(q(column_shard(
-            a + "kv_b_proj.weight", a + "kv_b_proj.weight",
-            (shape.num_heads * kvh, shape.kv_lora_rank), tp_rank=tp_rank, tp_size=tp_size,
-            bounds=[(r0 * kvh, r1 * kvh) for r0, r1 in split_bounds(shape.num_heads, tp_size)],
-        )))
+        out.append(
+            q(
+                column_shard(
+                    a + "kv_b_proj.weight",
+                    a + "kv_b_proj.weight",
+                    (shape.num_heads * kvh, shape.kv_lora_rank),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=[
+                        (r0 * kvh, r1 * kvh) for r0, r1 in split_bounds(shape.num_heads, tp_size)
+                    ],
+                )
+            )
+        )
         vd = shape.v_head_dim
-        out.append(q(row_shard(
-            a + "o_proj.weight", a + "o_proj.weight", (h, shape.num_heads * vd),
-            tp_rank=tp_rank, tp_size=tp_size,
-            bounds=[(r0 * vd, r1 * vd) for r0, r1 in split_bounds(shape.num_heads, tp_size)],
-        )))
+        out.append(
+            q(
+                row_shard(
+                    a + "o_proj.weight",
+                    a + "o_proj.weight",
+                    (h, shape.num_heads * vd),
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    bounds=[
+                        (r0 * vd, r1 * vd) for r0, r1 in split_bounds(shape.num_heads, tp_size)
+                    ],
+                )
+            )
+        )
         if shape.is_moe_layer(i):
             e, inter = shape.num_experts, shape.moe_intermediate_size
             out.append(identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)))
             out.append(identity(p + ROUTER_BIAS, p + ROUTER_BIAS, (e,)))
-            out.extend(mlp(p + "mlp.shared_experts.", p + "mlp.shared_experts.",
-                           shape.shared_intermediate_size))
+            out.extend(
+                mlp(
+                    p + "mlp.shared_experts.",
+                    p + "mlp.shared_experts.",
+                    shape.shared_intermediate_size,
+                )
+            )
             if ep_size > 1:
                 e0, e1 = local_experts(e, ep_rank, ep_size)
                 etp_rank, etp_size, ebounds = 0, 1, None
@@ -309,29 +386,52 @@ def mla_recipes(
                 etp_rank, etp_size = tp_rank, tp_size
                 ebounds = even(inter, f"{p}mlp.experts.w13_weight (moe_intermediate {inter})")
             ex = range(e0, e1)
-            out.append(q(moe_w13(
-                p + "mlp.experts.w13_weight",
-                [expert_param(i, x, "gate") for x in ex],
-                [expert_param(i, x, "up") for x in ex],
-                intermediate_size=inter, hidden_size=h,
-                tp_rank=etp_rank, tp_size=etp_size, bounds=ebounds,
-            )))
-            out.append(q(moe_w2(
-                p + "mlp.experts.w2_weight",
-                [expert_param(i, x, "down") for x in ex],
-                hidden_size=h, intermediate_size=inter,
-                tp_rank=etp_rank, tp_size=etp_size, bounds=ebounds,
-            )))
+            out.append(
+                q(
+                    moe_w13(
+                        p + "mlp.experts.w13_weight",
+                        [expert_param(i, x, "gate") for x in ex],
+                        [expert_param(i, x, "up") for x in ex],
+                        intermediate_size=inter,
+                        hidden_size=h,
+                        tp_rank=etp_rank,
+                        tp_size=etp_size,
+                        bounds=ebounds,
+                    )
+                )
+            )
+            out.append(
+                q(
+                    moe_w2(
+                        p + "mlp.experts.w2_weight",
+                        [expert_param(i, x, "down") for x in ex],
+                        hidden_size=h,
+                        intermediate_size=inter,
+                        tp_rank=etp_rank,
+                        tp_size=etp_size,
+                        bounds=ebounds,
+                    )
+                )
+            )
         else:
             out.extend(mlp(p + "mlp.", p + "mlp.", shape.intermediate_size))
         out.append(identity(p + "input_layernorm.weight", p + "input_layernorm.weight", (h,)))
-        out.append(identity(p + "post_attention_layernorm.weight",
-                            p + "post_attention_layernorm.weight", (h,)))
+        out.append(
+            identity(
+                p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,)
+            )
+        )
     out.append(identity("model.norm.weight", "model.norm.weight", (h,)))
-    out.append(column_shard(
-        "lm_head.weight", "lm_head.weight", vocab_shape,
-        tp_rank=tp_rank, tp_size=tp_size, bounds=vocab_bounds,
-    ))
+    out.append(
+        column_shard(
+            "lm_head.weight",
+            "lm_head.weight",
+            vocab_shape,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            bounds=vocab_bounds,
+        )
+    )
     return tuple(out)
 
 

@@ -7,7 +7,8 @@ code. `hf_parameter_shapes` lists the parameters a Hugging Face trainer holds fo
 Naming follows the HF Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE models. MoE experts come in
 two trainer layouts:
 
-* ``"per_expert"`` (HF checkpoints, transformers < 5): ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+* ``"per_expert"`` (HF checkpoints, transformers < 5):
+``mlp.experts.{e}.{gate,up,down}_proj.weight``
   of shapes ``[I, H]``, ``[I, H]``, ``[H, I]``.
 * ``"fused"`` (transformers >= 5 modules): ``mlp.experts.gate_up_proj`` ``[E, 2*I, H]`` (gate
   rows first, up rows second, per expert) and ``mlp.experts.down_proj`` ``[E, H, I]``.

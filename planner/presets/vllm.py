@@ -176,8 +176,12 @@ class _Rank:
         """The embedding or LM head: vocabulary rows split over ranks, with vLLM's padding."""
         bounds = [vocab_rows(self.shape.vocab_size, r, self.tp_size) for r in range(self.tp_size)]
         return column_shard(
-            name, name, (self.shape.vocab_size, self.shape.hidden_size),
-            tp_rank=self.tp_rank, tp_size=self.tp_size, bounds=bounds,
+            name,
+            name,
+            (self.shape.vocab_size, self.shape.hidden_size),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            bounds=bounds,
         )
 
     def attention(self, attn: str) -> list[Recipe]:
@@ -210,8 +214,11 @@ class _Rank:
         out.append(
             self.quant(
                 row_shard(
-                    attn + "o_proj.weight", attn + "o_proj.weight", (h, shape.q_size),
-                    tp_rank=self.tp_rank, tp_size=self.tp_size,
+                    attn + "o_proj.weight",
+                    attn + "o_proj.weight",
+                    (h, shape.q_size),
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
                 )
             )
         )
@@ -225,12 +232,21 @@ class _Rank:
         h, tp_rank, tp_size = self.shape.hidden_size, self.tp_rank, self.tp_size
         bounds = _even(inter, tp_size, f"{prefix}gate_up_proj.weight (intermediate {inter})")
         gate_up = fused_gate_up(
-            prefix + "gate_up_proj.weight", prefix + "gate_proj.weight", prefix + "up_proj.weight",
-            shape=(inter, h), tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
+            prefix + "gate_up_proj.weight",
+            prefix + "gate_proj.weight",
+            prefix + "up_proj.weight",
+            shape=(inter, h),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            bounds=bounds,
         )
         down = row_shard(
-            prefix + "down_proj.weight", prefix + "down_proj.weight", (h, inter),
-            tp_rank=tp_rank, tp_size=tp_size, bounds=bounds,
+            prefix + "down_proj.weight",
+            prefix + "down_proj.weight",
+            (h, inter),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            bounds=bounds,
         )
         return [self.quant(gate_up), self.quant(down)]
 
@@ -240,15 +256,26 @@ class _Rank:
         e, inter = shape.num_experts, shape.moe_intermediate_size
         mp = p + self.moe_prefix + "."
         bounds = _even(inter, tp_size, f"{mp}w13_weight (moe_intermediate_size {inter})")
-        sizes = {"tp_rank": tp_rank, "tp_size": tp_size, "bounds": bounds}
         if self.hf_moe_layout == "fused":
             w13 = moe_w13_fused(
-                mp + "w13_weight", p + "mlp.experts.gate_up_proj",
-                num_experts=e, intermediate_size=inter, hidden_size=h, **sizes,
+                mp + "w13_weight",
+                p + "mlp.experts.gate_up_proj",
+                num_experts=e,
+                intermediate_size=inter,
+                hidden_size=h,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                bounds=bounds,
             )
             w2 = moe_w2_fused(
-                mp + "w2_weight", p + "mlp.experts.down_proj",
-                num_experts=e, hidden_size=h, intermediate_size=inter, **sizes,
+                mp + "w2_weight",
+                p + "mlp.experts.down_proj",
+                num_experts=e,
+                hidden_size=h,
+                intermediate_size=inter,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                bounds=bounds,
             )
         else:
             ex = [f"{p}mlp.experts.{x}." for x in range(e)]
@@ -256,11 +283,20 @@ class _Rank:
                 mp + "w13_weight",
                 [s + "gate_proj.weight" for s in ex],
                 [s + "up_proj.weight" for s in ex],
-                intermediate_size=inter, hidden_size=h, **sizes,
+                intermediate_size=inter,
+                hidden_size=h,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                bounds=bounds,
             )
             w2 = moe_w2(
-                mp + "w2_weight", [s + "down_proj.weight" for s in ex],
-                hidden_size=h, intermediate_size=inter, **sizes,
+                mp + "w2_weight",
+                [s + "down_proj.weight" for s in ex],
+                hidden_size=h,
+                intermediate_size=inter,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                bounds=bounds,
             )
         out = [
             self.quant(w13),
@@ -268,7 +304,9 @@ class _Rank:
             identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)),
         ]
         if shape.shared_expert_intermediate_size:
-            out.extend(self.dense_mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
+            out.extend(
+                self.dense_mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size)
+            )
             out.append(
                 identity(
                     p + "mlp.shared_expert_gate.weight", p + "mlp.shared_expert_gate.weight", (1, h)

@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from weight_transfer.backends.base import Transport
 from tests.conformance._support import BACKEND_NAMES, make_transport
 from tests.markers import backend_unavailable_reason, requires_rdma_device
+from weight_transfer.backends.base import Transport
 
 _MARKS = {"ibverbs": [requires_rdma_device]}
 

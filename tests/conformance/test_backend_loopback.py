@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import torch
 
+from tests.conformance._support import Receiver, join_all, seeded_bytes
 from weight_transfer.backends.base import (
     ConfigurationError,
     PeerLostError,
@@ -19,7 +20,6 @@ from weight_transfer.backends.base import (
     WriteOp,
 )
 from weight_transfer.backends.loopback import LoopbackTransport
-from tests.conformance._support import Receiver, join_all, seeded_bytes
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import torch
 
+from tests.conformance._support import Receiver, join_all, seeded_bytes
 from weight_transfer.backends.base import (
     PeerLostError,
     RegionDescriptor,
@@ -18,7 +19,6 @@ from weight_transfer.backends.base import (
     WriteOp,
 )
 from weight_transfer.backends.tcp import TcpTransport
-from tests.conformance._support import Receiver, join_all, seeded_bytes
 
 
 def _tcp_threads() -> set[threading.Thread]:

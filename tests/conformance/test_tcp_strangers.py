@@ -17,10 +17,10 @@ import msgpack
 import pytest
 import torch
 
+from tests.conformance._support import seeded_bytes
 from weight_transfer.backends import tcp
 from weight_transfer.backends.base import RegionRole, TransportConfig, WriteOp
 from weight_transfer.backends.tcp import TcpTransport
-from tests.conformance._support import seeded_bytes
 
 
 def _endpoint(t: TcpTransport) -> dict:
@@ -33,7 +33,7 @@ def _raw_connect(ep: dict, *, key: bytes | None) -> tuple[socket.socket, bytes |
     s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 0))
     reply = tcp._recv_exact(s, tcp._HELLO.size + tcp._NONCE_BYTES)
     assert reply is not None
-    nonce = reply[tcp._HELLO.size:]
+    nonce = reply[tcp._HELLO.size :]
     if key is None:
         s.sendall(b"\0" * tcp._TAG_BYTES)
         return s, None

@@ -15,6 +15,15 @@ import msgpack
 import pytest
 import torch
 
+from tests.conformance._support import (
+    Receiver,
+    first_difference,
+    join_all,
+    make_transport,
+    run_senders,
+    seeded_bytes,
+    split_odd,
+)
 from weight_transfer.backends.base import (
     MemoryKind,
     PeerLostError,
@@ -24,15 +33,6 @@ from weight_transfer.backends.base import (
     TransportError,
     TransportTimeoutError,
     WriteOp,
-)
-from tests.conformance._support import (
-    Receiver,
-    first_difference,
-    join_all,
-    make_transport,
-    run_senders,
-    seeded_bytes,
-    split_odd,
 )
 
 Factory = Callable[[], Transport]
@@ -246,7 +246,8 @@ def test_three_sender_processes_into_one_receiver(backend: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_close_and_reconnect_to_same_receiver(backend: str) -> None:
-    """A sender writes and closes; a new transport in a new process then writes to the same target."""
+    """A sender writes and closes; a new transport in a new process then writes to the same
+    target."""
     nbytes = 2 << 20
     receiver = Receiver(backend, nbytes, init_seed=70)
     try:

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.errors import ControlPlaneAuthError, TransportTimeoutError
-from weight_transfer.cli import bench as cli_bench, run_demo as demo
+from weight_transfer.cli import bench as cli_bench
 from weight_transfer.cli import main
+from weight_transfer.cli import run_demo as demo
 from weight_transfer.config import (
     ControllerConfig,
     ControlPlaneConfig,
@@ -28,6 +28,7 @@ from weight_transfer.config import (
 )
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
+from weight_transfer.errors import ControlPlaneAuthError, TransportTimeoutError
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -139,7 +140,8 @@ def test_bench_transports_plot_without_matplotlib(
 ) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        cli_bench.importlib.util, "find_spec",
+        cli_bench.importlib.util,
+        "find_spec",
         lambda n, *a: None if n == "matplotlib" else real(n, *a),
     )
     line = _one_line_error(capsys, ["bench", "transports", "--plot", "x.png"])
@@ -184,7 +186,8 @@ def test_connecting_to_a_port_that_is_not_a_store_times_out() -> None:
     t0 = time.monotonic()
     with pytest.raises(TransportTimeoutError, match=rf"engine0: could not reach .*:{port}"):
         ControlPlane(
-            ControlPlaneConfig(port=port, token=TOKEN, timeout_s=2.0), server=False,
+            ControlPlaneConfig(port=port, token=TOKEN, timeout_s=2.0),
+            server=False,
             member="engine0",
         )
     assert time.monotonic() - t0 < 6
@@ -210,9 +213,15 @@ def test_token_mismatch_is_reported_by_the_controller_at_once() -> None:
 def test_doctor_json_is_clean_json() -> None:
     """NIXL's log lines go to stderr: stdout is one JSON document."""
     proc = subprocess.run(
-        [sys.executable, "-c", "from weight_transfer.cli import main; "
-         "raise SystemExit(main(['doctor', '--json']))"],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-c",
+            "from weight_transfer.cli import main; raise SystemExit(main(['doctor', '--json']))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     import json
 
@@ -237,8 +246,13 @@ def test_demo_config_control_table_is_used(
 
     def fake_run(cfg: demo.DemoConfig, **_: Any) -> demo.DemoResult:
         seen.append(cfg)
-        return demo.DemoResult(updates=[], exit_codes={}, errors=["stopped by the test"],
-                               engine_tensors={}, expected={})
+        return demo.DemoResult(
+            updates=[],
+            exit_codes={},
+            errors=["stopped by the test"],
+            engine_tensors={},
+            expected={},
+        )
 
     monkeypatch.setattr(demo, "run_demo", fake_run)
     path = tmp_path / "wt.toml"

@@ -18,7 +18,6 @@ import subprocess
 import pytest
 import torch
 
-from weight_transfer.planner.presets.clusters import get_preset, source_manifests, with_overrides
 from weight_transfer.benchmarks.emulate import EmulateConfig, _param, run
 from weight_transfer.benchmarks.netns import (
     EmulatedCluster,
@@ -26,6 +25,7 @@ from weight_transfer.benchmarks.netns import (
     leftover_namespaces,
     unavailable_reason,
 )
+from weight_transfer.planner.presets.clusters import get_preset, source_manifests, with_overrides
 
 _REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -37,22 +37,26 @@ def _expected(full: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         n = t.shape[0] // 2
-        return t[k * n:(k + 1) * n]
+        return t[k * n : (k + 1) * n]
 
     def cols(t: torch.Tensor) -> torch.Tensor:
         n = t.shape[1] // 2
-        return t[:, k * n:(k + 1) * n]
+        return t[:, k * n : (k + 1) * n]
 
-    out = {"model.embed_tokens.weight": rows(full["model.embed_tokens.weight"]),
-           "model.norm.weight": full["model.norm.weight"],
-           "lm_head.weight": rows(full["lm_head.weight"])}
+    out = {
+        "model.embed_tokens.weight": rows(full["model.embed_tokens.weight"]),
+        "model.norm.weight": full["model.norm.weight"],
+        "lm_head.weight": rows(full["lm_head.weight"]),
+    }
     for i in range(3):
         p = f"model.layers.{i}."
         out[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [rows(full[p + f"self_attn.{x}_proj.weight"]) for x in "qkv"])
+            [rows(full[p + f"self_attn.{x}_proj.weight"]) for x in "qkv"]
+        )
         out[p + "self_attn.o_proj.weight"] = cols(full[p + "self_attn.o_proj.weight"])
         out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [rows(full[p + "mlp.gate_proj.weight"]), rows(full[p + "mlp.up_proj.weight"])])
+            [rows(full[p + "mlp.gate_proj.weight"]), rows(full[p + "mlp.up_proj.weight"])]
+        )
         out[p + "mlp.down_proj.weight"] = cols(full[p + "mlp.down_proj.weight"])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + f"{norm}.weight"] = full[p + f"{norm}.weight"]
@@ -61,13 +65,26 @@ def _expected(full: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(300)
 def test_emulated_cluster_updates_are_bit_exact_and_compared_with_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    preset = with_overrides(get_preset("emu-dense"), **{
-        "trainer.num_gpus": 2, "trainer.dense_shard_size": 2, "trainer.expert_shard_size": 2,
-        "engine.num_replicas": 1,
-    })
-    cfg = EmulateConfig(preset=preset, rate_mbyte_per_s=40.0, warmups=0, repeats=2,
-                        baseline=True, baseline_repeats=1, dump_dir=str(tmp_path),
-                        timeout_s=240.0, seed=7)
+    preset = with_overrides(
+        get_preset("emu-dense"),
+        **{
+            "trainer.num_gpus": 2,
+            "trainer.dense_shard_size": 2,
+            "trainer.expert_shard_size": 2,
+            "engine.num_replicas": 1,
+        },
+    )
+    cfg = EmulateConfig(
+        preset=preset,
+        rate_mbyte_per_s=40.0,
+        warmups=0,
+        repeats=2,
+        baseline=True,
+        baseline_repeats=1,
+        dump_dir=str(tmp_path),
+        timeout_s=240.0,
+        seed=7,
+    )
     result = run(cfg)
     print({k: result[k] for k in ("measured_s", "ratio_measured_over_predicted", "ceiling")})
     print("funnel", result["funnel"]["measured_s"], result["funnel"]["predicted_s"])
@@ -77,8 +94,10 @@ def test_emulated_cluster_updates_are_bit_exact_and_compared_with_the_simulator(
     assert kinds == [("funnel", 0), ("funnel", 1), ("ours", 1), ("ours", 2)], kinds
     assert all(v["mismatches"] == [] for v in result["verified"]), result["verified"]
     # The engines' tensors after our last update, against the seeded weights sliced here.
-    full = {t.name: _param(t.name, t.shape, torch.bfloat16, cfg.seed, cfg.repeats)
-            for t in source_manifests(preset)[0].tensors}
+    full = {
+        t.name: _param(t.name, t.shape, torch.bfloat16, cfg.seed, cfg.repeats)
+        for t in source_manifests(preset)[0].tensors
+    }
     for k in range(2):
         want = _expected(full, k)
         files = sorted(os.listdir(tmp_path / str(k)))
@@ -97,21 +116,34 @@ def test_emulated_cluster_updates_are_bit_exact_and_compared_with_the_simulator(
 
 def test_namespaces_are_removed_when_the_body_fails() -> None:
     names: list[str] = []
-    with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(2, LinkShape(rate_mbyte_per_s=10)) as c:
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        EmulatedCluster(2, LinkShape(rate_mbyte_per_s=10)) as c,
+    ):
         names = [c.switch, *c.hosts]
         assert sorted(leftover_namespaces(names)) == sorted(names)
-        r = subprocess.run(["tc", "-n", c.hosts[0], "qdisc", "show", "dev", "eth0"],
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            ["tc", "-n", c.hosts[0], "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert "tbf" in r.stdout and "80Mbit" in r.stdout, r.stdout
         raise RuntimeError("boom")
     assert names and leftover_namespaces(names) == []
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["emulate", "--preset", "kimi-k2"], "every rank a host of its own"),
-    (["emulate", "--preset", "emu-moe", "--baseline"], "rank-0 funnel needs one FSDP mesh"),
-    (["emulate", "--backend", "ucx", "--repeats", "0"], "repeats and baseline_repeats must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["emulate", "--preset", "kimi-k2"], "every rank a host of its own"),
+        (["emulate", "--preset", "emu-moe", "--baseline"], "rank-0 funnel needs one FSDP mesh"),
+        (
+            ["emulate", "--backend", "ucx", "--repeats", "0"],
+            "repeats and baseline_repeats must be >= 1",
+        ),
+    ],
+)
 def test_emulate_refuses_bad_input_in_one_line(capsys, argv: list[str], needle: str) -> None:  # type: ignore[no-untyped-def]
     from weight_transfer.cli import main
 

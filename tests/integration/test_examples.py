@@ -57,15 +57,32 @@ def test_examples_run_as_written(tmp_path: Path) -> None:
         (tmp_path / name / "__init__.py").write_text("")
     engines = [
         subprocess.Popen(
-            [sys.executable, str(EXAMPLES / "engine.py"), str(r), "2"], cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(EXAMPLES / "engine.py"), str(r), "2"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(2)
     ]
     trainer = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), str(EXAMPLES / "trainer.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(EXAMPLES / "trainer.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     outs = []
     for p in engines:
@@ -99,8 +116,14 @@ def test_package_imports_beside_generic_folders(tmp_path: Path) -> None:
         "import sys; assert 'vllm' not in sys.modules and 'nixl_cu13' not in sys.modules\n"
         "print(weight_transfer.__file__)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     if os.environ.get("CI"):
         # CI installs the wheel: the package must come from site-packages, not this checkout.

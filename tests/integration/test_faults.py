@@ -10,7 +10,8 @@ that the trainers' own weights are untouched. Faults:
 - the controller (trainer rank 0's process) SIGKILLed after posting its first writes;
 - an engine that stops reading (SIGSTOP; tcp): the trainer's sends block, nothing is acked.
 
-The first three run on loopback, tcp, ucx and nixl. Every child reports through its own pipe (`_Reporter`): a shared
+The first three run on loopback, tcp, ucx and nixl. Every child reports through its own pipe
+(`_Reporter`): a shared
 `multiprocessing.Queue` can be left locked by a child killed on purpose.
 """
 
@@ -67,8 +68,20 @@ def _control(port: int, token: str) -> Any:
     return ControlPlaneConfig(port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
 
 
-def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, token: str,
-                 fault: str, big: bool, out: Any, paused: Any, resume: Any, finish: Any) -> None:
+def trainer_proc(
+    rank: int,
+    world: int,
+    engines: int,
+    backend: str,
+    port: int,
+    token: str,
+    fault: str,
+    big: bool,
+    out: Any,
+    paused: Any,
+    resume: Any,
+    finish: Any,
+) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
     from weight_transfer.config import ControllerConfig, SenderConfig
@@ -80,11 +93,16 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
     before = {n: t.clone() for n, t in src.items()}
     controller = None
     if rank == 0:
-        controller = Controller(ControllerConfig(num_trainer_ranks=world, num_engines=engines),
-                                _control(port, token))
+        controller = Controller(
+            ControllerConfig(num_trainer_ranks=world, num_engines=engines), _control(port, token)
+        )
     sender = WeightSender(
-        src, rank=rank, world_size=world, transport=TransportConfig(name=backend),
-        control=_control(port, token), controller=controller,
+        src,
+        rank=rank,
+        world_size=world,
+        transport=TransportConfig(name=backend),
+        control=_control(port, token),
+        controller=controller,
         config=SenderConfig(memory_budget_bytes=1 << 30, update_timeout_s=UPDATE_TIMEOUT_S),
     )
     out.put(("tasks", rank, len(sender.schedule.tasks)))
@@ -101,7 +119,9 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
             resume.wait(60)
         handle = do_post()
         if posted[0] == 1:
-            if (fault == "kill_trainer" and rank == 1) or (fault == "kill_controller" and rank == 0):
+            if (fault == "kill_trainer" and rank == 1) or (
+                fault == "kill_controller" and rank == 0
+            ):
                 os.kill(os.getpid(), signal.SIGKILL)
         return handle
 
@@ -119,8 +139,9 @@ def trainer_proc(rank: int, world: int, engines: int, backend: str, port: int, t
     _exit_now(out)
 
 
-def engine_proc(index: int, engines: int, backend: str, port: int, token: str, big: bool,
-                out: Any) -> None:
+def engine_proc(
+    index: int, engines: int, backend: str, port: int, token: str, big: bool, out: Any
+) -> None:
     """An engine rank: register random-filled tensors, wait for update 1, report."""
     from weight_transfer.backends.base import TransportConfig, WeightTransferError
     from weight_transfer.receiver import WeightReceiver
@@ -129,16 +150,20 @@ def engine_proc(index: int, engines: int, backend: str, port: int, token: str, b
     g = torch.Generator().manual_seed(100 + index)
     rows = (ROWS * 256 if big else ROWS) // engines
     tensors = {f"t{i}": torch.randn(rows, COLS, generator=g) for i in range(NUM_TENSORS)}
-    rx = WeightReceiver(tensors, _recipes(index, engines, big), engine=f"e{index}",
-                        transport=TransportConfig(name=backend), control=_control(port, token))
+    rx = WeightReceiver(
+        tensors,
+        _recipes(index, engines, big),
+        engine=f"e{index}",
+        transport=TransportConfig(name=backend),
+        control=_control(port, token),
+    )
     out.put(("engine_ready", index, os.getpid()))
     t0 = time.monotonic()
     try:
         rx.wait_for_version(1, CONTROL_TIMEOUT_S)
         out.put(("engine", index, "ok", "", time.monotonic() - t0, rx.version))
     except WeightTransferError as exc:
-        out.put(("engine", index, type(exc).__name__, str(exc), time.monotonic() - t0,
-                 rx.version))
+        out.put(("engine", index, type(exc).__name__, str(exc), time.monotonic() - t0, rx.version))
     finally:
         rx.close()
     _exit_now(out)
@@ -209,8 +234,16 @@ class _Inbox:
         return self._pending.popleft() if self._pending else None
 
 
-def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = False,
-         kill_engine: int | None = None, stop_engine: int | None = None) -> dict[str, Any]:
+def _run(
+    fault: str,
+    backend: str,
+    world: int,
+    engines: int,
+    *,
+    big: bool = False,
+    kill_engine: int | None = None,
+    stop_engine: int | None = None,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     inbox = _Inbox(ctx)
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
@@ -219,12 +252,25 @@ def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = Fals
     for r in range(world):
         procs[f"trainer{r}"] = ctx.Process(
             target=trainer_proc,
-            args=(r, world, engines, backend, port, token, fault, big, inbox.reporter(), paused,
-                  resume, finish),
+            args=(
+                r,
+                world,
+                engines,
+                backend,
+                port,
+                token,
+                fault,
+                big,
+                inbox.reporter(),
+                paused,
+                resume,
+                finish,
+            ),
         )
     for e in range(engines):
-        procs[f"e{e}"] = ctx.Process(target=engine_proc,
-                                     args=(e, engines, backend, port, token, big, inbox.reporter()))
+        procs[f"e{e}"] = ctx.Process(
+            target=engine_proc, args=(e, engines, backend, port, token, big, inbox.reporter())
+        )
     for p in procs.values():
         p.start()
     inbox.started()
@@ -242,7 +288,11 @@ def _run(fault: str, backend: str, world: int, engines: int, *, big: bool = Fals
     stopped = False
     try:
         while time.monotonic() < deadline:
-            if paused.is_set() and not resume.is_set() and (stop_engine is None or stop_engine in pids):
+            if (
+                paused.is_set()
+                and not resume.is_set()
+                and (stop_engine is None or stop_engine in pids)
+            ):
                 if kill_engine is not None:
                     procs[f"e{kill_engine}"].kill()
                     procs[f"e{kill_engine}"].join(10)
@@ -345,8 +395,9 @@ GATHER_SHAPE = (200, 128)  # rows split 100/100 over two ranks; FP8 blocks of 12
 PG_TIMEOUT_S = 10.0
 
 
-def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: Any,
-                        finish: Any) -> None:
+def gather_trainer_proc(
+    rank: int, port: int, dist_port: int, token: str, out: Any, finish: Any
+) -> None:
     """Two ranks shard one tensor (DTensor, Shard(0), gloo); rank 1 dies inside its gather."""
     import datetime
 
@@ -361,19 +412,27 @@ def gather_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: A
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
+    )
     mesh = init_device_mesh("cpu", (2,))
     full = torch.randn(GATHER_SHAPE, generator=torch.Generator().manual_seed(3))
     params = {"w": distribute_tensor(full, mesh, [Shard(0)])}
     before = params["w"].to_local().clone()
     controller = None
     if rank == 0:
-        controller = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1),
-                                _control(port, token))
-    sender = WeightSender(params, rank=rank, world_size=2, transport=TransportConfig(name="tcp"),
-                          control=_control(port, token), controller=controller,
-                          config=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S * 3))
+        controller = Controller(
+            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
+        )
+    sender = WeightSender(
+        params,
+        rank=rank,
+        world_size=2,
+        transport=TransportConfig(name="tcp"),
+        control=_control(port, token),
+        controller=controller,
+        config=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S * 3),
+    )
     kinds = [t.kind for t in sender.schedule.tasks]
     out.put(("tasks", rank, kinds.count("gather")))
     gather = sender._executor.gather
@@ -403,10 +462,17 @@ def fp8_engine_proc(port: int, token: str, out: Any) -> None:
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(9)
-    tensors = {"w": torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn),
-               scale_name("w"): torch.rand(2, 1, generator=g) + 0.5}
-    rx = WeightReceiver(tensors, [with_fp8(identity("w", "w", GATHER_SHAPE))], engine="e0",
-                        transport=TransportConfig(name="tcp"), control=_control(port, token))
+    tensors = {
+        "w": torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn),
+        scale_name("w"): torch.rand(2, 1, generator=g) + 0.5,
+    }
+    rx = WeightReceiver(
+        tensors,
+        [with_fp8(identity("w", "w", GATHER_SHAPE))],
+        engine="e0",
+        transport=TransportConfig(name="tcp"),
+        control=_control(port, token),
+    )
     t0 = time.monotonic()
     try:
         rx.wait_for_version(1, CONTROL_TIMEOUT_S + PG_TIMEOUT_S)
@@ -424,9 +490,12 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     inbox = _Inbox(ctx)
     finish = ctx.Event()
     port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
-    procs = {f"trainer{r}": ctx.Process(target=gather_trainer_proc,
-                                        args=(r, port, dist_port, token, inbox.reporter(), finish))
-             for r in range(2)}
+    procs = {
+        f"trainer{r}": ctx.Process(
+            target=gather_trainer_proc, args=(r, port, dist_port, token, inbox.reporter(), finish)
+        )
+        for r in range(2)
+    }
     procs["e0"] = ctx.Process(target=fp8_engine_proc, args=(port, token, inbox.reporter()))
     for p in procs.values():
         p.start()
@@ -467,8 +536,9 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
 DRAIN_TENSORS = 4
 
 
-def raising_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: Any,
-                         finish: Any) -> None:
+def raising_trainer_proc(
+    rank: int, port: int, dist_port: int, token: str, out: Any, finish: Any
+) -> None:
     """Two ranks shard four tensors (gloo); rank 1's quantizer raises a plain exception at its
     first unit, while gathers of later tensors are still ahead of both ranks."""
     import datetime
@@ -484,19 +554,29 @@ def raising_trainer_proc(rank: int, port: int, dist_port: int, token: str, out: 
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(dist_port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S)
+    )
     mesh = init_device_mesh("cpu", (2,))
     g = torch.Generator().manual_seed(3)
-    params = {f"w{i}": distribute_tensor(torch.randn(GATHER_SHAPE, generator=g), mesh, [Shard(0)])
-              for i in range(DRAIN_TENSORS)}
+    params = {
+        f"w{i}": distribute_tensor(torch.randn(GATHER_SHAPE, generator=g), mesh, [Shard(0)])
+        for i in range(DRAIN_TENSORS)
+    }
     controller = None
     if rank == 0:
-        controller = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1),
-                                _control(port, token))
-    sender = WeightSender(params, rank=rank, world_size=2, transport=TransportConfig(name="tcp"),
-                          control=_control(port, token), controller=controller,
-                          config=SenderConfig(update_timeout_s=CONTROL_TIMEOUT_S))
+        controller = Controller(
+            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
+        )
+    sender = WeightSender(
+        params,
+        rank=rank,
+        world_size=2,
+        transport=TransportConfig(name="tcp"),
+        control=_control(port, token),
+        controller=controller,
+        config=SenderConfig(update_timeout_s=CONTROL_TIMEOUT_S),
+    )
     ex = sender._executor
     out.put(("tasks", rank, [t.kind for t in sender.schedule.tasks].count("gather")))
     real_quantize = ex.quantize
@@ -536,8 +616,13 @@ def drain_engine_proc(port: int, token: str, out: Any) -> None:
         tensors[f"w{i}"] = torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn)
         tensors[scale_name(f"w{i}")] = torch.rand(2, 1, generator=g) + 0.5
         recipes.append(with_fp8(identity(f"w{i}", f"w{i}", GATHER_SHAPE)))
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(name="tcp"),
-                        control=_control(port, token))
+    rx = WeightReceiver(
+        tensors,
+        recipes,
+        engine="e0",
+        transport=TransportConfig(name="tcp"),
+        control=_control(port, token),
+    )
     versions = []
     try:
         versions.append(rx.version)
@@ -560,9 +645,12 @@ def test_plain_exception_while_gathers_remain_fails_fast() -> None:
     inbox = _Inbox(ctx)
     finish = ctx.Event()
     port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
-    procs = {f"trainer{r}": ctx.Process(target=raising_trainer_proc,
-                                        args=(r, port, dist_port, token, inbox.reporter(), finish))
-             for r in range(2)}
+    procs = {
+        f"trainer{r}": ctx.Process(
+            target=raising_trainer_proc, args=(r, port, dist_port, token, inbox.reporter(), finish)
+        )
+        for r in range(2)
+    }
     procs["e0"] = ctx.Process(target=drain_engine_proc, args=(port, token, inbox.reporter()))
     for p in procs.values():
         p.start()

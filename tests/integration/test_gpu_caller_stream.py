@@ -27,8 +27,16 @@ def test_update_orders_after_the_callers_stream(backend: str, fp8: bool, tmp_pat
     from weight_transfer.benchmarks.bench_update import BenchUpdateConfig, run
 
     cfg = BenchUpdateConfig(
-        preset="tiny", backend=backend, fp8=fp8, layout="one-gpu", repeats=3, warmups=0,
-        baseline=False, no_sync=True, timeout_s=240, json_path=str(tmp_path / "r.json"),
+        preset="tiny",
+        backend=backend,
+        fp8=fp8,
+        layout="one-gpu",
+        repeats=3,
+        warmups=0,
+        baseline=False,
+        no_sync=True,
+        timeout_s=240,
+        json_path=str(tmp_path / "r.json"),
     )
     res = run(cfg)
     s = res["summary"]

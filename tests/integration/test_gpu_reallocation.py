@@ -16,12 +16,12 @@ import torch
 
 from tests.markers import requires_cuda, requires_module
 from weight_transfer.backends.base import TransportConfig, WeightTransferError
-from weight_transfer.planner.fp8 import quantize_fp8_blockwise
-from weight_transfer.planner.recipes import engine_tensor_specs, identity, scale_name, with_fp8
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
 from weight_transfer.manifest import allocate_engine_tensors
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.recipes import engine_tensor_specs, identity, scale_name, with_fp8
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -47,11 +47,19 @@ def test_fp8_graph_sources_moved_fail_the_update_naming_the_parameter() -> None:
     tensors = allocate_engine_tensors(engine_tensor_specs(recipes), device=dev, seed=3)
     cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=30)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"),
-                        control=cp)
-    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="loopback"),
-                          control=cp, controller=ctrl, device=dev,
-                          config=SenderConfig(memory_budget_bytes=64 << 20, update_timeout_s=60))
+    rx = WeightReceiver(
+        tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp
+    )
+    sender = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name="loopback"),
+        control=cp,
+        controller=ctrl,
+        device=dev,
+        config=SenderConfig(memory_budget_bytes=64 << 20, update_timeout_s=60),
+    )
     try:
         assert sender._executor._graphs, "the FP8 tasks were not captured as graphs"
         sender.update(1)

@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from tests.markers import requires_module
-from weight_transfer.cli.child_reports import ReportInbox
 from weight_transfer.benchmarks.netns import enter_host
+from weight_transfer.cli.child_reports import ReportInbox
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
@@ -60,8 +60,11 @@ def _ip(*args: str) -> None:
 
 def _src(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
-    return {"a.weight": torch.randn(48, 32, generator=g), "b.weight": torch.randn(8, 32, generator=g),
-            "c.bias": torch.randn(32, generator=g)}
+    return {
+        "a.weight": torch.randn(48, 32, generator=g),
+        "b.weight": torch.randn(8, 32, generator=g),
+        "c.bias": torch.randn(32, generator=g),
+    }
 
 
 def _recipes() -> tuple[Any, ...]:
@@ -80,13 +83,25 @@ def _transport(backend: str, host: str, dev: str) -> Any:
     from weight_transfer.backends.base import TransportConfig
 
     if backend == "ucx":
-        return TransportConfig(name="ucx", listen_host=host,
-                               options=(("TLS", "tcp"), ("NET_DEVICES", dev)))
+        return TransportConfig(
+            name="ucx", listen_host=host, options=(("TLS", "tcp"), ("NET_DEVICES", dev))
+        )
     return TransportConfig(name=backend, listen_host=host)
 
 
-def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: str, out: Any,
-                 paused: Any, resume: Any, link_up: Any, finish: Any) -> None:
+def trainer_proc(
+    backend: str,
+    ns: str,
+    dev: str,
+    host: str,
+    port: int,
+    token: str,
+    out: Any,
+    paused: Any,
+    resume: Any,
+    link_up: Any,
+    finish: Any,
+) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.config import ControllerConfig, SenderConfig
@@ -96,11 +111,18 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
 
     torch.set_num_threads(1)
     src = _src(1)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), _control(host, port, token))
-    tx = WeightSender(src, rank=0, world_size=1,
-                      transport=_transport(backend, host, dev),
-                      control=_control(host, port, token), controller=ctrl,
-                      config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S))
+    ctrl = Controller(
+        ControllerConfig(num_trainer_ranks=1, num_engines=1), _control(host, port, token)
+    )
+    tx = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=_transport(backend, host, dev),
+        control=_control(host, port, token),
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S),
+    )
     transport = tx._transport
     post, post_prepared = transport.post_writes, transport.post_prepared
     pause_next = [False]
@@ -127,16 +149,25 @@ def trainer_proc(backend: str, ns: str, dev: str, host: str, port: int, token: s
         t0 = time.monotonic()
         try:
             tx.update(step)
-            out.put(("trainer", step, "ok", "", time.monotonic() - t0,
-                     {n: tensor_digest(src[n]) for n in NAMES}))
+            out.put(
+                (
+                    "trainer",
+                    step,
+                    "ok",
+                    "",
+                    time.monotonic() - t0,
+                    {n: tensor_digest(src[n]) for n in NAMES},
+                )
+            )
         except WeightTransferError as exc:
             out.put(("trainer", step, type(exc).__name__, str(exc), time.monotonic() - t0, {}))
     finish.wait(120)
     tx.close()
 
 
-def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port: int, token: str,
-                out: Any) -> None:
+def engine_proc(
+    backend: str, ns: str, dev: str, host: str, ctrl_host: str, port: int, token: str, out: Any
+) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.receiver import WeightReceiver
@@ -144,9 +175,13 @@ def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(77)
     tensors = {n: torch.randn(t.shape, generator=g) for n, t in _src(0).items()}
-    rx = WeightReceiver(tensors, _recipes(), engine="e0",
-                        transport=_transport(backend, host, dev),
-                        control=_control(ctrl_host, port, token))
+    rx = WeightReceiver(
+        tensors,
+        _recipes(),
+        engine="e0",
+        transport=_transport(backend, host, dev),
+        control=_control(ctrl_host, port, token),
+    )
     try:
         for step in (1, 2, 3):
             t0 = time.monotonic()
@@ -154,8 +189,17 @@ def engine_proc(backend: str, ns: str, dev: str, host: str, ctrl_host: str, port
                 rx.wait_for_version(step, CONTROL_TIMEOUT_S)
                 out.put(("engine", step, "ok", "", time.monotonic() - t0, rx.version, rx.digests()))
             except WeightTransferError as exc:
-                out.put(("engine", step, type(exc).__name__, str(exc), time.monotonic() - t0,
-                         rx.version, {}))
+                out.put(
+                    (
+                        "engine",
+                        step,
+                        type(exc).__name__,
+                        str(exc),
+                        time.monotonic() - t0,
+                        rx.version,
+                        {},
+                    )
+                )
     finally:
         rx.close()
 
@@ -195,12 +239,26 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
     paused, resume, link_up, finish = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(16)
     procs = {
-        "trainer": ctx.Process(target=trainer_proc, args=(backend, h["a"], h["va"], h["ip_a"], port,
-                                                          token, inbox.reporter(), paused, resume,
-                                                          link_up,
-                                                          finish)),
-        "engine": ctx.Process(target=engine_proc, args=(backend, h["b"], h["vb"], h["ip_b"], h["ip_a"],
-                                                        port, token, inbox.reporter())),
+        "trainer": ctx.Process(
+            target=trainer_proc,
+            args=(
+                backend,
+                h["a"],
+                h["va"],
+                h["ip_a"],
+                port,
+                token,
+                inbox.reporter(),
+                paused,
+                resume,
+                link_up,
+                finish,
+            ),
+        ),
+        "engine": ctx.Process(
+            target=engine_proc,
+            args=(backend, h["b"], h["vb"], h["ip_b"], h["ip_a"], port, token, inbox.reporter()),
+        ),
     }
     for p in procs.values():
         p.start()

@@ -12,17 +12,17 @@ import secrets
 import pytest
 import torch
 
+from tests.markers import backend_unavailable_reason
 from weight_transfer.backends.base import (
     ConfigurationError,
     TransportConfig,
     TransportTimeoutError,
     WeightTransferError,
 )
-from weight_transfer.planner.recipes import column_shard, identity
-from tests.markers import backend_unavailable_reason
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
+from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -41,20 +41,36 @@ def _control(timeout_s: float = 15.0) -> ControlPlaneConfig:
     return ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=timeout_s)
 
 
-def _engine(name: str, backend: str, cp: ControlPlaneConfig, *, tp_rank: int = 0, tp: int = 1,
-            seed: int, rejoin: bool = False) -> WeightReceiver:
+def _engine(
+    name: str,
+    backend: str,
+    cp: ControlPlaneConfig,
+    *,
+    tp_rank: int = 0,
+    tp: int = 1,
+    seed: int,
+    rejoin: bool = False,
+) -> WeightReceiver:
     g = torch.Generator().manual_seed(seed)
     rows = SHAPE[0] // tp
     recipes = (
-        column_shard("w", "w", SHAPE, tp_rank=tp_rank, tp_size=tp) if tp > 1 else identity("w", "w", SHAPE),
+        column_shard("w", "w", SHAPE, tp_rank=tp_rank, tp_size=tp)
+        if tp > 1
+        else identity("w", "w", SHAPE),
         identity("b", "b", (SHAPE[1],)),
     )
     tensors = {  # random fill, never what the trainer holds
         "w": torch.randn(rows, SHAPE[1], generator=g).to(torch.bfloat16),
         "b": torch.randn(SHAPE[1], generator=g),
     }
-    return WeightReceiver(tensors, recipes, engine=name, transport=TransportConfig(name=backend),
-                          control=cp, rejoin=rejoin)
+    return WeightReceiver(
+        tensors,
+        recipes,
+        engine=name,
+        transport=TransportConfig(name=backend),
+        control=cp,
+        rejoin=rejoin,
+    )
 
 
 def _step_weights(src: dict[str, torch.Tensor], step: int) -> None:
@@ -64,19 +80,30 @@ def _step_weights(src: dict[str, torch.Tensor], step: int) -> None:
             t.add_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
-def _check(rx: WeightReceiver, src: dict[str, torch.Tensor], step: int, tp_rank: int = 0,
-           tp: int = 1) -> None:
+def _check(
+    rx: WeightReceiver, src: dict[str, torch.Tensor], step: int, tp_rank: int = 0, tp: int = 1
+) -> None:
     rows = SHAPE[0] // tp
     assert rx.version == step, (rx.engine, rx.version, step)
-    assert torch.equal(rx.tensor("w"), src["w"][tp_rank * rows:(tp_rank + 1) * rows]), rx.engine
+    assert torch.equal(rx.tensor("w"), src["w"][tp_rank * rows : (tp_rank + 1) * rows]), rx.engine
     assert torch.equal(rx.tensor("b"), src["b"]), rx.engine
 
 
 def _trainer(cp: ControlPlaneConfig, ctrl: Controller, backend: str, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    src = {"w": torch.randn(SHAPE, generator=g).to(torch.bfloat16), "b": torch.randn(SHAPE[1], generator=g)}
-    tx = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name=backend), control=cp,
-                      controller=ctrl, config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=5))
+    src = {
+        "w": torch.randn(SHAPE, generator=g).to(torch.bfloat16),
+        "b": torch.randn(SHAPE[1], generator=g),
+    }
+    tx = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name=backend),
+        control=cp,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=5),
+    )
     return src, tx
 
 

@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from weight_transfer.backends.base import TransportConfig
-from weight_transfer.planner.recipes import column_shard, identity
 from tests.markers import backend_unavailable_reason
+from weight_transfer.backends.base import TransportConfig
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
+from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -73,13 +73,22 @@ def _rig(backend: str, num_engines: int = 2):
             "b.bias": torch.randn(48, generator=g),
         }
         receivers.append(
-            WeightReceiver(tensors, recipes, engine=f"e{e}",
-                           transport=TransportConfig(name=backend), control=control)
+            WeightReceiver(
+                tensors,
+                recipes,
+                engine=f"e{e}",
+                transport=TransportConfig(name=backend),
+                control=control,
+            )
         )
     sender = WeightSender(
-        src, rank=0, world_size=1, transport=TransportConfig(name=backend), control=control,
-        controller=ctrl, config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20,
-                                             record_trace=True),
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name=backend),
+        control=control,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20, record_trace=True),
     )
     return ctrl, src, receivers, sender
 
@@ -87,7 +96,7 @@ def _rig(backend: str, num_engines: int = 2):
 def _expected(src: dict[str, torch.Tensor], num_engines: int) -> dict[str, dict[str, torch.Tensor]]:
     rows = 64 // num_engines
     return {
-        f"e{e}": {"w.weight": src["w.weight"][e * rows:(e + 1) * rows], "b.bias": src["b.bias"]}
+        f"e{e}": {"w.weight": src["w.weight"][e * rows : (e + 1) * rows], "b.bias": src["b.bias"]}
         for e in range(num_engines)
     }
 
@@ -128,8 +137,16 @@ def test_500_verified_updates_without_resource_growth(backend: str) -> None:
         for r in receivers:
             r.close()
     first, last = samples[WARMUP_UPDATES], samples[NUM_UPDATES]
-    log.warning("soak %s: %d updates in %.1f s; after %d: %s; after %d: %s", backend,
-                NUM_UPDATES, elapsed, WARMUP_UPDATES, first, NUM_UPDATES, last)
+    log.warning(
+        "soak %s: %d updates in %.1f s; after %d: %s; after %d: %s",
+        backend,
+        NUM_UPDATES,
+        elapsed,
+        WARMUP_UPDATES,
+        first,
+        NUM_UPDATES,
+        last,
+    )
     assert last["rss_bytes"] - first["rss_bytes"] < RSS_GROWTH_BOUND_BYTES, (first, last)
     assert last["open_fds"] <= first["open_fds"], (first, last)
     assert last["threads"] <= first["threads"], (first, last)

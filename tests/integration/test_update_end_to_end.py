@@ -38,7 +38,9 @@ def _check(result, steps: int, engines: int) -> None:
                 ), f"step {step} engine {e} tensor {name}"
     # The optimizer really changed the weights between updates.
     name = "model.layers.0.self_attn.o_proj.weight"
-    assert not torch.equal(result.expected[1][0][name].float(), result.expected[steps][0][name].float())
+    assert not torch.equal(
+        result.expected[1][0][name].float(), result.expected[steps][0][name].float()
+    )
 
 
 @pytest.mark.timeout(600)
@@ -46,8 +48,14 @@ def _check(result, steps: int, engines: int) -> None:
 @pytest.mark.parametrize("backend", [backend_param(b) for b in BACKENDS])
 def test_fsdp2_trainers_update_tp2_engines(backend: str, fp8: bool) -> None:
     cfg = DemoConfig(
-        backend=backend, fp8=fp8, train_ranks=3, engine_ranks=2, steps=3,
-        trainer_dtype="float32" if fp8 else "bfloat16", return_tensors=True, timeout_s=240,
+        backend=backend,
+        fp8=fp8,
+        train_ranks=3,
+        engine_ranks=2,
+        steps=3,
+        trainer_dtype="float32" if fp8 else "bfloat16",
+        return_tensors=True,
+        timeout_s=240,
     )
     _check(run_demo(cfg), cfg.steps, cfg.engine_ranks)
 
@@ -56,8 +64,13 @@ def test_fsdp2_trainers_update_tp2_engines(backend: str, fp8: bool) -> None:
 @pytest.mark.parametrize("backend", [backend_param(b) for b in ("loopback", "tcp")])
 def test_cast_from_float32_trainer(backend: str) -> None:
     cfg = DemoConfig(
-        backend=backend, train_ranks=2, engine_ranks=2, steps=2, trainer_dtype="float32",
-        return_tensors=True, timeout_s=240,
+        backend=backend,
+        train_ranks=2,
+        engine_ranks=2,
+        steps=2,
+        trainer_dtype="float32",
+        return_tensors=True,
+        timeout_s=240,
     )
     _check(run_demo(cfg), cfg.steps, cfg.engine_ranks)
 
@@ -67,8 +80,14 @@ def test_cast_from_float32_trainer(backend: str) -> None:
 def test_llama_trainer_updates_phi3_engine_logits_match(backend: str) -> None:
     """A real model library on both sides: fused qkv_proj/gate_up_proj in Phi3 from Llama."""
     cfg = DemoConfig(
-        backend=backend, train_ranks=3, engine_ranks=1, steps=2, trainer_dtype="float32",
-        engine_dtype="float32", engine_model="phi3", timeout_s=240,
+        backend=backend,
+        train_ranks=3,
+        engine_ranks=1,
+        steps=2,
+        trainer_dtype="float32",
+        engine_dtype="float32",
+        engine_model="phi3",
+        timeout_s=240,
     )
     result = run_demo(cfg)
     assert result.ok, result.errors

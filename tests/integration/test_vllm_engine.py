@@ -12,7 +12,8 @@ transformers' on the same checkpoint.
 The engines' start-ups are shared per class (tp=1 float32, where vLLM's CPU backend packs the
 linears for oneDNN, and tp=2 bfloat16). MoE models (Qwen3-MoE tp=1 float32 with FSDP2
 trainers, Qwen2-MoE tp=2 bfloat16) are judged against a fresh vLLM engine per update instead,
-because vLLM's own `reload_weights` leaves CPU MoE experts unpacked (pinned there too). `VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets the tests
+because vLLM's own `reload_weights` leaves CPU MoE experts unpacked (pinned there too).
+`VLLM_ALLOW_INSECURE_SERIALIZATION=1` lets the tests
 read worker state with `collective_rpc(callable)`; the plug-in itself does not need it.
 """
 
@@ -43,23 +44,49 @@ pytestmark = [requires_module("vllm"), pytest.mark.timeout(900)]
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 LLAMA = dict(
-    vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
     tie_word_embeddings=False,
 )
 QWEN3_MOE = dict(
-    vocab_size=1000, hidden_size=256, intermediate_size=704, moe_intermediate_size=384,
-    num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=32, decoder_sparse_step=1, mlp_only_layers=[],
-    max_position_embeddings=256, tie_word_embeddings=False,
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    moe_intermediate_size=384,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 """A tiny Qwen3-MoE: every layer MoE; sizes multiples of 32, which vLLM's CPU experts kernel
 needs unpadded."""
 QWEN2_MOE = dict(
-    vocab_size=1000, hidden_size=256, intermediate_size=704, moe_intermediate_size=384,
-    shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
-    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, decoder_sparse_step=1,
-    mlp_only_layers=[], max_position_embeddings=256, tie_word_embeddings=False,
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    moe_intermediate_size=384,
+    shared_expert_intermediate_size=512,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=1,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 """A tiny Qwen2-MoE: routed experts plus a shared expert and its gate, qkv bias."""
 PROMPTS = [[1, 5, 9, 33, 71, 2, 640, 18], [7, 300, 999, 4, 12], [250, 251, 8, 77, 3, 10, 11]]
@@ -92,8 +119,14 @@ def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool) -> Any:
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
     return LLM(
-        model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
-        max_model_len=128, gpu_memory_utilization=0.08, tensor_parallel_size=tp, seed=0,
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=128,
+        gpu_memory_utilization=0.08,
+        tensor_parallel_size=tp,
+        seed=0,
         **kwargs,
     )
 
@@ -122,8 +155,9 @@ def _probe_state(self: Any, seed: int) -> dict[str, Any]:
                 # The experts on fixed random tokens and routing: what the MoE kernel computes
                 # from its (re-laid-out) expert weights.
                 x = torch.randn(5, m.hidden_size, generator=g).to(m.params_dtype)
-                ids = torch.stack([torch.randperm(m.global_num_experts, generator=g)[: m.top_k]
-                                   for _ in range(5)]).to(torch.int32)
+                ids = torch.stack(
+                    [torch.randperm(m.global_num_experts, generator=g)[: m.top_k] for _ in range(5)]
+                ).to(torch.int32)
                 w = torch.rand(5, m.top_k, generator=g)
                 outputs[name] = m.quant_method.apply(m, x, w, ids, None, None).clone()
     engine = getattr(self, "weight_transfer_engine", None)
@@ -145,8 +179,10 @@ def _oracle_reload(self: Any, path: str) -> dict[str, torch.Tensor]:
     model = self.model_runner.get_model()
     names = {id(m): n for n, m in model.named_modules()}
     captured: dict[str, torch.Tensor] = {}
-    captures = {UnquantizedLinearMethod: ("weight",),
-                UnquantizedFusedMoEMethod: ("w13_weight", "w2_weight")}
+    captures = {
+        UnquantizedLinearMethod: ("weight",),
+        UnquantizedFusedMoEMethod: ("w13_weight", "w2_weight"),
+    }
     origs = {cls: cls.process_weights_after_loading for cls in captures}
 
     def spy(cls: Any) -> Any:
@@ -154,6 +190,7 @@ def _oracle_reload(self: Any, path: str) -> dict[str, torch.Tensor]:
             for p in captures[cls]:
                 captured[f"{names[id(layer)]}.{p}"] = getattr(layer, p).detach().clone()
             origs[cls](qm, layer)
+
         return wrapped
 
     for cls in captures:
@@ -249,20 +286,34 @@ def _hf_checkpoint(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _trainer(rank: int, world: int, dist_port: int, cp_port: int, token: str, num_engines: int,
-             model_dir: str, dtype: str, steps: int, ckpt_root: str, req: Any, resp: Any) -> None:
+def _trainer(
+    rank: int,
+    world: int,
+    dist_port: int,
+    cp_port: int,
+    token: str,
+    num_engines: int,
+    model_dir: str,
+    dtype: str,
+    steps: int,
+    ckpt_root: str,
+    req: Any,
+    resp: Any,
+) -> None:
     import torch.distributed as dist
     import transformers
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig
+
     from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     try:
         mesh = init_device_mesh("cpu", (world,))
         cls = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
@@ -272,9 +323,15 @@ def _trainer(rank: int, world: int, dist_port: int, cp_port: int, token: str, nu
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        info = TrainerInitInfo(rank=rank, world_size=world, num_engines=num_engines,
-                               port=cp_port, token=token, timeout_s=300,
-                               hf_moe_layout="fused" if moe else "per_expert")
+        info = TrainerInitInfo(
+            rank=rank,
+            world_size=world,
+            num_engines=num_engines,
+            port=cp_port,
+            token=token,
+            timeout_s=300,
+            hf_moe_layout="fused" if moe else "per_expert",
+        )
         client = _ProxyClient(req, resp) if rank == 0 else None
         updater = OneSidedUpdater(info, model, client)
         g = torch.Generator().manual_seed(7)
@@ -285,7 +342,9 @@ def _trainer(rank: int, world: int, dist_port: int, cp_port: int, token: str, nu
             opt.zero_grad()
             stats = updater.update(step)
             with torch.no_grad():
-                full = {n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()}
+                full = {
+                    n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()
+                }
             if rank == 0:
                 d = Path(ckpt_root) / f"step{step}"
                 d.mkdir(parents=True)
@@ -300,14 +359,23 @@ def _trainer(rank: int, world: int, dist_port: int, cp_port: int, token: str, nu
         dist.destroy_process_group()
 
 
-def _run_trainers(llm: Any, oracle: Any, *, world: int, num_engines: int, model_dir: Path,
-                  dtype: str, steps: int, tmp: Path,
-                  check: Callable[[int, Path, float], dict[str, Any]] | None = None,
-                  ) -> list[dict[str, Any]]:
+def _run_trainers(
+    llm: Any,
+    oracle: Any,
+    *,
+    world: int,
+    num_engines: int,
+    model_dir: Path,
+    dtype: str,
+    steps: int,
+    tmp: Path,
+    check: Callable[[int, Path, float], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Start the trainers, serve rank 0's phases on `llm`, check every update; return checks.
 
     `check(step, checkpoint, seconds)` defaults to `_check` against `oracle`."""
     if check is None:
+
         def check(step: int, path: Path, seconds: float) -> dict[str, Any]:
             return _check(llm, oracle, step, path, dtype, seconds)
 
@@ -318,8 +386,23 @@ def _run_trainers(llm: Any, oracle: Any, *, world: int, num_engines: int, model_
     req, resp = ctx.Queue(), ctx.Queue()
     cp_port, dist_port, token = _free_port(), _free_port(), secrets.token_hex(16)
     procs = [
-        ctx.Process(target=_trainer, args=(r, world, dist_port, cp_port, token, num_engines,
-                                           str(model_dir), dtype, steps, str(tmp), req, resp))
+        ctx.Process(
+            target=_trainer,
+            args=(
+                r,
+                world,
+                dist_port,
+                cp_port,
+                token,
+                num_engines,
+                str(model_dir),
+                dtype,
+                steps,
+                str(tmp),
+                req,
+                resp,
+            ),
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -372,7 +455,9 @@ def _prompt_logprobs(out: Any) -> list[float]:
     return vals
 
 
-def _compare_states(ours: list[Any], theirs: list[Any], captured: list[Any], step: int) -> list[str]:
+def _compare_states(
+    ours: list[Any], theirs: list[Any], captured: list[Any], step: int
+) -> list[str]:
     """Names (per rank) where our engine differs from the oracle's: parameters, buffers against
     what vLLM's loader handed its processing, layer outputs."""
     bad: list[str] = []
@@ -399,8 +484,12 @@ def _compare_generation(got: list[Any], want: list[Any], step: int) -> None:
     assert _tokens(got) == _tokens(want), f"step {step}: tokens differ"
     for o, w in zip(got, want, strict=True):
         assert _prompt_logprobs(o) == _prompt_logprobs(w), f"step {step}: prompt logprobs differ"
-        assert [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)] == [
-            lp[t].logprob for lp, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids, strict=True)
+        assert [
+            lp[t].logprob
+            for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+        ] == [
+            lp[t].logprob
+            for lp, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids, strict=True)
         ]
 
 
@@ -428,12 +517,16 @@ def _compare_transformers(got: list[Any], ckpt: Path, dtype: str, step: int) -> 
                     )
                     near_ties += 1
             ref = [lp[i, p[i + 1]].item() for i in range(len(p) - 1)]
-            worst = max(worst, max(abs(x - y) for x, y in zip(_prompt_logprobs(o), ref, strict=True)))
+            worst = max(
+                worst, max(abs(x - y) for x, y in zip(_prompt_logprobs(o), ref, strict=True))
+            )
     assert worst <= LOGPROB_ATOL[dtype], f"step {step}: logprobs off transformers' by {worst}"
     return worst, near_ties
 
 
-def _check(llm: Any, oracle: Any, step: int, ckpt: Path, dtype: str, seconds: float) -> dict[str, Any]:
+def _check(
+    llm: Any, oracle: Any, step: int, ckpt: Path, dtype: str, seconds: float
+) -> dict[str, Any]:
     """Compare the updated engine with vLLM's own loader and with transformers."""
     captured = oracle.collective_rpc(_oracle_reload, args=(str(ckpt),))
     ours = llm.collective_rpc(_probe_state, args=(step,))
@@ -443,11 +536,20 @@ def _check(llm: Any, oracle: Any, step: int, ckpt: Path, dtype: str, seconds: fl
     _compare_generation(got, _generate(oracle), step)
     worst, near_ties = _compare_transformers(got, ckpt, dtype, step)
     assert llm.llm_engine.get_weight_version() == str(step)
-    return {"step": step, "bad": bad, "stats": [a["stats"] for a in ours], "tokens": _tokens(got),
-            "hf_logprob_max_abs": worst, "hf_near_ties": near_ties, "update_s": seconds}
+    return {
+        "step": step,
+        "bad": bad,
+        "stats": [a["stats"] for a in ours],
+        "tokens": _tokens(got),
+        "hf_logprob_max_abs": worst,
+        "hf_near_ties": near_ties,
+        "update_s": seconds,
+    }
 
 
-def _check_fresh(llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float) -> dict[str, Any]:
+def _check_fresh(
+    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float
+) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
 
     For MoE models vLLM's own `reload_weights` is no oracle: on the CPU backend it leaves the
@@ -485,8 +587,15 @@ def _check_fresh(llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: 
         fresh.llm_engine.engine_core.shutdown()
         del fresh
     assert llm.llm_engine.get_weight_version() == str(step)
-    return {"step": step, "bad": bad, "stats": [a["stats"] for a in ours], "tokens": _tokens(got),
-            "hf_logprob_max_abs": worst, "hf_near_ties": near_ties, "update_s": seconds}
+    return {
+        "step": step,
+        "bad": bad,
+        "stats": [a["stats"] for a in ours],
+        "tokens": _tokens(got),
+        "hf_logprob_max_abs": worst,
+        "hf_near_ties": near_ties,
+        "update_s": seconds,
+    }
 
 
 # -- tp = 1, float32: vLLM's CPU backend packs every linear (buffer+reprocess path) -------------
@@ -507,14 +616,18 @@ class TestTP1:
     def test_updates_equal_vllms_own_loader(self, engines: Any, tmp_path: Path) -> None:
         d, llm, oracle = engines
         before = [list(o.outputs[0].token_ids) for o in _generate(llm)]
-        checks = _run_trainers(llm, oracle, world=2, num_engines=1, model_dir=d,
-                               dtype="float32", steps=3, tmp=tmp_path)
+        checks = _run_trainers(
+            llm, oracle, world=2, num_engines=1, model_dir=d, dtype="float32", steps=3, tmp=tmp_path
+        )
         for c in checks:
             assert c["bad"] == [], f"step {c['step']}: {c['bad'][:5]}"
-            print(f"step {c['step']}: update {c['update_s']*1e3:.1f} ms, engine refresh "
-                  f"{c['stats'][0]['last_refresh_s']*1e3:.2f} ms, extra "
-                  f"{c['stats'][0]['extra_bytes']} B, hf max |dlogprob| {c['hf_logprob_max_abs']:.2e}, "
-                  f"near-ties {c['hf_near_ties']}")
+            print(
+                f"step {c['step']}: update {c['update_s'] * 1e3:.1f} ms, engine refresh "
+                f"{c['stats'][0]['last_refresh_s'] * 1e3:.2f} ms, extra "
+                f"{c['stats'][0]['extra_bytes']} B, hf max |dlogprob| "
+                f"{c['hf_logprob_max_abs']:.2e}, "
+                f"near-ties {c['hf_near_ties']}"
+            )
             assert c["hf_near_ties"] == 0  # float32: greedy tokens identical to transformers
         paths = checks[0]["stats"][0]["paths"]
         # vLLM packed the linears here (oneDNN): they take the buffer path, and it was exercised.
@@ -522,13 +635,18 @@ class TestTP1:
         assert paths["model.norm.weight"] == "in-place"
         assert paths["lm_head.weight"] == "in-place+reprocess"
         # Weights moved every step (the optimizer ran), so the tokens are not a fixed point.
-        assert len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+        assert (
+            len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+        )
 
-    def test_requests_in_flight_are_not_served_partial_weights(self, engines: Any, tmp_path: Path) -> None:
+    def test_requests_in_flight_are_not_served_partial_weights(
+        self, engines: Any, tmp_path: Path
+    ) -> None:
         """Generation runs while an update lands: no forward pass runs between start and finish,
         the requests in flight are kept and complete."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
         from weight_transfer.vllm import (
             LLMWeightSyncClient,
             OneSidedUpdater,
@@ -552,14 +670,21 @@ class TestTP1:
         client = TimedClient(llm)
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
-            TrainerInitInfo(rank=0, world_size=1, num_engines=1, port=_free_port(),
-                            token=secrets.token_hex(16)),
-            params, client,
+            TrainerInitInfo(
+                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
+            ),
+            params,
+            client,
         )
         results: list[Any] = []
         sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-        gen = threading.Thread(target=lambda: results.extend(llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)))
+        gen = threading.Thread(
+            target=lambda: results.extend(
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False
+                )
+            )
+        )
         gen.start()
         t_wait = time.monotonic() + 60
         while not _read_steps(step_log) and time.monotonic() < t_wait:
@@ -593,18 +718,24 @@ class TestTP1:
         _, llm, _ = engines
         before = [list(o.outputs[0].token_ids) for o in _generate(llm)]
         port, token = _free_port(), secrets.token_hex(16)
-        ctl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1),
-                         ControlPlaneConfig(port=port, token=token, timeout_s=5))
+        ctl = Controller(
+            ControllerConfig(num_trainer_ranks=1, num_engines=1),
+            ControlPlaneConfig(port=port, token=token, timeout_s=5),
+        )
         client = LLMWeightSyncClient(llm)
         try:
             with pytest.raises(Exception, match="do not share this token"):
                 client.init_weight_transfer_engine(
-                    EngineInitInfo(host="127.0.0.1", port=port, token=secrets.token_hex(16),
-                                   timeout_s=5).to_dict())
+                    EngineInitInfo(
+                        host="127.0.0.1", port=port, token=secrets.token_hex(16), timeout_s=5
+                    ).to_dict()
+                )
             with pytest.raises(Exception, match="within 3 s|timed out|Timeout"):
                 client.init_weight_transfer_engine(
-                    EngineInitInfo(host="127.0.0.1", port=port, token=token, session="other",
-                                   timeout_s=3).to_dict())
+                    EngineInitInfo(
+                        host="127.0.0.1", port=port, token=token, session="other", timeout_s=3
+                    ).to_dict()
+                )
             assert not ctl.control.exists("engine_slot/0")  # nobody joined the real session
         finally:
             ctl.close()
@@ -615,6 +746,7 @@ class TestTP1:
         four phases and vLLM then generates what the trainer's model generates."""
         from transformers import LlamaForCausalLM
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
         from weight_transfer.engines.vllm import register
         from weight_transfer.vllm import (
             LLMWeightSyncClient,
@@ -629,9 +761,11 @@ class TestTP1:
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
         engine = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, world_size=1, num_engines=1, port=_free_port(),
-                            token=secrets.token_hex(16)),
-            client=LLMWeightSyncClient(llm), source=ModuleSource(model),
+            TrainerInitInfo(
+                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
+            ),
+            client=LLMWeightSyncClient(llm),
+            source=ModuleSource(model),
         )
         try:
             engine.send_weights(200)
@@ -643,7 +777,7 @@ class TestTP1:
                 seq = list(p)
                 for _ in range(MAX_TOKENS):
                     seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-                assert seq[len(p):] == list(o.outputs[0].token_ids)
+                assert seq[len(p) :] == list(o.outputs[0].token_ids)
 
     def test_recipe_mismatch_is_refused_before_registering(self, engines: Any) -> None:
         _, llm, _ = engines
@@ -667,8 +801,9 @@ def _construct_mismatched(self: Any, field: str = "intermediate_size") -> str:
 
     hf = copy.deepcopy(self.vllm_config.model_config.hf_config)
     setattr(hf, field, getattr(hf, field) + 64)
-    mc = types.SimpleNamespace(hf_config=hf, dtype=self.vllm_config.model_config.dtype,
-                               quantization=None)
+    mc = types.SimpleNamespace(
+        hf_config=hf, dtype=self.vllm_config.model_config.dtype, quantization=None
+    )
     cfg = types.SimpleNamespace(model_config=mc, parallel_config=self.vllm_config.parallel_config)
     try:
         OneSidedWeightTransferEngine(None, cfg, self.device, self.model_runner.get_model())
@@ -695,15 +830,25 @@ class TestTP2:
 
     def test_updates_equal_vllms_own_loader(self, engines: Any, tmp_path: Path) -> None:
         d, llm, oracle = engines
-        checks = _run_trainers(llm, oracle, world=3, num_engines=2, model_dir=d,
-                               dtype="bfloat16", steps=2, tmp=tmp_path)
+        checks = _run_trainers(
+            llm,
+            oracle,
+            world=3,
+            num_engines=2,
+            model_dir=d,
+            dtype="bfloat16",
+            steps=2,
+            tmp=tmp_path,
+        )
         for c in checks:
             assert c["bad"] == [], f"step {c['step']}: {c['bad'][:5]}"
             for r, s in enumerate(c["stats"]):
-                print(f"step {c['step']} rank {r}: update {c['update_s']*1e3:.1f} ms, refresh "
-                      f"{s['last_refresh_s']*1e3:.2f} ms, extra {s['extra_bytes']} B, paths "
-                      f"{sorted(set(s['paths'].values()))}, hf max |dlogprob| "
-                      f"{c['hf_logprob_max_abs']:.3f}, near-ties {c['hf_near_ties']}")
+                print(
+                    f"step {c['step']} rank {r}: update {c['update_s'] * 1e3:.1f} ms, refresh "
+                    f"{s['last_refresh_s'] * 1e3:.2f} ms, extra {s['extra_bytes']} B, paths "
+                    f"{sorted(set(s['paths'].values()))}, hf max |dlogprob| "
+                    f"{c['hf_logprob_max_abs']:.3f}, near-ties {c['hf_near_ties']}"
+                )
 
 
 # -- MoE: vLLM's CPU backend prepacks the routed experts (buffer+reprocess path) ----------------
@@ -721,9 +866,11 @@ def _save_moe(path: Path, arch: str, cfg: dict[str, Any], dtype: torch.dtype, se
 def _print_checks(checks: list[dict[str, Any]]) -> None:
     for c in checks:
         for r, s in enumerate(c["stats"]):
-            print(f"step {c['step']} rank {r}: update {c['update_s']*1e3:.1f} ms, refresh "
-                  f"{s['last_refresh_s']*1e3:.2f} ms, extra {s['extra_bytes']} B, hf max "
-                  f"|dlogprob| {c['hf_logprob_max_abs']:.2e}, near-ties {c['hf_near_ties']}")
+            print(
+                f"step {c['step']} rank {r}: update {c['update_s'] * 1e3:.1f} ms, refresh "
+                f"{s['last_refresh_s'] * 1e3:.2f} ms, extra {s['extra_bytes']} B, hf max "
+                f"|dlogprob| {c['hf_logprob_max_abs']:.2e}, near-ties {c['hf_near_ties']}"
+            )
 
 
 class TestQwen3Moe:
@@ -732,15 +879,22 @@ class TestQwen3Moe:
     same weights."""
 
     def test_updates_equal_a_fresh_engine(self, tmp_path: Path) -> None:
-        d = _save_moe(tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM", QWEN3_MOE, torch.float32,
-                      seed=2)
+        d = _save_moe(
+            tmp_path / "qwen3_moe", "Qwen3MoeForCausalLM", QWEN3_MOE, torch.float32, seed=2
+        )
         t0 = time.monotonic()
         llm = _start_llm(d, "float32", 1, backend=True)
         print(f"\nvLLM start-up (Qwen3-MoE, tp=1, float32): {time.monotonic() - t0:.1f} s")
         try:
             before = _tokens(_generate(llm))
             checks = _run_trainers(
-                llm, None, world=2, num_engines=1, model_dir=d, dtype="float32", steps=2,
+                llm,
+                None,
+                world=2,
+                num_engines=1,
+                model_dir=d,
+                dtype="float32",
+                steps=2,
                 tmp=tmp_path / "ckpt",
                 check=lambda step, path, s: _check_fresh(llm, step, path, "float32", 1, s),
             )
@@ -758,8 +912,12 @@ class TestQwen3Moe:
         paths = checks[0]["stats"][0]["paths"]
         for i in range(QWEN3_MOE["num_hidden_layers"]):
             for w in ("w13_weight", "w2_weight"):
-                assert paths[f"model.layers.{i}.mlp.experts.routed_experts.{w}"] == "buffer+reprocess"
-        assert len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+                assert (
+                    paths[f"model.layers.{i}.mlp.experts.routed_experts.{w}"] == "buffer+reprocess"
+                )
+        assert (
+            len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+        )
 
 
 def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
@@ -767,6 +925,7 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     update from a trainer holding the experts one tensor per expert (the checkpoint layout)
     equals a fresh vLLM engine on a checkpoint of the same weights."""
     from safetensors.torch import save_file
+
     from weight_transfer.vllm import (
         LLMWeightSyncClient,
         OneSidedUpdater,
@@ -774,8 +933,7 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     )
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    d = _save_moe(tmp_path / "qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE, torch.bfloat16,
-                  seed=3)
+    d = _save_moe(tmp_path / "qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE, torch.bfloat16, seed=3)
     t0 = time.monotonic()
     llm = _start_llm(d, "bfloat16", 2, backend=True)
     print(f"\nvLLM start-up (Qwen2-MoE, tp=2, bfloat16): {time.monotonic() - t0:.1f} s")
@@ -788,9 +946,16 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
             for t in params.values():
                 t.add_((torch.randn(t.shape, generator=g) * 0.05).to(t.dtype))
         updater = OneSidedUpdater(
-            TrainerInitInfo(rank=0, world_size=1, num_engines=2, port=_free_port(),
-                            token=secrets.token_hex(16), hf_moe_layout="per_expert"),
-            params, LLMWeightSyncClient(llm),
+            TrainerInitInfo(
+                rank=0,
+                world_size=1,
+                num_engines=2,
+                port=_free_port(),
+                token=secrets.token_hex(16),
+                hf_moe_layout="per_expert",
+            ),
+            params,
+            LLMWeightSyncClient(llm),
         )
         try:
             stats = updater.update(1)
@@ -808,7 +973,9 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     assert c["tokens"] != before
     for s in c["stats"]:
         for w in ("w13_weight", "w2_weight"):
-            assert s["paths"][f"model.layers.0.mlp.experts.routed_experts.{w}"] == "buffer+reprocess"
+            assert (
+                s["paths"][f"model.layers.0.mlp.experts.routed_experts.{w}"] == "buffer+reprocess"
+            )
         assert "model.layers.0.mlp.shared_expert_gate.weight" in s["paths"]
 
 
@@ -818,8 +985,9 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
 def _save_gpt2(path: Path) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=300,
-                               n_positions=128)).save_pretrained(path)
+    GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=300, n_positions=128)
+    ).save_pretrained(path)
     return "GPT2LMHeadModel is not covered by the vLLM preset"
 
 
@@ -829,13 +997,14 @@ def test_uncovered_model_is_refused(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         from vllm import LLM
         if __name__ == "__main__":
-            LLM(model={str(tmp_path / 'model')!r}, skip_tokenizer_init=True, enforce_eager=True,
+            LLM(model={str(tmp_path / "model")!r}, skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=128, gpu_memory_utilization=0.08,
                 weight_transfer_config={{"backend": "weight_transfer"}})
     """)
     (tmp_path / "start.py").write_text(script)
-    r = subprocess.run([sys.executable, str(tmp_path / "start.py")], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "start.py")], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode != 0
     assert expected in r.stdout + r.stderr
 
@@ -861,8 +1030,14 @@ def test_readme_example_runs_as_written() -> None:
     example = REPO / "examples" / "vllm_update.py"
     assert block == example.read_text()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
-    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = _own_lines(r.stdout)
     assert [ln.split(",")[1].strip() for ln in lines if ln.startswith("update ")] == [
@@ -876,7 +1051,11 @@ def test_demo_vllm_command_verifies() -> None:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
     r = subprocess.run(
         [sys.executable, "-m", "weight_transfer.cli", "demo-vllm", "--steps", "2"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = _own_lines(r.stdout)

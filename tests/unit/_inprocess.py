@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.backends.base import TransportConfig
-from weight_transfer.planner.types import Box, Recipe, SourceManifest, SourceTensor
 from weight_transfer import sender as sender_module
+from weight_transfer.backends.base import TransportConfig
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
 from weight_transfer.manifest import dtype_name
+from weight_transfer.planner.types import Box, Recipe, SourceManifest, SourceTensor
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -52,8 +52,7 @@ def hsdp_shards(shape: Sequence[int], replicas: int, shard: int) -> list[Shard]:
     mesh = tuple(range(replicas * shard))
     rest = tuple((0, n) for n in shape[1:])
     return [
-        ((chunk_bounds(shape[0], shard, r % shard), *rest), mesh)
-        for r in range(replicas * shard)
+        ((chunk_bounds(shape[0], shard, r % shard), *rest), mesh) for r in range(replicas * shard)
     ]
 
 
@@ -142,10 +141,16 @@ class Cluster:
                 mine[name] = local
                 full_of[id(local)] = t
                 self._boxes[r][name] = box
-                described.append(SourceTensor(
-                    name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype),
-                    local_box=box, mesh=mesh, device="cpu",
-                ))
+                described.append(
+                    SourceTensor(
+                        name=name,
+                        shape=tuple(t.shape),
+                        dtype=dtype_name(t.dtype),
+                        local_box=box,
+                        mesh=mesh,
+                        device="cpu",
+                    )
+                )
             self.locals[r] = mine
             manifests[r] = SourceManifest(
                 rank=r, world_size=world, host="in-process", tensors=tuple(described)
@@ -167,18 +172,27 @@ class Cluster:
         transport = TransportConfig(name=backend)
         try:
             for e in self.engines:
-                self.receivers.append(WeightReceiver(
-                    e.tensors, e.recipes, engine=e.name, transport=transport,
-                    control=self.control,
-                ))
+                self.receivers.append(
+                    WeightReceiver(
+                        e.tensors,
+                        e.recipes,
+                        engine=e.name,
+                        transport=transport,
+                        control=self.control,
+                    )
+                )
             config = SenderConfig(
                 memory_budget_bytes=memory_budget_bytes, update_timeout_s=update_timeout_s
             )
 
             def build(r: int) -> WeightSender:
                 s = WeightSender(
-                    self.locals[r], rank=r, world_size=world, transport=transport,
-                    control=self.control, config=config,
+                    self.locals[r],
+                    rank=r,
+                    world_size=world,
+                    transport=transport,
+                    control=self.control,
+                    config=config,
                     controller=self.controller if r == 0 else None,
                 )
                 if wrap is not None:

@@ -14,7 +14,12 @@ from weight_transfer.planner.presets.clusters import (
     get_shape,
     with_overrides,
 )
-from weight_transfer.planner.presets.deepseek import MLA_SHAPES, local_experts, mla_parameter_shapes, mla_recipes
+from weight_transfer.planner.presets.deepseek import (
+    MLA_SHAPES,
+    local_experts,
+    mla_parameter_shapes,
+    mla_recipes,
+)
 from weight_transfer.planner.recipes import engine_tensor_specs
 from weight_transfer.planner.types import box_shape, numel
 
@@ -27,7 +32,7 @@ def test_chunk_bounds_match_torch_chunk(size: int, k: int) -> None:
     # torch.chunk may return fewer than k pieces; the shards past them are checked below.
     for (a, b), piece in zip(got[: len(pieces)], pieces, strict=True):
         assert torch.equal(torch.arange(size)[a:b], piece)
-    assert all(a == b for a, b in got[len(pieces):])  # FSDP2's padded, empty trailing shards
+    assert all(a == b for a, b in got[len(pieces) :])  # FSDP2's padded, empty trailing shards
 
 
 def test_mini_manifests_cover_every_tensor_once_per_mesh() -> None:
@@ -55,7 +60,10 @@ def test_mini_manifests_cover_every_tensor_once_per_mesh() -> None:
 
 def test_mla_recipe_shapes() -> None:
     s = MLA_SHAPES["kimi-k2"]
-    specs = {t.name: t for t in engine_tensor_specs(mla_recipes(s, tp_rank=1, tp_size=8, ep_rank=3, ep_size=32))}
+    specs = {
+        t.name: t
+        for t in engine_tensor_specs(mla_recipes(s, tp_rank=1, tp_size=8, ep_rank=3, ep_size=32))
+    }
     p = "model.layers.5."
     assert specs[p + "self_attn.fused_qkv_a_proj.weight"].shape == (1536 + 512 + 64, 7168)
     assert specs[p + "self_attn.q_b_proj.weight"].shape == (8 * 192, 1536)

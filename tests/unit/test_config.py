@@ -6,7 +6,6 @@ import secrets
 
 import pytest
 
-from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.config import (
     ControlPlaneConfig,
     SenderConfig,
@@ -17,6 +16,7 @@ from weight_transfer.config import (
     read_toml,
     token_bits,
 )
+from weight_transfer.planner.plan import PlannerConfig
 
 TOKEN = new_token()
 
@@ -42,7 +42,9 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
     path.write_text(TOML)
     cfg = load_toml(path)
     assert cfg.transport == "tcp"
-    assert cfg.control == ControlPlaneConfig(host="127.0.0.1", port=29811, token="xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8")
+    assert cfg.control == ControlPlaneConfig(
+        host="127.0.0.1", port=29811, token="xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"
+    )
     assert cfg.sender == SenderConfig(memory_budget_bytes=256 << 20)
     assert cfg.planner.max_write_bytes == 1 << 20
     assert cfg.transport_options == (("UCX_TLS", "rc,cuda_ipc"),)
@@ -53,7 +55,9 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
 def test_cli_overrides_win_over_the_file(tmp_path):
     path = tmp_path / "wt.toml"
     path.write_text(TOML)
-    cfg = config_from_mapping(merge(read_toml(path), {"transport": "loopback", "sender": {"update_timeout_s": 9.0}}))
+    cfg = config_from_mapping(
+        merge(read_toml(path), {"transport": "loopback", "sender": {"update_timeout_s": 9.0}})
+    )
     assert cfg.transport == "loopback"
     assert cfg.sender.memory_budget_bytes == 256 << 20 and cfg.sender.update_timeout_s == 9.0
 
@@ -89,9 +93,16 @@ def test_defaults_are_valid_and_the_token_has_none():
         ControlPlaneConfig()
 
 
-@pytest.mark.parametrize("token", [
-    "change-me-please", "a-long-shared-secret", secrets.token_hex(8), "ab" * 32, "a" * 100,
-])
+@pytest.mark.parametrize(
+    "token",
+    [
+        "change-me-please",
+        "a-long-shared-secret",
+        secrets.token_hex(8),
+        "ab" * 32,
+        "a" * 100,
+    ],
+)
 def test_weak_tokens_are_refused(token):
     with pytest.raises(ValueError, match="fewer than the 128 required"):
         ControlPlaneConfig(token=token)

@@ -16,12 +16,12 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from weight_transfer.backends.base import ControlPlaneAuthError, TransportConfig
-from weight_transfer.planner import codec
-from weight_transfer.planner.recipes import identity
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig
 from weight_transfer.control import ControlPlane, derive_key
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
+from weight_transfer.planner import codec
+from weight_transfer.planner.recipes import identity
 from weight_transfer.protocol import Decision
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -46,8 +46,9 @@ def _listening_addresses(port: int) -> list[str]:
 
 
 def _raw_client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False,
-                         timeout=datetime.timedelta(seconds=5), use_libuv=True)
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5), use_libuv=True
+    )
 
 
 def test_token_is_required() -> None:
@@ -75,12 +76,22 @@ def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     g = torch.Generator().manual_seed(1)
     engine_tensors = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
-    rx = WeightReceiver(engine_tensors,
-                        [identity("secret_tensor_name.weight", "secret_tensor_name.weight", (8, 4))],
-                        engine="e0", transport=TransportConfig(name="tcp"), control=cp)
+    rx = WeightReceiver(
+        engine_tensors,
+        [identity("secret_tensor_name.weight", "secret_tensor_name.weight", (8, 4))],
+        engine="e0",
+        transport=TransportConfig(name="tcp"),
+        control=cp,
+    )
     src = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
-    tx = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"),
-                      control=cp, controller=ctrl)
+    tx = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name="tcp"),
+        control=cp,
+        controller=ctrl,
+    )
     try:
         outsider = _raw_client(cp.port)
         descriptors = [r.descriptor for r in rx.manifest.regions]
@@ -95,7 +106,9 @@ def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
             # A guessed token does not open it either.
             wrong = AESGCM(derive_key(secrets.token_hex(16), "default", ctrl.control.run_id))
             with pytest.raises(InvalidTag):
-                wrong.decrypt(raw[:12], raw[12:], ctrl.control.run_id + f"wt/default/{key}".encode())
+                wrong.decrypt(
+                    raw[:12], raw[12:], ctrl.control.run_id + f"wt/default/{key}".encode()
+                )
         # Forge "update 1 committed" as an outsider: every member refuses it.
         forged = codec.to_msgpack(Decision(step=1, ok=True, error=""))
         outsider.set("wt/default/commit/1", forged + b"\0" * 28)
@@ -141,8 +154,11 @@ def test_no_pickle_in_library_code() -> None:
 
 
 def test_sealed_values_are_not_plain_msgpack() -> None:
-    cp = ControlPlane(ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16)),
-                      server=True, member="controller")
+    cp = ControlPlane(
+        ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16)),
+        server=True,
+        member="controller",
+    )
     try:
         sealed = cp.seal("wt/default/k", codec.to_msgpack(Decision(step=1, ok=True, error="")))
         try:
@@ -208,13 +224,23 @@ def test_stranger_cannot_pre_claim_an_engine_name_or_a_join_slot() -> None:
         g = torch.Generator().manual_seed(2)
         tensors = {"w": torch.randn(4, 4, generator=g)}
         with pytest.raises(ControlPlaneAuthError, match="claim/engine/e0"):
-            WeightReceiver(tensors, [identity("w", "w", (4, 4))], engine="e0",
-                           transport=TC(name="loopback"), control=cp)
+            WeightReceiver(
+                tensors,
+                [identity("w", "w", (4, 4))],
+                engine="e0",
+                transport=TC(name="loopback"),
+                control=cp,
+            )
         # A forged join slot is refused, not counted: the next engine reports it.
         outsider.set("wt/default/claim/engine_slot/0", b"y" * 40)
         with pytest.raises(ControlPlaneAuthError, match="claim/engine_slot/0"):
-            WeightReceiver(tensors, [identity("w", "w", (4, 4))], engine="e1",
-                           transport=TC(name="loopback"), control=cp)
+            WeightReceiver(
+                tensors,
+                [identity("w", "w", (4, 4))],
+                engine="e1",
+                transport=TC(name="loopback"),
+                control=cp,
+            )
     finally:
         ctrl.close()
 

@@ -16,11 +16,17 @@ import threading
 import pytest
 import torch
 
+from tests.unit._inprocess import Cluster
+from tests.unit.test_layouts import (
+    TINY,
+    check_engine,
+    expected_vllm,
+    hf_weights,
+    make_engines,
+    shards_for,
+)
 from weight_transfer.backends.base import WeightTransferError
 from weight_transfer.sender import WeightSender
-
-from tests.unit._inprocess import Cluster
-from tests.unit.test_layouts import TINY, check_engine, expected_vllm, hf_weights, make_engines, shards_for
 
 FAIL_WITHIN_S = 5.0
 """Every rank raises within this (the control plane and update timeouts are 30 s)."""
@@ -77,8 +83,14 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
     engines, befores = make_engines(TINY, 4, fp8=True, block=(128, 128), seed=70)
     armed: dict = {"on": True, "receivers": []}
     with Cluster(
-        monkeypatch, hf, shards_for(hf, 3, "fsdp", 1), engines, world=3,
-        timeout_s=30.0, update_timeout_s=30.0, wrap=_inject(stage, armed),
+        monkeypatch,
+        hf,
+        shards_for(hf, 3, "fsdp", 1),
+        engines,
+        world=3,
+        timeout_s=30.0,
+        update_timeout_s=30.0,
+        wrap=_inject(stage, armed),
     ) as cluster:
         armed["receivers"] = cluster.receivers
         seen: dict[str, object] = {}
@@ -99,7 +111,9 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
             exc = out.results[r]
             assert isinstance(exc, WeightTransferError), f"rank {r} returned {exc!r}"
             text = str(exc)
-            assert "update 1" in text and "trainer rank 2" in text and "Boom: injected" in text, text
+            assert "update 1" in text and "trainer rank 2" in text and "Boom: injected" in text, (
+                text
+            )
             assert out.seconds[r] < FAIL_WITHIN_S, f"rank {r} took {out.seconds[r]:.1f} s to fail"
         assert isinstance(out.results[2].__cause__, Boom)
         # Whole updates: no engine shows update 1, also after a failure while the version
@@ -120,4 +134,11 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
         assert not bad, f"the update after the failure failed: {bad}"
         for r, e in enumerate(engines):
             assert cluster.receivers[r].wait_for_version(2, 5.0) == 2
-            check_engine(e.name, e.tensors, befores[r], expected_vllm(TINY, hf, r, 4), fp8=True, block=(128, 128))
+            check_engine(
+                e.name,
+                e.tensors,
+                befores[r],
+                expected_vllm(TINY, hf, r, 4),
+                fp8=True,
+                block=(128, 128),
+            )

@@ -19,7 +19,11 @@ import math
 import pytest
 import torch
 
-from weight_transfer.planner.fp8 import dequantize_fp8_blockwise, quantize_fp8_blockwise, scale_shape
+from weight_transfer.planner.fp8 import (
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+    scale_shape,
+)
 from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes, vllm_tensor_specs
 from weight_transfer.planner.recipes import engine_tensor_specs, fused_qkv, with_fp8

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.backends.base import ConfigurationError
-from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape
 from tests.markers import requires_cuda, requires_module
+from weight_transfer.backends.base import ConfigurationError
 from weight_transfer.kernels import fp8_triton
 from weight_transfer.kernels.fp8_triton import quantize_fp8, quantize_fp8_blockwise_gpu
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape
 
 _JIT_MODULE = "weight_transfer.kernels._fp8_triton_jit"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -300,7 +300,10 @@ def _case_quant_table() -> None:
         big[10:300, 64:320],
         big[6:200, 5:333],
     ]
-    aligned = [_make((256, 128), torch.bfloat16, seed=25), _make((128, 384), torch.bfloat16, seed=26)]
+    aligned = [
+        _make((256, 128), torch.bfloat16, seed=25),
+        _make((128, 384), torch.bfloat16, seed=26),
+    ]
     for group, sub_rows in [(g, r) for g in (inputs, aligned) for r in (0, 32)]:
         outs = []
         for x in group:
@@ -466,8 +469,14 @@ def _compile_table_for_sm90(aligned: bool) -> str:
     kernel = fp8_triton._jit_module().fp8_table_quant_kernel
     names = [p.name for p in kernel.params]
     constexprs = {
-        "X_DTYPE": tl.bfloat16, "ALIGNED": aligned, "BLOCK_R": 128, "BLOCK_C": 128,
-        "TILE_R": 128, "TILE_C": 128, "FP8_MAX": 448.0, "SOFTWARE_CVT": False,
+        "X_DTYPE": tl.bfloat16,
+        "ALIGNED": aligned,
+        "BLOCK_R": 128,
+        "BLOCK_C": 128,
+        "TILE_R": 128,
+        "TILE_C": 128,
+        "FP8_MAX": 448.0,
+        "SOFTWARE_CVT": False,
     }
     signature = {"units_ptr": "*i64", "block_unit_ptr": "*i32", "amax_floor": "fp32"}
     signature.update({n: "constexpr" for n in constexprs})
@@ -475,7 +484,9 @@ def _compile_table_for_sm90(aligned: bool) -> str:
         fn=kernel,
         signature=signature,
         constexprs={(names.index(n),): v for n, v in constexprs.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("units_ptr", "block_unit_ptr")},
+        attrs={
+            (names.index(n),): [["tt.divisibility", 16]] for n in ("units_ptr", "block_unit_ptr")
+        },
     )
     compiled = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert compiled.asm["cubin"], "ptxas produced no cubin"

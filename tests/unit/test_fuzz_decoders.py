@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weight_transfer import protocol
 from weight_transfer.backends.base import (
     ControlPlaneAuthError,
     RegionDescriptor,
@@ -28,15 +29,15 @@ from weight_transfer.backends.base import (
     WriteOp,
     create_transport,
 )
-from weight_transfer.planner import codec
-from weight_transfer.planner.types import DestManifest, Recipe, Schedule, SourceManifest
-from weight_transfer import protocol
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControlPlaneConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.cli.run_demo import free_port
+from weight_transfer.planner import codec
+from weight_transfer.planner.types import DestManifest, Recipe, Schedule, SourceManifest
 
 MESSAGES = [
-    c for c in vars(protocol).values()
+    c
+    for c in vars(protocol).values()
     if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == protocol.__name__
 ]
 DOCUMENTS = [SourceManifest, DestManifest, Recipe, Schedule]
@@ -44,18 +45,32 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 # Plain msgpack-able values, nested: the shapes an attacker can actually send.
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=8) | st.integers(0, 9), inner, max_size=5),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.text(max_size=8) | st.integers(0, 9), inner, max_size=5)
+    ),
     max_leaves=30,
 )
 
 
 def test_every_message_class_is_fuzzed() -> None:
     assert {c.__name__ for c in MESSAGES} >= {
-        "Hello", "Claim", "TrainerJoin", "EngineJoin", "RankPlan", "Failure", "Go", "Done",
-        "Decision", "Digests",
+        "Hello",
+        "Claim",
+        "TrainerJoin",
+        "EngineJoin",
+        "RankPlan",
+        "Failure",
+        "Go",
+        "Done",
+        "Decision",
+        "Digests",
     }
 
 
@@ -121,7 +136,8 @@ def test_region_descriptor_random_bytes(data: bytes) -> None:
 def control_plane():
     cp = ControlPlane(
         ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5),
-        server=True, member="fuzz",
+        server=True,
+        member="fuzz",
     )
     yield cp
     cp.close()
@@ -153,7 +169,9 @@ def transport(request):
     t.close()
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=80) | plain.map(lambda v: msgpack.packb(v, use_bin_type=True)))
 def test_endpoint_parsers_random_bytes(transport, data: bytes) -> None:
     try:
@@ -167,9 +185,10 @@ def test_endpoint_parsers_random_bytes(transport, data: bytes) -> None:
 @settings(max_examples=25, deadline=None)
 @given(payload=st.binary(max_size=60) | plain.map(lambda v: msgpack.packb(v, use_bin_type=True)))
 def test_tcp_descriptor_payload_random_bytes(payload: bytes) -> None:
-    with create_transport(TransportConfig(name="tcp")) as a, create_transport(
-        TransportConfig(name="tcp")
-    ) as b:
+    with (
+        create_transport(TransportConfig(name="tcp")) as a,
+        create_transport(TransportConfig(name="tcp")) as b,
+    ):
         src = a.register(torch.arange(16, dtype=torch.uint8), role=RegionRole.SOURCE)
         a.connect("b", b.endpoint())
         desc = RegionDescriptor(backend="tcp", kind=src.kind, nbytes=16, payload=payload)
@@ -180,16 +199,21 @@ def test_tcp_descriptor_payload_random_bytes(payload: bytes) -> None:
 @pytest.fixture(scope="module")
 def tcp_target():
     t = create_transport(TransportConfig(name="tcp", connect_timeout_s=2))
-    memory = torch.randint(0, 256, (4096,), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(5))
+    memory = torch.randint(
+        0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
     region = t.register(memory, role=RegionRole.TARGET)
     yield t, region, memory.clone()
     t.close()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(garbage=st.binary(min_size=1, max_size=300), with_handshake=st.booleans())
-def test_tcp_wire_random_bytes_write_nothing(tcp_target, garbage: bytes, with_handshake: bool) -> None:
+def test_tcp_wire_random_bytes_write_nothing(
+    tcp_target, garbage: bytes, with_handshake: bool
+) -> None:
     t, region, before = tcp_target
     ep = msgpack.unpackb(t.endpoint(), raw=False)
     with socket.create_connection((ep["host"], ep["port"]), timeout=5) as s:
@@ -198,6 +222,7 @@ def test_tcp_wire_random_bytes_write_nothing(tcp_target, garbage: bytes, with_ha
         try:
             if with_handshake:
                 import struct
+
                 s.sendall(struct.pack("!4sHxxQ", b"WTT1", 1, 0))
                 s.recv(16)
             s.sendall(garbage)

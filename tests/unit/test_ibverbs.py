@@ -903,8 +903,12 @@ requires_extracted_pyverbs = pytest.mark.skipif(
 _REAL_PYVERBS_SCRIPT = r"""
 import threading
 from weight_transfer.backends import _ibverbs_plan as plan
-from weight_transfer.backends.base import TransportConfig, TransportUnavailableError, create_transport
-from weight_transfer.backends.ibverbs import build_send_chain, doctor_info, import_pyverbs, to_pyverbs_qp_attr
+from weight_transfer.backends.base import (
+    TransportConfig, TransportUnavailableError, create_transport,
+)
+from weight_transfer.backends.ibverbs import (
+    build_send_chain, doctor_info, import_pyverbs, to_pyverbs_qp_attr,
+)
 
 pv = import_pyverbs()
 e = pv.enums

@@ -18,13 +18,19 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.unit._inprocess import (
+    Cluster,
+    Engine,
+    fsdp_shards,
+    grid_shards,
+    hsdp_shards,
+    strided_shards,
+)
 from weight_transfer.backends.base import ConfigurationError
+from weight_transfer.manifest import allocate_engine_tensors
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.presets.models import ModelShape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-from weight_transfer.manifest import allocate_engine_tensors
-
-from tests.unit._inprocess import Cluster, Engine, fsdp_shards, grid_shards, hsdp_shards, strided_shards
 
 PREFIX = "mlp.experts.routed_experts"
 
@@ -40,12 +46,12 @@ def hf_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 def _rows(t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
     n = t.shape[0] // tp
-    return t[r * n:(r + 1) * n]
+    return t[r * n : (r + 1) * n]
 
 
 def _cols(t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
     n = t.shape[1] // tp
-    return t[:, r * n:(r + 1) * n]
+    return t[:, r * n : (r + 1) * n]
 
 
 def expected_vllm(
@@ -57,14 +63,14 @@ def expected_vllm(
     per = padded // tp
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in hf:
-            out[name] = hf[name][r * per:min((r + 1) * per, shape.vocab_size)]
+            out[name] = hf[name][r * per : min((r + 1) * per, shape.vocab_size)]
     out["model.norm.weight"] = hf["model.norm.weight"]
     kvh, hd = shape.num_kv_heads, shape.head_dim
 
     def kv(t: torch.Tensor) -> torch.Tensor:
         if tp >= kvh:  # replicated: rank r holds kv head r // (tp // kvh)
             head = r // (tp // kvh)
-            return t[head * hd:(head + 1) * hd]
+            return t[head * hd : (head + 1) * hd]
         return _rows(t, r, tp)
 
     for i in range(shape.num_layers):
@@ -72,10 +78,13 @@ def expected_vllm(
         a = L + "self_attn."
         for kind in ("weight", "bias"):
             if a + f"q_proj.{kind}" in hf:
-                out[a + f"qkv_proj.{kind}"] = torch.cat([
-                    _rows(hf[a + f"q_proj.{kind}"], r, tp),
-                    kv(hf[a + f"k_proj.{kind}"]), kv(hf[a + f"v_proj.{kind}"]),
-                ])
+                out[a + f"qkv_proj.{kind}"] = torch.cat(
+                    [
+                        _rows(hf[a + f"q_proj.{kind}"], r, tp),
+                        kv(hf[a + f"k_proj.{kind}"]),
+                        kv(hf[a + f"v_proj.{kind}"]),
+                    ]
+                )
         out[a + "o_proj.weight"] = _cols(hf[a + "o_proj.weight"], r, tp)
         for n in ("q_norm.weight", "k_norm.weight"):
             if a + n in hf:
@@ -84,18 +93,28 @@ def expected_vllm(
             out[L + n] = hf[L + n]
 
         def mlp(src: str, dst: str) -> None:
-            out[dst + "gate_up_proj.weight"] = torch.cat([
-                _rows(hf[src + "gate_proj.weight"], r, tp), _rows(hf[src + "up_proj.weight"], r, tp)
-            ])
+            out[dst + "gate_up_proj.weight"] = torch.cat(
+                [
+                    _rows(hf[src + "gate_proj.weight"], r, tp),
+                    _rows(hf[src + "up_proj.weight"], r, tp),
+                ]
+            )
             out[dst + "down_proj.weight"] = _cols(hf[src + "down_proj.weight"], r, tp)
 
         m = L + "mlp."
         if shape.num_experts:
             e_src = [f"{m}experts.{e}." for e in range(shape.num_experts)]
-            out[f"{L}{PREFIX}.w13_weight"] = torch.stack([
-                torch.cat([_rows(hf[s + "gate_proj.weight"], r, tp), _rows(hf[s + "up_proj.weight"], r, tp)])
-                for s in e_src
-            ])
+            out[f"{L}{PREFIX}.w13_weight"] = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            _rows(hf[s + "gate_proj.weight"], r, tp),
+                            _rows(hf[s + "up_proj.weight"], r, tp),
+                        ]
+                    )
+                    for s in e_src
+                ]
+            )
             out[f"{L}{PREFIX}.w2_weight"] = torch.stack(
                 [_cols(hf[s + "down_proj.weight"], r, tp) for s in e_src]
             )
@@ -143,13 +162,13 @@ def make_engines(
         specs = vllm_tensor_specs(shape, r, tp, fp8=fp8, fp8_block=block)
         tensors = allocate_engine_tensors(specs, seed=seed + r)
         befores.append({n: t.clone() for n, t in tensors.items()})
-        engines.append(Engine(f"tp{r}", vllm_recipes(shape, r, tp, fp8=fp8, fp8_block=block), tensors))
+        engines.append(
+            Engine(f"tp{r}", vllm_recipes(shape, r, tp, fp8=fp8, fp8_block=block), tensors)
+        )
     return engines, befores
 
 
-def shards_for(
-    hf: dict[str, torch.Tensor], world: int, layout: str, split: int
-) -> dict[str, list]:
+def shards_for(hf: dict[str, torch.Tensor], world: int, layout: str, split: int) -> dict[str, list]:
     out = {}
     for i, (name, t) in enumerate(sorted(hf.items())):
         if layout == "fsdp":
@@ -178,9 +197,10 @@ def run_layout(
 ) -> None:
     hf = hf_weights(shape, seed)
     engines, befores = make_engines(shape, tp, fp8=fp8, block=block, seed=1000 + seed)
-    with monkeypatch.context() as mp, Cluster(
-        mp, hf, shards_for(hf, world, layout, split), engines, world=world
-    ) as cluster:
+    with (
+        monkeypatch.context() as mp,
+        Cluster(mp, hf, shards_for(hf, world, layout, split), engines, world=world) as cluster,
+    ):
         for step in range(1, steps + 1):
             if step > 1:
                 g = torch.Generator().manual_seed(seed + step)
@@ -193,14 +213,23 @@ def run_layout(
             for r, e in enumerate(engines):
                 assert cluster.receivers[r].version == step
                 check_engine(
-                    e.name, e.tensors, befores[r], expected_vllm(shape, hf, r, tp),
-                    fp8=fp8, block=block,
+                    e.name,
+                    e.tensors,
+                    befores[r],
+                    expected_vllm(shape, hf, r, tp),
+                    fp8=fp8,
+                    block=block,
                 )
 
 
 TINY = ModelShape(
-    vocab_size=1000, hidden_size=256, intermediate_size=704, num_layers=1,
-    num_heads=8, num_kv_heads=2, head_dim=32,
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=1,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
 )
 
 
@@ -258,14 +287,23 @@ def layouts(draw: st.DrawFn) -> dict:
         else:
             layout = "fsdp"
     return dict(
-        shape=shape, world=world, tp=tp, fp8=draw(st.booleans()), layout=layout, split=split,
-        block=draw(st.sampled_from([(128, 128), (16, 32)])), seed=draw(st.integers(0, 1000)),
+        shape=shape,
+        world=world,
+        tp=tp,
+        fp8=draw(st.booleans()),
+        layout=layout,
+        split=split,
+        block=draw(st.sampled_from([(128, 128), (16, 32)])),
+        seed=draw(st.integers(0, 1000)),
     )
 
 
 @pytest.mark.timeout(900)
 @settings(
-    max_examples=30, deadline=None, derandomize=True, print_blob=True,
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(case=layouts())

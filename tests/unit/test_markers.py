@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests import markers
 from weight_transfer.backends.base import TransportError
 from weight_transfer.backends.tcp import TcpTransport
-
-from tests import markers
 
 
 def test_broken_constructor_is_not_a_reason_to_skip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 
+from tests.markers import requires_module
 from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
@@ -19,7 +20,6 @@ from weight_transfer.backends.base import (
     WriteOp,
 )
 from weight_transfer.backends.nixl import NixlTransport, _decode_payload, _encode_payload, _Target
-from tests.markers import requires_module
 
 
 def test_payload_round_trip_and_garbage() -> None:

@@ -37,7 +37,9 @@ from weight_transfer.planner.types import (
 )
 
 
-def fsdp_sources(shapes: dict[str, tuple[int, ...]], world: int, dtype: str = "bfloat16") -> list[SourceManifest]:
+def fsdp_sources(
+    shapes: dict[str, tuple[int, ...]], world: int, dtype: str = "bfloat16"
+) -> list[SourceManifest]:
     """Manifests of an FSDP2-style dim-0 sharding (torch.chunk sizes: uneven, maybe empty)."""
     out = []
     for r in range(world):
@@ -58,9 +60,12 @@ def engine_manifest(engine: str, recipes, specs) -> DestManifest:
         tensors.append(DestTensor(s.name, s.shape, s.dtype, 0, off))
         off += numel(s.shape) * dtype_size(s.dtype)
     return DestManifest(
-        engine=engine, host="h",
+        engine=engine,
+        host="h",
         regions=(DestRegion(0, off, b"r0"), DestRegion(1, 8, b"v")),
-        tensors=tuple(tensors), recipes=tuple(recipes), version_region=1,
+        tensors=tuple(tensors),
+        recipes=tuple(recipes),
+        version_region=1,
     )
 
 
@@ -68,13 +73,19 @@ def tiny_setup(world=3, tp=2, fp8=False, dtype="bfloat16"):
     shape = get_model_shape("tiny")
     sources = fsdp_sources(hf_parameter_shapes(shape), world, dtype)
     dests = [
-        engine_manifest(f"engine{e}", vllm_recipes(shape, e, tp, fp8=fp8), vllm_tensor_specs(shape, e, tp, fp8=fp8))
+        engine_manifest(
+            f"engine{e}",
+            vllm_recipes(shape, e, tp, fp8=fp8),
+            vllm_tensor_specs(shape, e, tp, fp8=fp8),
+        )
         for e in range(tp)
     ]
     return shape, sources, dests
 
 
-def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -> dict[str, bytearray]:
+def simulate_schedule(
+    schedule, sources, dests, full: dict[str, torch.Tensor]
+) -> dict[str, bytearray]:
     """Execute a schedule on byte arrays (an executor independent of the runtime)."""
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
@@ -85,7 +96,7 @@ def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -
         pos = 0
         for r in runs:
             assert r.region == 0
-            mems[engine][r.offset_bytes:r.offset_bytes + r.nbytes] = data[pos:pos + r.nbytes]
+            mems[engine][r.offset_bytes : r.offset_bytes + r.nbytes] = data[pos : pos + r.nbytes]
             for i in range(r.offset_bytes, r.offset_bytes + r.nbytes):
                 assert not written[engine][i], f"byte {i} of {engine} written twice"
                 written[engine][i] = 1
@@ -106,13 +117,21 @@ def simulate_schedule(schedule, sources, dests, full: dict[str, torch.Tensor]) -
                     hp = torch.empty(box_shape(w.dest_box), dtype=torch.float32)
                     o = [a for a, _ in w.dest_box]
                     for p in w.parts:
-                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True))
-                        hp[sl] = full[p.source][tuple(slice(a, b) for a, b in p.source_box)].reshape(box_shape(p.dest_box)).float()
+                        sl = tuple(
+                            slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True)
+                        )
+                        hp[sl] = (
+                            full[p.source][tuple(slice(a, b) for a, b in p.source_box)]
+                            .reshape(box_shape(p.dest_box))
+                            .float()
+                        )
                     q, s = quantize_fp8_blockwise(hp, w.block)
                     put(w.engine, w.weight_runs, raw(q))
                     put(w.engine, w.scale_runs, raw(s))
     for d in dests:
-        assert all(written[d.engine]), f"{d.engine}: {written[d.engine].count(0)} bytes never written"
+        assert all(written[d.engine]), (
+            f"{d.engine}: {written[d.engine].count(0)} bytes never written"
+        )
     return mems
 
 
@@ -122,14 +141,19 @@ def test_schedule_reproduces_reference_layout(world, tp, fp8):
     shape, sources, dests = tiny_setup(world, tp, fp8)
     schedule = plan(sources, dests)
     g = torch.Generator().manual_seed(7)
-    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in hf_parameter_shapes(shape).items()}
+    full = {
+        n: torch.randn(s, generator=g).to(torch.bfloat16)
+        for n, s in hf_parameter_shapes(shape).items()
+    }
     mems = simulate_schedule(schedule, sources, dests, full)
     for e, d in enumerate(dests):
         specs = vllm_tensor_specs(shape, e, tp, fp8=fp8)
         expect = materialize(vllm_recipes(shape, e, tp, fp8=fp8), specs, full)
         for t in d.tensors:
             n = numel(t.shape) * dtype_size(t.dtype)
-            got = torch.frombuffer(bytearray(mems[d.engine][t.offset_bytes:t.offset_bytes + n]), dtype=torch.uint8)
+            got = torch.frombuffer(
+                bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
+            )
             want = expect[t.name].contiguous().view(-1).view(torch.uint8)
             assert torch.equal(got, want), f"{d.engine}:{t.name}"
 
@@ -181,7 +205,9 @@ def test_mesh_groups_for_disjoint_meshes():
     # overlapping both ({1,2}) needs its own group.
     def st(name, mesh, rank):
         i = mesh.index(rank)
-        return SourceTensor(name, (256, 128), "bfloat16", ((i * 128, i * 128 + 128), (0, 128)), mesh, "cpu")
+        return SourceTensor(
+            name, (256, 128), "bfloat16", ((i * 128, i * 128 + 128), (0, 128)), mesh, "cpu"
+        )
 
     layout = {"a": (0, 1), "b": (2, 3), "c": (1, 2)}
     sources = []
@@ -193,7 +219,10 @@ def test_mesh_groups_for_disjoint_meshes():
 
     for n in layout:
         recipes.append(with_fp8(Recipe(n, (Part(n, ((0, 256), (0, 128)), ((0, 256), (0, 128))),))))
-        specs += [TensorSpec(n, (256, 128), "float8_e4m3fn"), TensorSpec(n + "_scale_inv", (2, 1), "float32")]
+        specs += [
+            TensorSpec(n, (256, 128), "float8_e4m3fn"),
+            TensorSpec(n + "_scale_inv", (2, 1), "float32"),
+        ]
     s = plan(sources, [engine_manifest("e", recipes, specs)])
     groups = {t.gather: t.mesh_group for r in s.ranks for t in r.tasks if t.kind == "gather"}
     assert groups[("a",)] == groups[("b",)] != groups[("c",)]
@@ -204,7 +233,9 @@ def test_mesh_groups_for_disjoint_meshes():
 
 def test_large_direct_writes_are_split():
     _, sources, dests = tiny_setup(1, 1)
-    cfg = PlannerConfig(max_write_bytes=16 << 10, memory_budget_bytes=1 << 20, task_target_bytes=64 << 10)
+    cfg = PlannerConfig(
+        max_write_bytes=16 << 10, memory_budget_bytes=1 << 20, task_target_bytes=64 << 10
+    )
     s = plan(sources, dests, cfg)
     for r in s.ranks:
         for t in r.tasks:
@@ -258,7 +289,9 @@ def test_shape_and_dtype_mismatch_named():
             if t.name == "model.layers.0.self_attn.o_proj.weight":
                 t = SourceTensor(t.name, t.shape, "int32", t.local_box, t.mesh, t.device)
             if t.name == "model.layers.0.mlp.down_proj.weight":
-                t = SourceTensor(t.name, (t.shape[0], 100), t.dtype, (t.local_box[0], (0, 100)), t.mesh, t.device)
+                t = SourceTensor(
+                    t.name, (t.shape[0], 100), t.dtype, (t.local_box[0], (0, 100)), t.mesh, t.device
+                )
             ts.append(t)
         bad.append(SourceManifest(m.rank, m.world_size, m.host, tuple(ts)))
     probs = problems_of(bad, dests)

@@ -8,8 +8,17 @@ import torch
 
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.plan import plan
-from weight_transfer.planner.presets.clusters import _engine_recipes, cluster_manifests, get_preset, get_shape
-from weight_transfer.planner.presets.deepseek import mla_engine_dtypes, mla_parameter_shapes, mla_source_dtypes
+from weight_transfer.planner.presets.clusters import (
+    _engine_recipes,
+    cluster_manifests,
+    get_preset,
+    get_shape,
+)
+from weight_transfer.planner.presets.deepseek import (
+    mla_engine_dtypes,
+    mla_parameter_shapes,
+    mla_source_dtypes,
+)
 from weight_transfer.planner.recipes import engine_tensor_specs
 from weight_transfer.planner.reference import materialize
 from weight_transfer.planner.simulate import simulate
@@ -39,8 +48,8 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
     def put(engine: str, runs: tuple, data: np.ndarray) -> None:  # type: ignore[type-arg]
         pos = 0
         for r in runs:
-            mems[engine][r.offset_bytes:r.offset_bytes + r.nbytes] = data[pos:pos + r.nbytes]
-            hits[engine][r.offset_bytes:r.offset_bytes + r.nbytes] += 1
+            mems[engine][r.offset_bytes : r.offset_bytes + r.nbytes] = data[pos : pos + r.nbytes]
+            hits[engine][r.offset_bytes : r.offset_bytes + r.nbytes] += 1
             pos += r.nbytes
         assert pos == data.size
 
@@ -55,7 +64,9 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
                     hp = torch.empty(box_shape(w.dest_box), dtype=torch.float32)
                     o = [a for a, _ in w.dest_box]
                     for p in w.parts:
-                        sl = tuple(slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True))
+                        sl = tuple(
+                            slice(a - oo, b - oo) for (a, b), oo in zip(p.dest_box, o, strict=True)
+                        )
                         part = full[p.source][tuple(slice(a, b) for a, b in p.source_box)]
                         hp[sl] = part.reshape(box_shape(p.dest_box)).float()
                     q, s = quantize_fp8_blockwise(hp, w.block)
@@ -69,8 +80,8 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
         expect = materialize(recipes, engine_tensor_specs(recipes, dtypes=dtypes), full)
         for t in d.tensors:
             n = numel(t.shape) * dtype_size(t.dtype)
-            assert (hits[d.engine][t.offset_bytes:t.offset_bytes + n] == 1).all(), t.name
-            got = torch.from_numpy(mems[d.engine][t.offset_bytes:t.offset_bytes + n].copy())
+            assert (hits[d.engine][t.offset_bytes : t.offset_bytes + n] == 1).all(), t.name
+            got = torch.from_numpy(mems[d.engine][t.offset_bytes : t.offset_bytes + n].copy())
             want = torch.from_numpy(_raw(expect[t.name].cpu()).copy())
             assert torch.equal(got, want), f"{d.engine}:{t.name}"
 
@@ -80,13 +91,17 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
         seq = [t.task_id for t in rs.tasks if t.kind == "gather"]
         for t in rs.tasks:
             if t.kind == "gather":
-                prev = order.setdefault(t.mesh, [x for x in seq if x in {
-                    u.task_id for u in rs.tasks if u.mesh == t.mesh}])
+                prev = order.setdefault(
+                    t.mesh,
+                    [x for x in seq if x in {u.task_id for u in rs.tasks if u.mesh == t.mesh}],
+                )
                 assert prev == [x for x in seq if x in set(prev)]
                 break
     # Dense (HSDP-replicated) gathers are spread over the 4 replica meshes, not all on one.
     dense_meshes = {
-        t.mesh for rs in schedule.ranks for t in rs.tasks
+        t.mesh
+        for rs in schedule.ranks
+        for t in rs.tasks
         if t.kind == "gather" and "self_attn" in t.gather[0]
     }
     assert len(dense_meshes) == 4
@@ -94,7 +109,10 @@ def test_kimi_structure_plan_is_exact_balanced_and_ordered() -> None:
     assert max(per_rank) / (sum(per_rank) / len(per_rank)) < 1.5
 
     result = simulate(
-        schedule, sources, {d.engine: d.host for d in dests}, preset.rates,
+        schedule,
+        sources,
+        {d.engine: d.host for d in dests},
+        preset.rates,
         memory_budget_bytes=1 << 30,
     )
     assert result.total_write_bytes == sum(d.regions[0].nbytes for d in dests) - sum(

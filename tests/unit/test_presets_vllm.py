@@ -313,7 +313,8 @@ def test_vocab_rows_follow_vllm_padding() -> None:
                 head_dim=32,
             ),
             8,
-            r"mlp.gate_up_proj.weight \(intermediate 700\).*not divisible by tensor-parallel size 8",
+            r"mlp.gate_up_proj.weight \(intermediate 700\)"
+            r".*not divisible by tensor-parallel size 8",
         ),
         (
             ModelShape(

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes, vllm_tensor_specs
 from weight_transfer.planner.recipes import TensorSpec, identity
-from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.reference import apply_recipe, check_coverage, materialize
 from weight_transfer.planner.types import Part, Recipe
 
@@ -250,13 +250,12 @@ def test_apply_recipe_into_engine_tensors(fp8: bool) -> None:
         q.copy_(qq)
         s.copy_(ss)
 
-    out = {
-        s.name: torch.full(s.shape, 7.0).to(getattr(torch, s.dtype)) for s in specs
-    }
+    out = {s.name: torch.full(s.shape, 7.0).to(getattr(torch, s.dtype)) for s in specs}
     for r in recipes:
         spec = next(s for s in specs if s.name == r.dest)
-        got = apply_recipe(r, spec.shape, getattr(torch, spec.dtype), src, out=out,
-                           quantize=quantize)
+        got = apply_recipe(
+            r, spec.shape, getattr(torch, spec.dtype), src, out=out, quantize=quantize
+        )
         assert all(t.data_ptr() == out[n].data_ptr() for n, t in got.items())
     for name, t in want.items():
         assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name

@@ -15,15 +15,17 @@ from weight_transfer.backends.base import (
     TransportTimeoutError,
     WeightTransferError,
 )
-from weight_transfer.planner.recipes import column_shard, identity
+from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
-from weight_transfer.cli.run_demo import free_port
+from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
 
-def control(timeout_s: float = 20.0, token: str | None = None, port: int | None = None) -> ControlPlaneConfig:
+def control(
+    timeout_s: float = 20.0, token: str | None = None, port: int | None = None
+) -> ControlPlaneConfig:
     return ControlPlaneConfig(
         port=port or free_port(), token=token or secrets.token_hex(16), timeout_s=timeout_s
     )
@@ -38,7 +40,10 @@ def trainer_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def engine_setup(tp_rank: int = 0, tp: int = 2):
-    recipes = (column_shard("a.weight", "a.weight", (37, 19), tp_rank=tp_rank, tp_size=tp), identity("b.weight", "b.weight", (5,)))
+    recipes = (
+        column_shard("a.weight", "a.weight", (37, 19), tp_rank=tp_rank, tp_size=tp),
+        identity("b.weight", "b.weight", (5,)),
+    )
     rows = recipes[0].parts[0].source_box[0]
     g = torch.Generator().manual_seed(100 + tp_rank)
     tensors = {
@@ -56,17 +61,36 @@ def test_single_process_updates(backend: str) -> None:
     receivers, engine_tensors, rows = [], [], []
     for e in range(2):
         recipes, tensors, r = engine_setup(e)
-        receivers.append(WeightReceiver(tensors, recipes, engine=f"e{e}", transport=TransportConfig(name=backend), control=cp))
+        receivers.append(
+            WeightReceiver(
+                tensors,
+                recipes,
+                engine=f"e{e}",
+                transport=TransportConfig(name=backend),
+                control=cp,
+            )
+        )
         engine_tensors.append(tensors)
         rows.append(r)
     src = trainer_tensors(1)
-    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name=backend), control=cp, controller=ctrl,
-                          config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20))
+    sender = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name=backend),
+        control=cp,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
+    )
     try:
         for step in (1, 2):
             with torch.no_grad():
                 for t in src.values():
-                    t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(step)).to(t.dtype))
+                    t.add_(
+                        torch.randn(t.shape, generator=torch.Generator().manual_seed(step)).to(
+                            t.dtype
+                        )
+                    )
             stats = sender.update(step)
             assert stats.nbytes == 37 * 19 * 2 + 2 * 5 * 2
             for e in range(2):
@@ -123,7 +147,9 @@ def test_plan_mismatch_raises_before_any_byte_moves() -> None:
     del src["b.weight"]  # missing
     try:
         with pytest.raises(PlanMismatchError) as info:
-            WeightSender(src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+            WeightSender(
+                src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl
+            )
         text = str(info.value)
         assert "'b.weight'" in text and "which no trainer rank has" in text
         assert "'c.weight'" in text and "extra" in text
@@ -142,7 +168,14 @@ def test_engine_that_never_shows_up_times_out() -> None:
     rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
     try:
         with pytest.raises(TransportTimeoutError, match="1 of 2 engines joined"):
-            WeightSender(trainer_tensors(1), rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+            WeightSender(
+                trainer_tensors(1),
+                rank=0,
+                world_size=1,
+                transport=TransportConfig(),
+                control=cp,
+                controller=ctrl,
+            )
     finally:
         rx.close()
 
@@ -152,14 +185,23 @@ def test_trainer_rank_that_never_shows_up_times_out() -> None:
     cp = control(timeout_s=2)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
     with pytest.raises(TransportTimeoutError, match=r"trainer rank\(s\) \[1\] did not join"):
-        WeightSender(trainer_tensors(1), rank=0, world_size=2, transport=TransportConfig(), control=cp, controller=ctrl)
+        WeightSender(
+            trainer_tensors(1),
+            rank=0,
+            world_size=2,
+            transport=TransportConfig(),
+            control=cp,
+            controller=ctrl,
+        )
 
 
 @pytest.mark.timeout(60)
 def test_no_control_plane_times_out() -> None:
     with pytest.raises(TransportTimeoutError, match="could not reach the control plane"):
         recipes, tensors, _ = engine_setup()
-        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=control(timeout_s=1))
+        WeightReceiver(
+            tensors, recipes, engine="e0", transport=TransportConfig(), control=control(timeout_s=1)
+        )
 
 
 def test_receiver_refuses_unwritten_and_missing_tensors() -> None:
@@ -186,7 +228,14 @@ def test_engine_shape_mismatch_named_by_planner() -> None:
     rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
     try:
         with pytest.raises(PlanMismatchError, match="'a.weight'"):
-            WeightSender(trainer_tensors(1), rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+            WeightSender(
+                trainer_tensors(1),
+                rank=0,
+                world_size=1,
+                transport=TransportConfig(),
+                control=cp,
+                controller=ctrl,
+            )
     finally:
         rx.close()
 
@@ -201,9 +250,9 @@ def test_weight_transfer_error_hierarchy() -> None:
 def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     """Both quantization paths: per part straight from the source (parts on 128-row block
     boundaries) and through a float32 assembly (a block straddles gate and up)."""
+    from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.recipes import engine_tensor_specs, fused_gate_up, with_fp8
     from weight_transfer.planner.reference import materialize
-    from weight_transfer.manifest import torch_dtype
 
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
@@ -212,11 +261,24 @@ def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
         "gate.weight": (torch.randn(rows, 384, generator=g) * 3).to(torch.bfloat16),
         "up.weight": torch.randn(rows, 384, generator=g).to(torch.bfloat16),
     }
-    recipes = (with_fp8(fused_gate_up("gate_up.weight", "gate.weight", "up.weight", shape=(rows, 384), tp_rank=0, tp_size=1)),)
+    recipes = (
+        with_fp8(
+            fused_gate_up(
+                "gate_up.weight",
+                "gate.weight",
+                "up.weight",
+                shape=(rows, 384),
+                tp_rank=0,
+                tp_size=1,
+            )
+        ),
+    )
     specs = engine_tensor_specs(recipes)
     tensors = {s.name: torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype)) for s in specs}
     rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
-    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl)
+    sender = WeightSender(
+        src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl
+    )
     try:
         sender.update(1)
         want = materialize(recipes, specs, src)
@@ -234,10 +296,19 @@ def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     recipes, tensors, _ = engine_setup(0, tp=1)
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp)
+    rx = WeightReceiver(
+        tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp
+    )
     src = trainer_tensors(3)
-    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="loopback"), control=cp,
-                          controller=ctrl, config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20))
+    sender = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name="loopback"),
+        control=cp,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
+    )
     try:
         sender.update(1)
         assert torch.equal(tensors["a.weight"], src["a.weight"])
@@ -270,11 +341,22 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
     for e in range(2):
         recipes, tensors, r = engine_setup(e)
-        receivers.append(WeightReceiver(tensors, recipes, engine=f"e{e}", transport=TransportConfig(name="tcp"), control=cp))
+        receivers.append(
+            WeightReceiver(
+                tensors, recipes, engine=f"e{e}", transport=TransportConfig(name="tcp"), control=cp
+            )
+        )
         engine_tensors.append(tensors)
         rows.append(r)
     src = trainer_tensors(1)
-    sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+    sender = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name="tcp"),
+        control=cp,
+        controller=ctrl,
+    )
     try:
         sender.update(1)
         first_run = ctrl.control.run_id
@@ -293,7 +375,14 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         with pytest.raises(ConfigurationError, match="already registered"):
             receivers[0].join_new_session()  # twice in one session is a mistake, named
         src = trainer_tensors(2)
-        sender = WeightSender(src, rank=0, world_size=1, transport=TransportConfig(name="tcp"), control=cp, controller=ctrl)
+        sender = WeightSender(
+            src,
+            rank=0,
+            world_size=1,
+            transport=TransportConfig(name="tcp"),
+            control=cp,
+            controller=ctrl,
+        )
         sender.update(2)
         for e in range(2):
             assert receivers[e].wait_for_version(2, 5.0) == 2

@@ -29,16 +29,27 @@ from weight_transfer.planner.types import (
 
 NIC = 10.0  # GB/s
 RATES = Rates(
-    nic_gb_per_s=NIC, nvlink_gb_per_s=100.0, prepare_gb_per_s=20.0, quantize_gb_per_s=5.0,
-    h2d_gb_per_s=4.0, barrier_s=0.0, collective_latency_s=0.0, write_latency_s=0.0,
+    nic_gb_per_s=NIC,
+    nvlink_gb_per_s=100.0,
+    prepare_gb_per_s=20.0,
+    quantize_gb_per_s=5.0,
+    h2d_gb_per_s=4.0,
+    barrier_s=0.0,
+    collective_latency_s=0.0,
+    write_latency_s=0.0,
 )
 MB = 10**6
 
 
 def slice_write(engine: str, nbytes: int, offset: int = 0, zero_copy: bool = True) -> SliceWrite:
     return SliceWrite(
-        engine=engine, dest="t", source="w", source_box=((0, nbytes // 2),),
-        dest_box=((0, nbytes // 2),), dtype="bfloat16", runs=(WriteRun(0, offset, nbytes),),
+        engine=engine,
+        dest="t",
+        source="w",
+        source_box=((0, nbytes // 2),),
+        dest_box=((0, nbytes // 2),),
+        dtype="bfloat16",
+        runs=(WriteRun(0, offset, nbytes),),
         zero_copy=zero_copy,
     )
 
@@ -46,8 +57,15 @@ def slice_write(engine: str, nbytes: int, offset: int = 0, zero_copy: bool = Tru
 def direct(task_id: int, rank: int, writes: list[SliceWrite], group: int = 0, h2d: int = 0) -> Task:
     staging = sum(w.nbytes for w in writes if not w.zero_copy)
     return Task(
-        task_id=task_id, kind="direct", mesh_group=group, mesh=(rank,), gather=(),
-        writes=tuple(writes), staging_bytes=staging, scratch_bytes=0, h2d_bytes=h2d,
+        task_id=task_id,
+        kind="direct",
+        mesh_group=group,
+        mesh=(rank,),
+        gather=(),
+        writes=tuple(writes),
+        staging_bytes=staging,
+        scratch_bytes=0,
+        h2d_bytes=h2d,
     )
 
 
@@ -62,20 +80,30 @@ def schedule_of(tasks: list[list[Task]], engines: tuple[str, ...], groups: int =
             for w in t.writes:
                 per_engine[w.engine] += w.nbytes
     return Schedule(
-        format_version=1, fingerprint="x", num_ranks=len(tasks), engines=engines,
-        num_mesh_groups=groups, ranks=ranks,
+        format_version=1,
+        fingerprint="x",
+        num_ranks=len(tasks),
+        engines=engines,
+        num_mesh_groups=groups,
+        ranks=ranks,
         bytes_per_rank=tuple(sum(t.nbytes for t in ts) for ts in tasks),
         bytes_per_engine=tuple(per_engine[e] for e in engines),
     )
 
 
-def sources_of(world: int, host: str = "t0", tensors: tuple[SourceTensor, ...] = ()) -> list[SourceManifest]:
-    return [SourceManifest(rank=r, world_size=world, host=host, tensors=tensors) for r in range(world)]
+def sources_of(
+    world: int, host: str = "t0", tensors: tuple[SourceTensor, ...] = ()
+) -> list[SourceManifest]:
+    return [
+        SourceManifest(rank=r, world_size=world, host=host, tensors=tensors) for r in range(world)
+    ]
 
 
 def test_one_rank_nic_bound_prediction_equals_bound() -> None:
     b = 40 * MB
-    sched = schedule_of([[direct(0, 0, [slice_write("e0", b)]), direct(1, 0, [slice_write("e0", b, b)])]], ("e0",))
+    sched = schedule_of(
+        [[direct(0, 0, [slice_write("e0", b)]), direct(1, 0, [slice_write("e0", b, b)])]], ("e0",)
+    )
     r = simulate(sched, sources_of(1), {"e0": "other"}, RATES, memory_budget_bytes=1 << 30)
     want = 2 * b / (NIC * GB)
     assert r.predicted_s == pytest.approx(want)
@@ -122,7 +150,13 @@ def test_memory_budget_serialises_tasks(budget_tasks: int) -> None:
 def test_h2d_stage_overlaps_and_bounds() -> None:
     b = 8 * MB
     tasks = [direct(i, 0, [slice_write("e0", b, i * b)], h2d=b) for i in range(3)]
-    r = simulate(schedule_of([tasks], ("e0",)), sources_of(1), {"e0": "x"}, RATES, memory_budget_bytes=1 << 30)
+    r = simulate(
+        schedule_of([tasks], ("e0",)),
+        sources_of(1),
+        {"e0": "x"},
+        RATES,
+        memory_budget_bytes=1 << 30,
+    )
     h2d, send = b / (4.0 * GB), b / (NIC * GB)
     assert r.stage_bound_s["h2d"] == pytest.approx(3 * h2d)
     assert r.bottleneck == "h2d"
@@ -131,8 +165,14 @@ def test_h2d_stage_overlaps_and_bounds() -> None:
 
 def gather_task(task_id: int, rank: int, writes: tuple[QuantWrite, ...], group: int = 0) -> Task:
     return Task(
-        task_id=task_id, kind="gather", mesh_group=group, mesh=(0, 1), gather=("w",),
-        writes=writes, staging_bytes=sum(w.nbytes for w in writes), scratch_bytes=4 * MB,
+        task_id=task_id,
+        kind="gather",
+        mesh_group=group,
+        mesh=(0, 1),
+        gather=("w",),
+        writes=writes,
+        staging_bytes=sum(w.nbytes for w in writes),
+        scratch_bytes=4 * MB,
     )
 
 
@@ -142,10 +182,15 @@ def test_gather_collective_waits_for_the_slowest_mesh_rank() -> None:
     # FP8 and writes it.
     w = SourceTensor("w", (1000, 1000), "bfloat16", ((0, 500), (0, 1000)), (0, 1), "cuda")
     qw = QuantWrite(
-        engine="e0", dest="q", scale_dest="q_scale_inv", block=(128, 128),
+        engine="e0",
+        dest="q",
+        scale_dest="q_scale_inv",
+        block=(128, 128),
         parts=(Part("w", ((0, 1000), (0, 1000)), ((0, 1000), (0, 1000))),),
-        dest_box=((0, 1000), (0, 1000)), scale_box=((0, 8), (0, 8)),
-        weight_runs=(WriteRun(0, 0, 1_000_000),), scale_runs=(WriteRun(0, 1_000_000, 256),),
+        dest_box=((0, 1000), (0, 1000)),
+        scale_box=((0, 8), (0, 8)),
+        weight_runs=(WriteRun(0, 0, 1_000_000),),
+        scale_runs=(WriteRun(0, 1_000_000, 256),),
     )
     slow_bytes = 10 * MB
     sched = schedule_of(
@@ -161,7 +206,9 @@ def test_gather_collective_waits_for_the_slowest_mesh_rank() -> None:
     gather = 1_000_000 / (100.0 * GB)
     quant = 1_000_000 / (5.0 * GB)
     write = 1_000_256 / (NIC * GB)
-    assert r.predicted_s == pytest.approx(max(slow + gather + quant + write, slow + slow_bytes / (NIC * GB)))
+    assert r.predicted_s == pytest.approx(
+        max(slow + gather + quant + write, slow + slow_bytes / (NIC * GB))
+    )
     assert r.stage_bound_s["nvlink"] == pytest.approx(gather)
 
 
@@ -170,10 +217,14 @@ def test_barrier_between_mesh_groups() -> None:
     rates = Rates(**{**RATES_FIELDS, "barrier_s": 1e-3})
     sched = schedule_of(
         [
-            [direct(0, 0, [slice_write("e0", b, zero_copy=False)], group=0),
-             direct(1, 0, [slice_write("e0", b, b)], group=1)],
-            [direct(2, 1, [slice_write("e1", 4 * b, zero_copy=False)], group=0),
-             direct(3, 1, [slice_write("e1", b, 4 * b)], group=1)],
+            [
+                direct(0, 0, [slice_write("e0", b, zero_copy=False)], group=0),
+                direct(1, 0, [slice_write("e0", b, b)], group=1),
+            ],
+            [
+                direct(2, 1, [slice_write("e1", 4 * b, zero_copy=False)], group=0),
+                direct(3, 1, [slice_write("e1", b, 4 * b)], group=1),
+            ],
         ],
         ("e0", "e1"),
         groups=2,
@@ -186,9 +237,14 @@ def test_barrier_between_mesh_groups() -> None:
 
 
 RATES_FIELDS = {
-    "nic_gb_per_s": NIC, "nvlink_gb_per_s": 100.0, "prepare_gb_per_s": 20.0,
-    "quantize_gb_per_s": 5.0, "h2d_gb_per_s": 4.0, "barrier_s": 0.0,
-    "collective_latency_s": 0.0, "write_latency_s": 0.0,
+    "nic_gb_per_s": NIC,
+    "nvlink_gb_per_s": 100.0,
+    "prepare_gb_per_s": 20.0,
+    "quantize_gb_per_s": 5.0,
+    "h2d_gb_per_s": 4.0,
+    "barrier_s": 0.0,
+    "collective_latency_s": 0.0,
+    "write_latency_s": 0.0,
 }
 
 
@@ -222,7 +278,9 @@ def test_broadcast_baseline_closed_form() -> None:
     gather = bcast = model / (NIC * GB)
     load = 2 * GB / (5.0 * GB)
     assert base.num_buckets == 8
-    assert base.predicted_s == pytest.approx((gather + bcast + load) / 8 + 7 * max(gather, bcast, load) / 8)
+    assert base.predicted_s == pytest.approx(
+        (gather + bcast + load) / 8 + 7 * max(gather, bcast, load) / 8
+    )
 
 
 def test_missing_engine_host_is_named() -> None:
@@ -242,8 +300,13 @@ def test_write_overhead_bounds_many_small_writes() -> None:
     assert r.predicted_s == pytest.approx(n * post + b / (NIC * GB))
     # Large writes: the link dominates and posting hides behind it.
     big = [slice_write("e0", 10 * MB, i * 10 * MB) for i in range(4)]
-    r = simulate(schedule_of([[direct(0, 0, big)]], ("e0",)), sources_of(1), {"e0": "x"}, rates,
-                 memory_budget_bytes=1 << 30)
+    r = simulate(
+        schedule_of([[direct(0, 0, big)]], ("e0",)),
+        sources_of(1),
+        {"e0": "x"},
+        rates,
+        memory_budget_bytes=1 << 30,
+    )
     assert r.predicted_s == pytest.approx(post + 40 * MB / (NIC * GB))
 
 
@@ -266,8 +329,10 @@ def test_fifo_links_overpredict_two_by_two_fair_links_reach_the_bound() -> None:
     # and rank 1's batches one after the other: 3b/NIC (what the emulated cluster disproved).
     b = 20 * MB
     sched = schedule_of(
-        [[direct(0, 0, [slice_write("e0", b), slice_write("e1", b)])],
-         [direct(1, 1, [slice_write("e0", b, b), slice_write("e1", b, b)])]],
+        [
+            [direct(0, 0, [slice_write("e0", b), slice_write("e1", b)])],
+            [direct(1, 1, [slice_write("e0", b, b), slice_write("e1", b, b)])],
+        ],
         ("e0", "e1"),
     )
     hosts = {"e0": "a", "e1": "b"}
@@ -294,10 +359,15 @@ def test_fair_links_gather_is_a_ring_over_the_nics() -> None:
     # 1 MB of FP8 and writes it; rank 1 writes nothing.
     w = SourceTensor("w", (1000, 1000), "bfloat16", ((0, 500), (0, 1000)), (0, 1), "cuda")
     qw = QuantWrite(
-        engine="e0", dest="q", scale_dest="q_scale_inv", block=(128, 128),
+        engine="e0",
+        dest="q",
+        scale_dest="q_scale_inv",
+        block=(128, 128),
         parts=(Part("w", ((0, 1000), (0, 1000)), ((0, 1000), (0, 1000))),),
-        dest_box=((0, 1000), (0, 1000)), scale_box=((0, 8), (0, 8)),
-        weight_runs=(WriteRun(0, 0, 1_000_000),), scale_runs=(WriteRun(0, 1_000_000, 256),),
+        dest_box=((0, 1000), (0, 1000)),
+        scale_box=((0, 8), (0, 8)),
+        weight_runs=(WriteRun(0, 0, 1_000_000),),
+        scale_runs=(WriteRun(0, 1_000_000, 256),),
     )
     sched = schedule_of([[gather_task(0, 0, (qw,))], [gather_task(0, 1, ())]], ("e0",))
     srcs = [SourceManifest(rank=r, world_size=2, host=f"n{r}", tensors=(w,)) for r in range(2)]
@@ -315,8 +385,9 @@ def test_unknown_link_model_is_named() -> None:
         simulate(sched, sources_of(1), {"e0": "x"}, RATES, memory_budget_bytes=1 << 30, links="tcp")
 
 
-@pytest.mark.parametrize(("participants", "hops"),
-                         [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (8, 6), (9, 7)])
+@pytest.mark.parametrize(
+    ("participants", "hops"), [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (8, 6), (9, 7)]
+)
 def test_binomial_broadcast_follows_gloo(participants: int, hops: int) -> None:
     # gloo/broadcast.cc by hand: the root queues its sends to virtual ranks 1, 2, 4, ... at once
     # (they share its uplink); rank v forwards to v + 2^i for every 2^i > v once it received.
@@ -326,11 +397,14 @@ def test_binomial_broadcast_follows_gloo(participants: int, hops: int) -> None:
 
 
 def test_funnel_grows_with_trainer_ranks_and_pays_the_tree() -> None:
-    rates = Rates(nic_gb_per_s=1.0, prepare_gb_per_s=1000.0, collective_latency_s=0.0,
-                  write_latency_s=0.0)
+    rates = Rates(
+        nic_gb_per_s=1.0, prepare_gb_per_s=1000.0, collective_latency_s=0.0, write_latency_s=0.0
+    )
     params = [100 * MB] * 4
-    times = [funnel_baseline(params, n, [200 * MB] * 4, rates, bucket_bytes=50 * MB).predicted_s
-             for n in (2, 4, 8)]
+    times = [
+        funnel_baseline(params, n, [200 * MB] * 4, rates, bucket_bytes=50 * MB).predicted_s
+        for n in (2, 4, 8)
+    ]
     gathers = [0.4 * (n - 1) / n for n in (2, 4, 8)]  # 400 MB, (n-1)/n through each NIC
     # 8 buckets of 50 MB (0.05 s per copy): rank 0 sends 3 copies of each (ranks 1, 2, 4 of 5),
     # then only the last bucket's forward 1 -> 3 is exposed (one more copy).

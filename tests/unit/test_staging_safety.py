@@ -16,12 +16,18 @@ import time
 import pytest
 import torch
 
-from weight_transfer.backends.base import WeightTransferError, WriteHandle
-from weight_transfer import pipeline
-from weight_transfer.sender import WeightSender
-
 from tests.unit._inprocess import Cluster
-from tests.unit.test_layouts import TINY, check_engine, expected_vllm, hf_weights, make_engines, shards_for
+from tests.unit.test_layouts import (
+    TINY,
+    check_engine,
+    expected_vllm,
+    hf_weights,
+    make_engines,
+    shards_for,
+)
+from weight_transfer import pipeline
+from weight_transfer.backends.base import WeightTransferError, WriteHandle
+from weight_transfer.sender import WeightSender
 
 DELAY_S = pipeline._QUIESCE_S + 1.0
 
@@ -68,10 +74,15 @@ class SlowFirstBatch:
             self.read_at = time.monotonic()
             for t, off, n in self.frees:
                 for o in staged:
-                    if t >= posted and off < o.source_offset + o.nbytes and o.source_offset < off + n:
+                    if (
+                        t >= posted
+                        and off < o.source_offset + o.nbytes
+                        and o.source_offset < off + n
+                    ):
                         self.violations.append(
                             f"staging [{off}, {off + n}) freed {t - posted:.2f} s after the post, "
-                            f"before the write read [{o.source_offset}, {o.source_offset + o.nbytes})"
+                            f"before the write read [{o.source_offset}, "
+                            f"{o.source_offset + o.nbytes})"
                         )
             real = self.real_post(peer, ops)
             self.tr.wait(real, 10.0)
@@ -88,7 +99,9 @@ class SlowFirstBatch:
 
 
 @pytest.mark.timeout(120)
-def test_failed_update_never_frees_staging_a_write_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_update_never_frees_staging_a_write_still_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     hf = hf_weights(TINY, 5)
     engines, befores = make_engines(TINY, 2, fp8=True, block=(128, 128), seed=50)
     state: dict = {}
@@ -106,8 +119,15 @@ def test_failed_update_never_frees_staging_a_write_still_reads(monkeypatch: pyte
 
         s._executor.quantize = quantize
 
-    with Cluster(monkeypatch, hf, shards_for(hf, 1, "fsdp", 1), engines, world=1,
-                 memory_budget_bytes=8 << 20, wrap=wrap) as cluster:
+    with Cluster(
+        monkeypatch,
+        hf,
+        shards_for(hf, 1, "fsdp", 1),
+        engines,
+        world=1,
+        memory_budget_bytes=8 << 20,
+        wrap=wrap,
+    ) as cluster:
         slow = state["slow"]
         out = cluster.update(1)
         assert isinstance(out.results[0], WeightTransferError), out.results
@@ -131,4 +151,11 @@ def test_failed_update_never_frees_staging_a_write_still_reads(monkeypatch: pyte
         assert not slow.ex._quarantine, "settled writes give their staging back"
         for r, e in enumerate(engines):
             assert cluster.receivers[r].version == 3
-            check_engine(e.name, e.tensors, befores[r], expected_vllm(TINY, hf, r, 2), fp8=True, block=(128, 128))
+            check_engine(
+                e.name,
+                e.tensors,
+                befores[r],
+                expected_vllm(TINY, hf, r, 2),
+                fp8=True,
+                block=(128, 128),
+            )

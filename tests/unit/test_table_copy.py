@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from weight_transfer.kernels.table_copy import ALIGN, Copy, chunk_table, coalesce
-
 from tests.markers import requires_module
+from weight_transfer.kernels.table_copy import ALIGN, Copy, chunk_table, coalesce
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,14 +24,12 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_coalesce_merges_runs_contiguous_in_both_and_keeps_the_rest() -> None:
     copies = [
         Copy(dst=1000, src=5000, nbytes=100),
-        Copy(dst=1100, src=5100, nbytes=50),   # continues both: merged
-        Copy(dst=1150, src=9000, nbytes=10),   # continues dst only: kept
-        Copy(dst=400, src=100, nbytes=600),    # out of order: sorted first, then merged below
-        Copy(dst=1160, src=9010, nbytes=40),   # continues the previous one: merged
+        Copy(dst=1100, src=5100, nbytes=50),  # continues both: merged
+        Copy(dst=1150, src=9000, nbytes=10),  # continues dst only: kept
+        Copy(dst=400, src=100, nbytes=600),  # out of order: sorted first, then merged below
+        Copy(dst=1160, src=9010, nbytes=40),  # continues the previous one: merged
     ]
-    assert coalesce(copies) == [
-        Copy(400, 100, 600), Copy(1000, 5000, 150), Copy(1150, 9000, 50)
-    ]
+    assert coalesce(copies) == [Copy(400, 100, 600), Copy(1000, 5000, 150), Copy(1150, 9000, 50)]
     # src contiguous but dst not: never merged
     assert coalesce([Copy(0, 0, 16), Copy(32, 16, 16)]) == [Copy(0, 0, 16), Copy(32, 16, 16)]
     assert coalesce([]) == []
@@ -51,10 +48,10 @@ def test_chunk_table_covers_every_byte_exactly_once() -> None:
     chunk = 64
     copies = [
         Copy(dst=0, src=1 << 20, nbytes=64 * 3 + 32),  # three chunks and a tail
-        Copy(dst=4096, src=2 << 20, nbytes=64),        # one chunk, no tail
-        Copy(dst=8192, src=3 << 20, nbytes=48),        # a tail only
-        Copy(dst=9001, src=4 << 20, nbytes=32),        # unaligned: plain
-        Copy(dst=12288, src=5 << 20, nbytes=40),       # length not a multiple of 16: plain
+        Copy(dst=4096, src=2 << 20, nbytes=64),  # one chunk, no tail
+        Copy(dst=8192, src=3 << 20, nbytes=48),  # a tail only
+        Copy(dst=9001, src=4 << 20, nbytes=32),  # unaligned: plain
+        Copy(dst=12288, src=5 << 20, nbytes=40),  # length not a multiple of 16: plain
     ]
     t = chunk_table(copies, chunk)
     assert t.nbytes == sum(c.nbytes for c in copies)
@@ -101,8 +98,12 @@ print("ok")
 def test_table_kernels_copy_exactly_under_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHILD], cwd=_REPO_ROOT, env=env,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _KERNEL_CHILD],
+        cwd=_REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
@@ -110,9 +111,10 @@ def test_table_kernels_copy_exactly_under_the_interpreter() -> None:
 def test_prepared_writes_post_repeatedly_and_check_regions() -> None:
     from weight_transfer.backends.base import RegionRole, TransportConfig, WriteOp, create_transport
 
-    with create_transport(TransportConfig(name="loopback")) as a, create_transport(
-        TransportConfig(name="loopback")
-    ) as b:
+    with (
+        create_transport(TransportConfig(name="loopback")) as a,
+        create_transport(TransportConfig(name="loopback")) as b,
+    ):
         a.connect("b", b.endpoint())
         g = torch.Generator().manual_seed(3)
         src = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)

@@ -10,9 +10,14 @@ import msgpack
 import pytest
 import torch
 
-from weight_transfer.backends.base import RegionRole, TransportConfig, TransportUnavailableError, WriteOp
-from weight_transfer.backends.ucx_native import _libucp as L
 from tests.markers import requires_module
+from weight_transfer.backends.base import (
+    RegionRole,
+    TransportConfig,
+    TransportUnavailableError,
+    WriteOp,
+)
+from weight_transfer.backends.ucx_native import _libucp as L
 
 # sizeof / offsetof as gcc reports them for libucx-cu13 1.22.0's headers on x86_64
 # (include/ucp/api/ucp.h, ucp_def.h). A drift here means the binding corrupts memory.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.markers import requires_module
 from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
@@ -14,7 +15,6 @@ from weight_transfer.backends.base import (
     TransportError,
     WriteOp,
 )
-from tests.markers import requires_module
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "17", "1.5", ""])

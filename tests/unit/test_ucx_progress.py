@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from tests.markers import requires_module
 from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
@@ -17,7 +18,6 @@ from weight_transfer.backends.base import (
     TransportTimeoutError,
     WriteOp,
 )
-from tests.markers import requires_module
 
 TCP_ONLY = (("TLS", "tcp"), ("NET_DEVICES", "lo"))
 

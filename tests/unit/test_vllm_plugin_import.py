@@ -1,4 +1,5 @@
-"""The vLLM plug-in is found through its entry point, and importing the project never imports vLLM."""
+"""The vLLM plug-in is found through its entry point, and importing the project never imports
+vLLM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The `weight-transfer` command line: demo, demo-vllm, bench, plan, simulate, emulate, doctor, token.
+"""The `weight-transfer` command line: demo, demo-vllm, bench, plan, simulate, emulate, doctor,
+token.
 
 Each subcommand lives in its own module of this package and lists itself in that module's
 `COMMANDS`; `main` reads those lists (no registration by import side effect).

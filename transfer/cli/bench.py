@@ -144,5 +144,10 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = (
-    Command("bench", "benchmark transports (or whole updates) side by side with baselines", _bench_args, _bench),
+    Command(
+        "bench",
+        "benchmark transports (or whole updates) side by side with baselines",
+        _bench_args,
+        _bench,
+    ),
 )

@@ -1,4 +1,5 @@
-"""`weight-transfer demo`: the main job, verified updates between real trainer and engine processes."""
+"""`weight-transfer demo`: the main job, verified updates between real trainer and engine
+processes."""
 
 from __future__ import annotations
 
@@ -14,19 +15,32 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     from weight_transfer.planner.presets.models import MODEL_SHAPES
 
     dense = sorted(n for n, s in MODEL_SHAPES.items() if not s.num_experts)
-    p.add_argument("--backend", default=None, choices=sorted(BACKENDS),
-                   help="transport (default: the config file's, else loopback: the simulated "
-                   "backend, shared memory on this host)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=sorted(BACKENDS),
+        help="transport (default: the config file's, else loopback: the simulated "
+        "backend, shared memory on this host)",
+    )
     p.add_argument("--fp8", action="store_true", help="engines hold FP8 block-quantized weights")
     p.add_argument("--train-ranks", type=int, default=3, help="trainer processes (FSDP2, gloo)")
     p.add_argument("--engine-ranks", type=int, default=2, help="engine processes (tensor parallel)")
     p.add_argument("--steps", type=int, default=3, help="verified updates")
-    p.add_argument("--model", default="tiny", metavar="MODEL",
-                   help=f"model shape preset, one of: {', '.join(dense)}")
-    p.add_argument("--trainer-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="trainer parameter dtype")
-    p.add_argument("--timeout-s", type=float, default=300.0,
-                   help="limit for the whole run, start-up included")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="MODEL",
+        help=f"model shape preset, one of: {', '.join(dense)}",
+    )
+    p.add_argument(
+        "--trainer-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="trainer parameter dtype",
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=300.0, help="limit for the whole run, start-up included"
+    )
     p.add_argument("--config", help="TOML file (weight_transfer.TransferConfig); flags override it")
 
 
@@ -42,8 +56,8 @@ def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from weight_transfer.config import config_from_mapping, merge, new_token, read_toml
     from weight_transfer.cli.run_demo import DemoConfig, UpdateReport, preflight, run_demo
+    from weight_transfer.config import config_from_mapping, merge, new_token, read_toml
 
     try:
         # The TOML file and the flags fill the same dataclass; flags win. Without a [control]
@@ -54,9 +68,14 @@ def _demo(ns: argparse.Namespace) -> int:
             data = merge(data, {"transport": ns.backend})
         tc = config_from_mapping(data)
         cfg = DemoConfig(
-            backend=tc.transport, fp8=ns.fp8, train_ranks=ns.train_ranks,
-            engine_ranks=ns.engine_ranks, steps=ns.steps, model=ns.model,
-            trainer_dtype=ns.trainer_dtype, timeout_s=ns.timeout_s,
+            backend=tc.transport,
+            fp8=ns.fp8,
+            train_ranks=ns.train_ranks,
+            engine_ranks=ns.engine_ranks,
+            steps=ns.steps,
+            model=ns.model,
+            trainer_dtype=ns.trainer_dtype,
+            timeout_s=ns.timeout_s,
             transport_options=tc.transport_options,
             memory_budget_bytes=tc.sender.memory_budget_bytes,
             **_control_fields(file_data, tc),
@@ -76,7 +95,11 @@ def _demo(ns: argparse.Namespace) -> int:
     )
 
     def show(u: UpdateReport) -> None:
-        status = "ok" if not u.mismatches else f"MISMATCH in {len(u.mismatches)} tensors: {', '.join(u.mismatches[:5])}"
+        status = (
+            "ok"
+            if not u.mismatches
+            else f"MISMATCH in {len(u.mismatches)} tensors: {', '.join(u.mismatches[:5])}"
+        )
         print(
             f"update {u.step}: {u.seconds * 1e3:.1f} ms, {u.nbytes / 1e6:.2f} MB, "
             f"{u.gbps:.2f} GB/s, {status}",
@@ -95,5 +118,10 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = (
-    Command("demo", "run verified updates between real trainer and engine processes on this machine", _demo_args, _demo),
+    Command(
+        "demo",
+        "run verified updates between real trainer and engine processes on this machine",
+        _demo_args,
+        _demo,
+    ),
 )

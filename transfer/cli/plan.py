@@ -30,19 +30,28 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nic-gb-per-s", type=float, help="one NIC's GB/s (400 Gb/s = 50)")
     g.add_argument("--nics-per-gpu", type=int, help="NICs per GPU")
     g.add_argument("--nvlink-gb-per-s", type=float, help="per-GPU NVLink GB/s")
-    g.add_argument("--memory-budget-gib", type=float, default=1.0,
-                   help="temporary memory per trainer rank (default 1)")
+    g.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=1.0,
+        help="temporary memory per trainer rank (default 1)",
+    )
 
 
 def _preset(ns: argparse.Namespace) -> Any:
     from weight_transfer.planner.presets.clusters import get_preset, with_overrides
 
     mapping = {
-        "trainer_gpus": "trainer.num_gpus", "dense_shard": "trainer.dense_shard_size",
-        "expert_shard": "trainer.expert_shard_size", "offload": "trainer.offload",
-        "engine_replicas": "engine.num_replicas", "engine_tp": "engine.tp",
-        "engine_ep": "engine.ep", "gpus_per_node": "gpus_per_node",
-        "nic_gb_per_s": "rates.nic_gb_per_s", "nics_per_gpu": "rates.nics_per_gpu",
+        "trainer_gpus": "trainer.num_gpus",
+        "dense_shard": "trainer.dense_shard_size",
+        "expert_shard": "trainer.expert_shard_size",
+        "offload": "trainer.offload",
+        "engine_replicas": "engine.num_replicas",
+        "engine_tp": "engine.tp",
+        "engine_ep": "engine.ep",
+        "gpus_per_node": "gpus_per_node",
+        "nic_gb_per_s": "rates.nic_gb_per_s",
+        "nics_per_gpu": "rates.nics_per_gpu",
         "nvlink_gb_per_s": "rates.nvlink_gb_per_s",
     }
     changes: dict[str, object] = {
@@ -101,7 +110,9 @@ def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     _progress("building manifests ...")
     sources, dests = cluster_manifests(preset)
     n = sum(len(m.tensors) for m in sources)
-    _progress(f"planning ({len(sources)} trainer ranks, {n} shard entries, {len(dests)} engines) ...")
+    _progress(
+        f"planning ({len(sources)} trainer ranks, {n} shard entries, {len(dests)} engines) ..."
+    )
     t1 = time.perf_counter()
     schedule = plan(sources, dests, config)
     _progress(f"planned in {time.perf_counter() - t1:.1f} s (manifests {t1 - t0:.1f} s)")
@@ -134,10 +145,20 @@ def _plan(ns: argparse.Namespace) -> int:
         ("tasks", f"{len(tasks)} ({gathers} gather, {len(tasks) - gathers} direct)"),
         ("writes", str(sum(len(t.writes) for t in tasks))),
         ("bytes written", _gb(sum(per_engine))),
-        ("bytes per trainer rank", f"min {_gb(min(per_rank))} / median {_gb(statistics.median(per_rank))} / max {_gb(max(per_rank))}"),
-        ("bytes per engine", f"min {_gb(min(per_engine))} / median {_gb(statistics.median(per_engine))} / max {_gb(max(per_engine))}"),
-        ("temporary memory per task", f"max {_gb(max(temp, default=0))} "
-         f"(budget {_gb(config.memory_budget_bytes)})"),
+        (
+            "bytes per trainer rank",
+            f"min {_gb(min(per_rank))} / median {_gb(statistics.median(per_rank))} / max "
+            f"{_gb(max(per_rank))}",
+        ),
+        (
+            "bytes per engine",
+            f"min {_gb(min(per_engine))} / median {_gb(statistics.median(per_engine))} / max "
+            f"{_gb(max(per_engine))}",
+        ),
+        (
+            "temporary memory per task",
+            f"max {_gb(max(temp, default=0))} (budget {_gb(config.memory_budget_bytes)})",
+        ),
         ("fingerprint", schedule.fingerprint[:16]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -152,13 +173,20 @@ def _plan(ns: argparse.Namespace) -> int:
 
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     _cluster_args(p)
-    p.add_argument("--rates", metavar="JSON",
-                   help="measured rates over the preset's: a JSON file, or an inline JSON object "
-                   "of weight_transfer.planner.simulate.Rates fields, e.g. '{\"nic_gb_per_s\": 40}'")
-    p.add_argument("--links", choices=["fifo", "fair"], default="fifo",
-                   help="link model: fifo (a batch holds each link alone; any scale) or fair "
-                   "(flows share links max-min fairly, as TCP does; small clusters only, "
-                   "docs/simulator.md)")
+    p.add_argument(
+        "--rates",
+        metavar="JSON",
+        help="measured rates over the preset's: a JSON file, or an inline JSON object "
+        "of weight_transfer.planner.simulate.Rates fields, e.g. '{\"nic_gb_per_s\": 40}'",
+    )
+    p.add_argument(
+        "--links",
+        choices=["fifo", "fair"],
+        default="fifo",
+        help="link model: fifo (a batch holds each link alone; any scale) or fair "
+        "(flows share links max-min fairly, as TCP does; small clusters only, "
+        "docs/simulator.md)",
+    )
 
 
 def _simulate(ns: argparse.Namespace) -> int:
@@ -176,24 +204,36 @@ def _simulate(ns: argparse.Namespace) -> int:
         return 2
     _progress("simulating ...")
     r = simulate(
-        schedule, sources, {d.engine: d.host for d in dests}, rates,
-        memory_budget_bytes=config.memory_budget_bytes, progress=_progress, links=ns.links,
+        schedule,
+        sources,
+        {d.engine: d.host for d in dests},
+        rates,
+        memory_budget_bytes=config.memory_budget_bytes,
+        progress=_progress,
+        links=ns.links,
     )
     train_bytes, _ = model_bytes(preset)
     base = broadcast_baseline(
-        train_bytes, list(schedule.bytes_per_engine), rates, fp8=preset.engine.fp8,
+        train_bytes,
+        list(schedule.bytes_per_engine),
+        rates,
+        fp8=preset.engine.fp8,
         trainer_single_host=preset.trainer.num_gpus <= preset.gpus_per_node,
     )
     labels = {
-        "trainer_nic": "trainer NIC (busiest)", "engine_nic": "engine NIC (busiest)",
-        "nvlink": "NVLink (busiest)", "h2d": "host-to-device (busiest)",
+        "trainer_nic": "trainer NIC (busiest)",
+        "engine_nic": "engine NIC (busiest)",
+        "nvlink": "NVLink (busiest)",
+        "h2d": "host-to-device (busiest)",
         "prepare": "prepare/quantize (busiest)",
     }
     print(preset.describe())
-    print(f"rates: NIC {rates.nics_per_gpu} x {rates.nic_gb_per_s:g} GB/s, NVLink "
-          f"{rates.nvlink_gb_per_s:g} GB/s, h2d {rates.h2d_gb_per_s:g} GB/s, prepare "
-          f"{rates.prepare_gb_per_s:g} GB/s, quantize {rates.quantize_gb_per_s:g} GB/s, per write "
-          f"{rates.write_overhead_s * 1e6:g} us, per task {rates.task_overhead_s * 1e6:g} us")
+    print(
+        f"rates: NIC {rates.nics_per_gpu} x {rates.nic_gb_per_s:g} GB/s, NVLink "
+        f"{rates.nvlink_gb_per_s:g} GB/s, h2d {rates.h2d_gb_per_s:g} GB/s, prepare "
+        f"{rates.prepare_gb_per_s:g} GB/s, quantize {rates.quantize_gb_per_s:g} GB/s, per write "
+        f"{rates.write_overhead_s * 1e6:g} us, per task {rates.task_overhead_s * 1e6:g} us"
+    )
     print()
     print(f"{'':<30}{'schedule':>12}{'rank-0 broadcast':>20}")
     print(f"{'predicted update':<30}{r.predicted_s:>11.3f}s{base.predicted_s:>19.3f}s")
@@ -204,20 +244,36 @@ def _simulate(ns: argparse.Namespace) -> int:
     for k, v in r.stage_bound_s.items():
         mark = "  <- improve this" if k == r.bottleneck else ""
         print(f"  {labels[k]:<28}{v:>10.3f}s  {r.busiest[k]}{mark}")
-    print(f"  {'baseline gather/bcast/load':<28}{base.gather_s:>10.3f}s / {base.broadcast_s:.3f}s"
-          f" / {base.load_s:.3f}s ({base.num_buckets} buckets)")
+    print(
+        f"  {'baseline gather/bcast/load':<28}{base.gather_s:>10.3f}s / {base.broadcast_s:.3f}s"
+        f" / {base.load_s:.3f}s ({base.num_buckets} buckets)"
+    )
     print()
     print("balance (bytes per GPU's NICs):")
     for name, s in (("trainer send", r.trainer_nic_bytes), ("engine receive", r.engine_nic_bytes)):
-        print(f"  {name:<16} min {_gb(s.min)}  median {_gb(s.median)}  max {_gb(s.max)}  "
-              f"(max/mean {s.imbalance:.3f})")
-    print(f"tasks {r.num_tasks}, bytes written {_gb(r.total_write_bytes)}, peak temporary memory "
-          f"per rank {_gb(r.peak_memory_bytes)}, longest admission stall {r.stall_s * 1e3:.1f} ms")
+        print(
+            f"  {name:<16} min {_gb(s.min)}  median {_gb(s.median)}  max {_gb(s.max)}  "
+            f"(max/mean {s.imbalance:.3f})"
+        )
+    print(
+        f"tasks {r.num_tasks}, bytes written {_gb(r.total_write_bytes)}, peak temporary memory "
+        f"per rank {_gb(r.peak_memory_bytes)}, longest admission stall {r.stall_s * 1e3:.1f} ms"
+    )
     print(f"bottleneck: {labels[r.bottleneck]}")
     return 0
 
 
 COMMANDS = (
-    Command("plan", "plan a described cluster from manifests alone and summarise the schedule", _plan_args, _plan),
-    Command("simulate", "predict an update's time for a described cluster, beside the rank-0 broadcast", _simulate_args, _simulate),
+    Command(
+        "plan",
+        "plan a described cluster from manifests alone and summarise the schedule",
+        _plan_args,
+        _plan,
+    ),
+    Command(
+        "simulate",
+        "predict an update's time for a described cluster, beside the rank-0 broadcast",
+        _simulate_args,
+        _simulate,
+    ),
 )

@@ -165,7 +165,9 @@ def _model_config(name: str) -> Any:
 def _control(cfg: DemoConfig, port: int, token: str) -> Any:
     from weight_transfer.config import ControlPlaneConfig
 
-    return ControlPlaneConfig(host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s)
+    return ControlPlaneConfig(
+        host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s
+    )
 
 
 def preflight(cfg: DemoConfig) -> str | None:
@@ -225,12 +227,18 @@ def _phi3(cfg: DemoConfig) -> Any:
     lc = _model_config(cfg.model)
     # transformers 5 still accepts the legacy rope_scaling keyword its signature omits.
     pc = Phi3Config(  # type: ignore[call-arg]
-        vocab_size=lc.vocab_size, hidden_size=lc.hidden_size,
-        intermediate_size=lc.intermediate_size, num_hidden_layers=lc.num_hidden_layers,
-        num_attention_heads=lc.num_attention_heads, num_key_value_heads=lc.num_key_value_heads,
-        rms_norm_eps=lc.rms_norm_eps, max_position_embeddings=lc.max_position_embeddings,
-        original_max_position_embeddings=lc.max_position_embeddings, rope_scaling=None,
-        tie_word_embeddings=lc.tie_word_embeddings, pad_token_id=0,
+        vocab_size=lc.vocab_size,
+        hidden_size=lc.hidden_size,
+        intermediate_size=lc.intermediate_size,
+        num_hidden_layers=lc.num_hidden_layers,
+        num_attention_heads=lc.num_attention_heads,
+        num_key_value_heads=lc.num_key_value_heads,
+        rms_norm_eps=lc.rms_norm_eps,
+        max_position_embeddings=lc.max_position_embeddings,
+        original_max_position_embeddings=lc.max_position_embeddings,
+        rope_scaling=None,
+        tie_word_embeddings=lc.tie_word_embeddings,
+        pad_token_id=0,
     )
     if pc.hidden_size // pc.num_attention_heads != lc.head_dim:
         raise ValueError("Phi3 derives head_dim from hidden_size / num_heads; this model differs")
@@ -239,9 +247,9 @@ def _phi3(cfg: DemoConfig) -> Any:
 
 def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
     """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
+    from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from weight_transfer.manifest import torch_dtype
     from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
@@ -261,8 +269,11 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
             # Random fill, never zeros: an unwritten byte or a wrong offset cannot pass.
             tensors[s.name] = torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype))
     receiver = WeightReceiver(
-        module if module is not None else tensors, recipes, engine=f"engine{tp_rank}",
-        transport=_transport(cfg), control=_control(cfg, port, token),
+        module if module is not None else tensors,
+        recipes,
+        engine=f"engine{tp_rank}",
+        transport=_transport(cfg),
+        control=_control(cfg, port, token),
     )
     try:
         for step in range(1, cfg.steps + 1):
@@ -285,7 +296,9 @@ class _Finished:
     step: int
 
 
-def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: str, out: Any) -> None:
+def trainer_main(
+    rank: int, cfg: DemoConfig, port: int, dist_port: int, token: str, out: Any
+) -> None:
     """One trainer process: FSDP2 Llama on gloo, an AdamW step then a verified update, K times."""
     import datetime
 
@@ -294,19 +307,21 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from weight_transfer.planner.presets.models import get_model_shape
-    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from weight_transfer.planner.reference import materialize
     from weight_transfer.config import ControllerConfig, SenderConfig
     from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from weight_transfer.planner.reference import materialize
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(dist_port)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=cfg.train_ranks,
+        "gloo",
+        rank=rank,
+        world_size=cfg.train_ranks,
         timeout=datetime.timedelta(seconds=cfg.timeout_s),
     )
     try:
@@ -328,10 +343,15 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
                 control,
             )
         sender = WeightSender(
-            model, rank=rank, world_size=cfg.train_ranks, transport=_transport(cfg),
-            control=control, controller=controller,
-            config=SenderConfig(memory_budget_bytes=cfg.memory_budget_bytes,
-                                update_timeout_s=cfg.timeout_s),
+            model,
+            rank=rank,
+            world_size=cfg.train_ranks,
+            transport=_transport(cfg),
+            control=control,
+            controller=controller,
+            config=SenderConfig(
+                memory_budget_bytes=cfg.memory_budget_bytes, update_timeout_s=cfg.timeout_s
+            ),
         )
         shape = get_model_shape(cfg.model)
         g = torch.Generator().manual_seed(cfg.seed + 1)
@@ -368,9 +388,13 @@ def trainer_main(rank: int, cfg: DemoConfig, port: int, dist_port: int, token: s
                 bad = controller.verify(step, expected, cfg.timeout_s)
                 out.put(("update", step, t_update, int(nbytes.item()), tuple(bad)))
                 if cfg.return_tensors:
-                    out.put(("expected", step, {
-                        int(k.removeprefix("engine")): _pack(v) for k, v in expected.items()
-                    }))
+                    out.put(
+                        (
+                            "expected",
+                            step,
+                            {int(k.removeprefix("engine")): _pack(v) for k, v in expected.items()},
+                        )
+                    )
         if rank == 0:
             sender._control.put(f"finished/{cfg.steps}", _Finished(step=cfg.steps))
             trace = sender.trace_events()
@@ -399,11 +423,14 @@ def run_demo(
         )
     for r in range(cfg.train_ranks):
         procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_main, args=(r, cfg, port, dist_port, token, inbox.reporter()),
+            target=trainer_main,
+            args=(r, cfg, port, dist_port, token, inbox.reporter()),
             name=f"wt-trainer{r}",
         )
     # The controller (trainer 0) hosts the control plane: start it first.
-    order = [f"trainer{r}" for r in range(cfg.train_ranks)] + [f"engine{e}" for e in range(cfg.engine_ranks)]
+    order = [f"trainer{r}" for r in range(cfg.train_ranks)] + [
+        f"engine{e}" for e in range(cfg.engine_ranks)
+    ]
     for name in order:
         procs[name].start()
     inbox.started()

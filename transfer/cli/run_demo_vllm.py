@@ -79,13 +79,19 @@ class VllmUpdateReport:
 
 def _llama_config(dtype: str) -> Any:
     from transformers import LlamaConfig
+
     from weight_transfer.planner.presets.models import get_model_shape
 
     s = get_model_shape("tiny")
     return LlamaConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, max_position_embeddings=256,
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
 
@@ -118,13 +124,21 @@ class _ProxyClient:
         self._call("abort_weight_update")
 
 
-def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[int, int],
-                 token: str, req: Any, resp: Any) -> None:
+def trainer_main(
+    rank: int,
+    cfg: VllmDemoConfig,
+    model_dir: str,
+    ports: tuple[int, int],
+    token: str,
+    req: Any,
+    resp: Any,
+) -> None:
     """One trainer process: FSDP2 Llama, AdamW step, update into vLLM, verify; K times."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
+
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from weight_transfer.planner.reference import materialize
@@ -133,8 +147,12 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
     torch.set_num_threads(1)
     cp_port, dist_port = ports
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.train_ranks,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=cfg.train_ranks,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
     try:
         mesh = init_device_mesh("cpu", (cfg.train_ranks,))
         dtype = getattr(torch, cfg.dtype)
@@ -144,16 +162,24 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         info = TrainerInitInfo(
-            rank=rank, world_size=cfg.train_ranks, num_engines=cfg.engine_ranks, port=cp_port,
-            token=token, timeout_s=cfg.timeout_s / 2, update_timeout_s=cfg.timeout_s / 2,
-            transport=cfg.backend, publish_digests=True,
+            rank=rank,
+            world_size=cfg.train_ranks,
+            num_engines=cfg.engine_ranks,
+            port=cp_port,
+            token=token,
+            timeout_s=cfg.timeout_s / 2,
+            update_timeout_s=cfg.timeout_s / 2,
+            transport=cfg.backend,
+            publish_digests=True,
         )
-        updater = OneSidedUpdater(info, model, _ProxyClient(req, resp, cfg.timeout_s)
-                                  if rank == 0 else None)
+        updater = OneSidedUpdater(
+            info, model, _ProxyClient(req, resp, cfg.timeout_s) if rank == 0 else None
+        )
         shape = get_model_shape("tiny")
         ref = (
             LlamaForCausalLM(_llama_config(cfg.dtype)).to(dtype).eval()  # type: ignore[no-untyped-call]
-            if rank == 0 else None
+            if rank == 0
+            else None
         )
         g = torch.Generator().manual_seed(1)
         for step in range(1, cfg.steps + 1):
@@ -174,7 +200,8 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
                 for e in range(cfg.engine_ranks):
                     expected[f"vllm/rank{e}"] = materialize(
                         vllm_recipes(shape, e, cfg.engine_ranks),
-                        vllm_tensor_specs(shape, e, cfg.engine_ranks, param_dtype=cfg.dtype), full,
+                        vllm_tensor_specs(shape, e, cfg.engine_ranks, param_dtype=cfg.dtype),
+                        full,
                     )
                 bad = updater.controller.verify(step, expected, cfg.timeout_s)
                 ref.load_state_dict(full)
@@ -182,7 +209,7 @@ def trainer_main(rank: int, cfg: VllmDemoConfig, model_dir: str, ports: tuple[in
                 with torch.no_grad():
                     for _ in range(PROBE_TOKENS):
                         seq.append(int(ref(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-                req.put(("check", step, stats.seconds, tuple(bad), seq[len(PROBE):]))
+                req.put(("check", step, stats.seconds, tuple(bad), seq[len(PROBE) :]))
                 kind, value = resp.get(timeout=cfg.timeout_s)
                 if kind != "ok":
                     raise RuntimeError(value)
@@ -205,8 +232,9 @@ def run_vllm_demo(
     from transformers import LlamaForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from weight_transfer.errors import WeightTransferError
+
     from weight_transfer.cli.run_demo import free_port
+    from weight_transfer.errors import WeightTransferError
     from weight_transfer.vllm import BACKEND, LLMWeightSyncClient
 
     reports: list[VllmUpdateReport] = []
@@ -217,18 +245,30 @@ def run_vllm_demo(
             getattr(torch, cfg.dtype)
         ).save_pretrained(model_dir)
         t0 = time.monotonic()
-        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=cfg.dtype,  # type: ignore[arg-type]
-                  enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.08,
-                  tensor_parallel_size=cfg.engine_ranks, seed=0,
-                  weight_transfer_config={"backend": BACKEND})
+        llm = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype=cfg.dtype,  # type: ignore[arg-type]
+            enforce_eager=True,
+            max_model_len=128,
+            gpu_memory_utilization=0.08,
+            tensor_parallel_size=cfg.engine_ranks,
+            seed=0,
+            weight_transfer_config={"backend": BACKEND},
+        )
         log.info("vLLM started in %.1f s", time.monotonic() - t0)
         client = LLMWeightSyncClient(llm)
         ctx = mp.get_context("spawn")
         req, resp = ctx.Queue(), ctx.Queue()
         ports, token = (free_port(), free_port()), secrets.token_hex(16)
-        procs = [ctx.Process(target=trainer_main, name=f"wt-trainer{r}",
-                             args=(r, cfg, str(model_dir), ports, token, req, resp))
-                 for r in range(cfg.train_ranks)]
+        procs = [
+            ctx.Process(
+                target=trainer_main,
+                name=f"wt-trainer{r}",
+                args=(r, cfg, str(model_dir), ports, token, req, resp),
+            )
+            for r in range(cfg.train_ranks)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + cfg.timeout_s
@@ -256,7 +296,9 @@ def run_vllm_demo(
                 _, step, seconds, bad, want = msg
                 out = llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
                 rep = VllmUpdateReport(
-                    step=step, seconds=seconds, mismatches=tuple(bad),
+                    step=step,
+                    seconds=seconds,
+                    mismatches=tuple(bad),
                     weight_version=str(llm.llm_engine.get_weight_version()),
                     tokens_equal=list(out[0].outputs[0].token_ids) == list(want),
                 )

@@ -19,5 +19,10 @@ def _token(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = (
-    Command("token", "print a fresh control-plane token (256 random bits) for every member's config", _token_args, _token),
+    Command(
+        "token",
+        "print a fresh control-plane token (256 random bits) for every member's config",
+        _token_args,
+        _token,
+    ),
 )

@@ -47,11 +47,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferEngine,
 )
+
+from weight_transfer.control import ControlPlane
 from weight_transfer.errors import ConfigurationError, WeightTransferError
+from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes
 from weight_transfer.planner.recipes import engine_tensor_specs
-from weight_transfer.control import ControlPlane
+from weight_transfer.receiver import WeightReceiver
 from weight_transfer.vllm import (
     BACKEND,
     EngineInitInfo,
@@ -62,8 +65,6 @@ from weight_transfer.vllm import (
     WeightSyncClient,
     ready_key,
 )
-from weight_transfer.manifest import dtype_name, torch_dtype
-from weight_transfer.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def _relayouts_experts(module: nn.Module) -> bool:
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
     for name in params:
         if name.startswith("model.layers.0.") and name.endswith(".w13_weight"):
-            return name[len("model.layers.0."):-len(".w13_weight")]
+            return name[len("model.layers.0.") : -len(".w13_weight")]
     return DEFAULT_MOE_PREFIX
 
 
@@ -174,14 +175,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         pc = vllm_config.parallel_config
-        self.global_rank = pc.data_parallel_index * pc.world_size + pc.rank if hasattr(
-            pc, "data_parallel_index"
-        ) else pc.rank
+        self.global_rank = (
+            pc.data_parallel_index * pc.world_size + pc.rank
+            if hasattr(pc, "data_parallel_index")
+            else pc.rank
+        )
         try:
             shape = from_hf_config(vllm_config.model_config.hf_config)
         except ValueError as exc:
             raise ConfigurationError(f"weight_transfer: {exc}; nothing was registered") from None
-        params = dict(model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
         dtype = dtype_name(vllm_config.model_config.dtype)
         self._shape, self._moe_prefix = shape, _moe_prefix(params)
         self.recipes = vllm_recipes(shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix)
@@ -201,16 +204,20 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             else:
                 assert view is not None
                 self._targets[name] = view
-        self._reprocess = sorted(
-            {p.module for p in self.paths.values() if p.path != IN_PLACE}
-        )
+        self._reprocess = sorted({p.module for p in self.paths.values() if p.path != IN_PLACE})
         self.extra_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
-        counts = {k: sum(p.path == k for p in self.paths.values())
-                  for k in (IN_PLACE, IN_PLACE_REPROCESS, BUFFER_REPROCESS)}
+        counts = {
+            k: sum(p.path == k for p in self.paths.values())
+            for k in (IN_PLACE, IN_PLACE_REPROCESS, BUFFER_REPROCESS)
+        }
         log.info(
             "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed per update; "
             "%d extra bytes of checkpoint-layout buffers",
-            self.global_rank, self.tp_rank, self.tp_size, counts, len(self._reprocess),
+            self.global_rank,
+            self.tp_rank,
+            self.tp_size,
+            counts,
+            len(self._reprocess),
             self.extra_bytes,
         )
         for p in self.paths.values():
@@ -261,9 +268,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             if removed:
                 # Column/row-parallel layers record their per-partition sizes; replicated ones
                 # (routers) only their full sizes.
-                dims = [getattr(module, f"{k}_size_per_partition", getattr(module, f"{k}_size", None))
-                        for k in ("output", "input")]
-                if None in dims:
+                dims = [
+                    getattr(module, f"{k}_size_per_partition", getattr(module, f"{k}_size", None))
+                    for k in ("output", "input")
+                ]
+                if dims[0] is None or dims[1] is None:
                     raise refuse(f"{name!r}: vLLM removed it and its layer has no size to check")
                 got = (int(dims[0]), int(dims[1]))
                 if got != want_shape:
@@ -314,20 +323,32 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         if self._shape.is_moe:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
             self.recipes = vllm_recipes(
-                self._shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix,
+                self._shape,
+                self.tp_rank,
+                self.tp_size,
+                moe_prefix=self._moe_prefix,
                 hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
             )
         engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
         control = init_info.control()
         self.receiver = WeightReceiver(
-            self._targets, self.recipes, engine=engine,
-            transport=init_info.transport_config(), control=control,
+            self._targets,
+            self.recipes,
+            engine=engine,
+            transport=init_info.transport_config(),
+            control=control,
         )
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
         self._publish_digests = init_info.publish_digests
-        log.info("weight_transfer: %s joined %s:%d session %r over %s", engine, control.host,
-                 control.port, control.session, init_info.transport)
+        log.info(
+            "weight_transfer: %s joined %s:%d session %r over %s",
+            engine,
+            control.host,
+            control.port,
+            control.session,
+            init_info.transport,
+        )
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: targets are registered once (writes land in `receive_weights`)."""
@@ -374,7 +395,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """
         t0 = time.perf_counter()
         for mod_name in self._reprocess:
-            module = self.model.get_submodule(mod_name)
+            module: Any = self.model.get_submodule(mod_name)
             wname = mod_name + ".weight"
             if wname in self._buffers:
                 # vLLM's processing reads layer.weight: hand it the buffer (no copy).
@@ -408,8 +429,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     def finish_weight_update(self) -> None:
         """Record the version of the update `receive_weights` completed."""
         self.weight_version = self._pending
-        log.info("weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
-                 self.weight_version, len(self._reprocess), self.last_refresh_s)
+        log.info(
+            "weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
+            self.weight_version,
+            len(self._reprocess),
+            self.last_refresh_s,
+        )
 
     def shutdown(self) -> None:
         """Leave the control plane; the model keeps serving its current weights."""
@@ -447,9 +472,9 @@ class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type:
     @classmethod
     def trainer_init(
         cls,
-        init_info: TrainerInitInfo,  # type: ignore[override]
+        init_info: TrainerInitInfo,
         *,
-        client: WeightSyncClient,  # type: ignore[override]
+        client: WeightSyncClient,
         source: WeightSource | None = None,
     ) -> Self:
         """Join and plan (collective over the trainer ranks).
@@ -466,7 +491,7 @@ class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type:
         updater = OneSidedUpdater(init_info, module, client if init_info.is_sender else None)
         return cls(client=client, source=source, is_sender=init_info.is_sender, updater=updater)
 
-    def send_weights(self, step: int | None = None) -> None:  # type: ignore[override]
+    def send_weights(self, step: int | None = None) -> None:
         """One update (default number: last + 1), all four vLLM phases. Collective."""
         self.updater.update(step)
 

@@ -1,6 +1,6 @@
-"""The Triton JIT kernel behind `transfer.kernels.fp8_triton` (imports triton at module load).
+"""The Triton JIT kernels behind `weight_transfer.kernels.fp8_triton` (imports triton on load).
 
-Kept in its own module so that importing `transfer.kernels.fp8_triton` never imports triton.
+Kept in its own module so that importing `weight_transfer.kernels.fp8_triton` never imports triton.
 `@triton.jit` decides at decoration time whether it builds a compiled kernel or an interpreted
 one (triton reads its own TRITON_INTERPRET switch), so this module is imported once, lazily.
 """

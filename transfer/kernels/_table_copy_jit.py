@@ -1,5 +1,9 @@
 """Triton kernels of `table_copy` (imported only when triton is present)."""
 
+# Triton reads a kernel's parameter annotations as its own type specs (tl.constexpr), so the
+# runtime parameters stay unannotated and mypy is told so, for this module only.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +41,11 @@ def _copy_tails(table_ptr, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def run(
-    chunks: torch.Tensor, tails: torch.Tensor, chunk_bytes: int,
-    block_words: int = _BLOCK, num_warps: int = 16,
+    chunks: torch.Tensor,
+    tails: torch.Tensor,
+    chunk_bytes: int,
+    block_words: int = _BLOCK,
+    num_warps: int = 16,
 ) -> None:
     """Launch both kernels on the current stream (empty parts launch nothing)."""
     words = chunk_bytes // 8
@@ -46,6 +53,8 @@ def run(
     if words % block or block & (block - 1):
         raise ValueError(f"chunk_bytes {chunk_bytes} must be a power of two of at least 16")
     if chunks.shape[0]:
-        _copy_chunks[(chunks.shape[0],)](chunks, CHUNK_WORDS=words, BLOCK=block, num_warps=num_warps)
+        _copy_chunks[(chunks.shape[0],)](
+            chunks, CHUNK_WORDS=words, BLOCK=block, num_warps=num_warps
+        )
     if tails.shape[0]:
         _copy_tails[(tails.shape[0],)](tails, CHUNK_WORDS=words, BLOCK=block, num_warps=num_warps)

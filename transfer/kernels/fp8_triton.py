@@ -416,14 +416,29 @@ class QuantTable:
             nrb, ncb = s.shape
             isz = x.element_size()
             aligned &= (
-                x.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
-                and x.stride(0) % 16 == 0 and q.stride(0) % 16 == 0
-                and cols % 16 == 0 and block[1] % 16 == 0 and isz in (2, 4)
+                x.data_ptr() % 16 == 0
+                and q.data_ptr() % 16 == 0
+                and x.stride(0) % 16 == 0
+                and q.stride(0) % 16 == 0
+                and cols % 16 == 0
+                and block[1] % 16 == 0
+                and isz in (2, 4)
             )
-            units.append([
-                x.data_ptr(), q.data_ptr(), s.data_ptr(), rows, cols, ncb, sum(counts),
-                x.stride(0), q.stride(0), s.stride(0),
-            ] + [0] * (_UNIT_FIELDS - 10))
+            units.append(
+                [
+                    x.data_ptr(),
+                    q.data_ptr(),
+                    s.data_ptr(),
+                    rows,
+                    cols,
+                    ncb,
+                    sum(counts),
+                    x.stride(0),
+                    q.stride(0),
+                    s.stride(0),
+                ]
+                + [0] * (_UNIT_FIELDS - 10)
+            )
             counts.append(nrb * ncb)
         self.block = block
         self.num_programs = sum(counts)
@@ -448,7 +463,9 @@ class QuantTable:
         of float32/bfloat16/float16 whose last dims are contiguous, with outputs shaped as
         `quantize_fp8_blockwise_gpu` checks them, all on one device."""
         if x.dim() != 2 or x.dtype not in _TRITON_DTYPES:
-            return f"input of shape {tuple(x.shape)} and dtype {x.dtype} (2-D float32/bf16/fp16 only)"
+            return (
+                f"input of shape {tuple(x.shape)} and dtype {x.dtype} (2-D float32/bf16/fp16 only)"
+            )
         if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != tuple(x.shape):
             return f"weight output {tuple(q.shape)} {q.dtype} does not match the input"
         if s.dtype != torch.float32 or tuple(s.shape) != scale_shape(tuple(x.shape), block):
@@ -474,7 +491,9 @@ class QuantTable:
             kernel = _jit_module().fp8_table_quant_kernel
         b0, b1 = self.block
         args = (
-            self.units, self.block_unit, AMAX_FLOOR,
+            self.units,
+            self.block_unit,
+            AMAX_FLOOR,
         )
         meta = dict(
             X_DTYPE=getattr(tl, _TRITON_DTYPES[self._dtype]),

@@ -51,7 +51,9 @@ def _tuned() -> None:
         try:
             CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS = (int(x) for x in value.split(","))
         except ValueError as exc:
-            raise ValueError(f"WT_TABLE_COPY={value!r}: expected CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS") from exc
+            raise ValueError(
+                f"WT_TABLE_COPY={value!r}: expected CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS"
+            ) from exc
 
 
 _tuned()
@@ -87,7 +89,8 @@ def coalesce(copies: Sequence[Copy]) -> list[Copy]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkTable:
-    """A batch of copies cut for the kernels (CPU int64 tensors), plus what the kernels cannot take."""
+    """A batch of copies cut for the kernels (CPU int64 tensors), plus what the kernels cannot
+    take."""
 
     chunks: torch.Tensor
     """Shape (n, 2): source and destination address of each full `CHUNK_BYTES` chunk."""
@@ -150,20 +153,29 @@ def to_device(table: ChunkTable, device: torch.device, num_copies: int) -> Devic
     return DeviceTable(
         table.chunks.contiguous().to(device),
         table.tails.contiguous().to(device),
-        table.plain, table.nbytes, num_copies,
+        table.plain,
+        table.nbytes,
+        num_copies,
     )
 
 
 def launch(
-    table: DeviceTable, chunk_bytes: int | None = None, block_words: int | None = None,
+    table: DeviceTable,
+    chunk_bytes: int | None = None,
+    block_words: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Run the table's copies on the current stream of the table's device (no plain copies:
     the caller issues `table.plain` itself). The table must have been cut with `chunk_bytes`."""
     mod = jit()
     assert mod is not None, "launch() without triton; check jit() first"
-    mod.run(table.chunks, table.tails, chunk_bytes or CHUNK_BYTES, block_words or BLOCK_WORDS,
-            num_warps or NUM_WARPS)
+    mod.run(
+        table.chunks,
+        table.tails,
+        chunk_bytes or CHUNK_BYTES,
+        block_words or BLOCK_WORDS,
+        num_warps or NUM_WARPS,
+    )
 
 
 def available() -> bool:
@@ -173,5 +185,9 @@ def available() -> bool:
 
 def describe(table: DeviceTable | ChunkTable) -> dict[str, Any]:
     """Counts for logs and benchmarks."""
-    return {"chunks": int(table.chunks.shape[0]), "tails": int(table.tails.shape[0]),
-            "plain": len(table.plain), "nbytes": table.nbytes}
+    return {
+        "chunks": int(table.chunks.shape[0]),
+        "tails": int(table.tails.shape[0]),
+        "plain": len(table.plain),
+        "nbytes": table.nbytes,
+    }
