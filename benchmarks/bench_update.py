@@ -33,7 +33,6 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import secrets
 import statistics
@@ -411,11 +410,6 @@ def trainer_main(
         if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_trainer(cfg, rank, model, shapes, ports, dev))
         out.put(("trainer", rank, res))
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"trainer{rank}", traceback.format_exc()))
-        raise
     finally:
         dist.destroy_process_group()
 
@@ -573,59 +567,53 @@ def engine_main(
     gpu = _engine_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
     dev = torch.device("cuda", gpu)
-    try:
-        spec = model_spec(cfg.preset, cfg.layers)
-        tp = _n_engines(cfg)
-        recipes = spec.recipes(rank, tp, cfg.fp8)
-        specs = spec.specs(rank, tp, cfg.fp8)
-        g = torch.Generator(device=dev).manual_seed(5 + rank)
-        tensors = {}
-        for s in specs:
-            t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev)
-            t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(
-                generator=g
-            )
-            tensors[s.name] = t
-        torch.cuda.synchronize()
-        control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
-        rx = WeightReceiver(
-            tensors,
-            recipes,
-            engine=f"engine{rank}",
-            transport=TransportConfig(
-                name=cfg.backend, device_index=gpu, options=cfg.transport_options
-            ),
-            control=control,
+    spec = model_spec(cfg.preset, cfg.layers)
+    tp = _n_engines(cfg)
+    recipes = spec.recipes(rank, tp, cfg.fp8)
+    specs = spec.specs(rank, tp, cfg.fp8)
+    g = torch.Generator(device=dev).manual_seed(5 + rank)
+    tensors = {}
+    for s in specs:
+        t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev)
+        t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(
+            generator=g
         )
-        for step in range(1, cfg.warmups + cfg.repeats + 1):
-            # Every update is checked: digest every tensor under the key the trainer draws
-            # after the update, once this step's version is committed.
-            rx.wait_for_version(step, cfg.timeout_s)
-            key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
-            torch.cuda.synchronize()
-            got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
-            rx._control.put(
-                f"digest/{step}/engine{rank}",
-                Digests(
-                    engine=f"engine{rank}",
-                    step=step,
-                    version=rx.version,
-                    digests=tuple(sorted(got.items())),
-                ),
-            )
-        res: dict[str, Any] = {
-            "rank": rank,
-            "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        }
-        if cfg.baseline and cfg.layout == "split":
-            res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
-        rx.close()
-        out.put(("engine", rank, res))
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"engine{rank}", traceback.format_exc()))
-        raise
+        tensors[s.name] = t
+    torch.cuda.synchronize()
+    control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
+    rx = WeightReceiver(
+        tensors,
+        recipes,
+        engine=f"engine{rank}",
+        transport=TransportConfig(
+            name=cfg.backend, device_index=gpu, options=cfg.transport_options
+        ),
+        control=control,
+    )
+    for step in range(1, cfg.warmups + cfg.repeats + 1):
+        # Every update is checked: digest every tensor under the key the trainer draws
+        # after the update, once this step's version is committed.
+        rx.wait_for_version(step, cfg.timeout_s)
+        key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
+        torch.cuda.synchronize()
+        got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
+        rx._control.put(
+            f"digest/{step}/engine{rank}",
+            Digests(
+                engine=f"engine{rank}",
+                step=step,
+                version=rx.version,
+                digests=tuple(sorted(got.items())),
+            ),
+        )
+    res: dict[str, Any] = {
+        "rank": rank,
+        "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+    if cfg.baseline and cfg.layout == "split":
+        res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
+    rx.close()
+    out.put(("engine", rank, res))
 
 
 def _baseline_engine(
@@ -729,52 +717,29 @@ def _baseline_engine(
 
 def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.cli.run_demo import free_port
 
-    ctx = mp.get_context("spawn")
-    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
     ports = {"dist": free_port(), "control": free_port(), "baseline": free_port()}
     token = secrets.token_hex(16)
-    procs = {}
-    for r in range(_n_trainers(cfg)):
-        procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_main, args=(r, cfg, ports, token, inbox.reporter())
-        )
-    for e in range(_n_engines(cfg)):
-        procs[f"engine{e}"] = ctx.Process(
-            target=engine_main, args=(e, cfg, ports, token, inbox.reporter())
-        )
-    for p in procs.values():
-        p.start()
-    inbox.started()
+    children = [
+        Child(f"trainer{r}", trainer_main, (r, cfg, ports, token)) for r in range(_n_trainers(cfg))
+    ] + [Child(f"engine{e}", engine_main, (e, cfg, ports, token)) for e in range(_n_engines(cfg))]
     results: dict[str, Any] = {
         "config": dataclasses.asdict(cfg),
         "errors": [],
         "machine": _machine(),
     }
-    deadline = time.monotonic() + cfg.timeout_s + 60
-    expected = len(procs)
-    got = 0
-    while got < expected and time.monotonic() < deadline:
-        msg = inbox.get(timeout=1.0)
-        if msg is None:
-            if any(p.exitcode not in (None, 0) for p in procs.values()):
-                break
-            continue
-        if msg[0] == "error":
-            results["errors"].append(f"{msg[1]}: {msg[2]}")
-            got += 1
-        else:
-            results[f"{msg[0]}{msg[1]}"] = msg[2]
-            got += 1
-    for name, p in procs.items():
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            results["errors"].append(f"{name} killed after the deadline")
-        results.setdefault("exit_codes", {})[name] = p.exitcode
-    inbox.close()
+
+    def on_message(_child: str, msg: Any) -> None:
+        results[f"{msg[0]}{msg[1]}"] = msg[2]  # ("trainer" | "engine", rank, results)
+
+    outcome = Launch(children).run(
+        timeout_s=cfg.timeout_s + 60, grace_s=30.0, on_message=on_message
+    )
+    results["errors"] += outcome.errors
+    results["errors"] += [f"{name}: {tb}" for name, tb in outcome.tracebacks.items()]
+    results["exit_codes"] = outcome.exit_codes
     _summarize(results, cfg)
     with open(cfg.json_path, "w") as f:
         json.dump(results, f, indent=1, default=str)

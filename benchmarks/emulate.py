@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import platform
 import resource
@@ -236,14 +235,8 @@ def trainer_main(
     out: Any,
 ) -> None:
     """One trainer rank in its own host: DTensor shards, sender, timed and verified updates."""
-    try:
-        _enter(hosts[rank])
-        _trainer(rank, cfg, ips, token, rates, out)
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"trainer{rank}", traceback.format_exc()))
-        raise
+    _enter(hosts[rank])
+    _trainer(rank, cfg, ips, token, rates, out)
 
 
 def _trainer(
@@ -510,14 +503,8 @@ def engine_main(
     index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str, out: Any
 ) -> None:
     """One engine rank in its own host: seeded random tensors, receiver, digests per update."""
-    try:
-        _enter(hosts[cfg.num_trainers + index])
-        _engine(index, cfg, ips, token, out)
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"engine{index}", traceback.format_exc()))
-        raise
+    _enter(hosts[cfg.num_trainers + index])
+    _engine(index, cfg, ips, token, out)
 
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
@@ -630,67 +617,55 @@ def _funnel_engine(
 
 
 def _probe_receiver(host: str, ip: str, nbytes: int, out: Any) -> None:
-    try:
-        _enter(host)
-        srv = socket.create_server((ip, PROBE_PORT))
-        srv.settimeout(60)
-        out.put(("probe_ready",))
-        conn, _ = srv.accept()
-        conn.settimeout(60)
-        # Round trips of small messages.
-        rtts = []
-        for _ in range(50):
-            t = time.perf_counter()
-            conn.sendall(b"p")
-            if conn.recv(1) != b"p":
-                raise RuntimeError("probe: bad echo")
-            rtts.append(time.perf_counter() - t)
-        buf = bytearray(1 << 20)
-        got, t0 = 0, 0.0
-        while got < nbytes:
-            k = conn.recv_into(buf)
-            if k == 0:
-                raise RuntimeError(f"probe: connection closed after {got} of {nbytes} bytes")
-            if got == 0:
-                t0 = time.perf_counter()
-            got += k
-        t1 = time.perf_counter()
-        conn.sendall(b"k")
-        out.put(("probe", got, t1 - t0, statistics.median(rtts)))
-    except BaseException:
-        import traceback
-
-        out.put(("error", "probe receiver", traceback.format_exc()))
-        raise
+    _enter(host)
+    srv = socket.create_server((ip, PROBE_PORT))
+    srv.settimeout(60)
+    out.put(("probe_ready",))
+    conn, _ = srv.accept()
+    conn.settimeout(60)
+    # Round trips of small messages.
+    rtts = []
+    for _ in range(50):
+        t = time.perf_counter()
+        conn.sendall(b"p")
+        if conn.recv(1) != b"p":
+            raise RuntimeError("probe: bad echo")
+        rtts.append(time.perf_counter() - t)
+    buf = bytearray(1 << 20)
+    got, t0 = 0, 0.0
+    while got < nbytes:
+        k = conn.recv_into(buf)
+        if k == 0:
+            raise RuntimeError(f"probe: connection closed after {got} of {nbytes} bytes")
+        if got == 0:
+            t0 = time.perf_counter()
+        got += k
+    t1 = time.perf_counter()
+    conn.sendall(b"k")
+    out.put(("probe", got, t1 - t0, statistics.median(rtts)))
 
 
 def _probe_sender(host: str, ip: str, nbytes: int, out: Any) -> None:
-    try:
-        _enter(host)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                conn = socket.create_connection((ip, PROBE_PORT), timeout=60)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        for _ in range(50):
-            conn.sendall(conn.recv(1))
-        payload = secrets.token_bytes(1 << 20)
-        sent = 0
-        while sent < nbytes:
-            k = min(len(payload), nbytes - sent)
-            conn.sendall(payload[:k])
-            sent += k
-        conn.recv(1)
-        conn.close()
-    except BaseException:
-        import traceback
-
-        out.put(("error", "probe sender", traceback.format_exc()))
-        raise
+    _enter(host)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((ip, PROBE_PORT), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    for _ in range(50):
+        conn.sendall(conn.recv(1))
+    payload = secrets.token_bytes(1 << 20)
+    sent = 0
+    while sent < nbytes:
+        k = min(len(payload), nbytes - sent)
+        conn.sendall(payload[:k])
+        sent += k
+    conn.recv(1)
+    conn.close()
 
 
 def cpu_rates(repeats: int = 5) -> dict[str, float]:
@@ -724,39 +699,6 @@ def _spread(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else {}
 
 
-def _wait_all(
-    procs: dict[str, Any], inbox: Any, deadline: float, handle: Callable[[tuple[Any, ...]], None]
-) -> list[str]:
-    errors: list[str] = []
-    try:
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            msg = inbox.get(timeout=0.2)
-            if msg is None:
-                if any(p.exitcode not in (None, 0) for p in procs.values()):
-                    break
-                continue
-            if msg[0] == "error":
-                errors.append(f"{msg[1]}: {msg[2]}")
-            else:
-                handle(tuple(msg))
-        while (msg := inbox.get(timeout=0.2)) is not None:
-            if msg[0] == "error":
-                errors.append(f"{msg[1]}: {msg[2]}")
-            else:
-                handle(tuple(msg))
-    finally:
-        failed = bool(errors) or any(p.exitcode not in (None, 0) for p in procs.values())
-        for name, p in procs.items():
-            p.join(timeout=15.0 if failed else max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                errors.append(f"{name} did not finish in time; killed")
-                p.kill()
-                p.join(timeout=10)
-            if p.exitcode not in (0, None):
-                errors.append(f"{name} exited with code {p.exitcode}")
-    return errors
-
-
 def _machine() -> dict[str, Any]:
     return {
         "host": platform.node(),
@@ -774,7 +716,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     Returns the whole result (what `emulate` writes as JSON). Namespaces are removed on return,
     on an exception, and at interpreter exit.
     """
-    from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.planner.presets.clusters import model_bytes, source_manifests
     from weight_transfer.planner.simulate import funnel_baseline, rates_from_mapping
     from weight_transfer.planner.types import dtype_size, numel
@@ -784,7 +726,6 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     shape = LinkShape(
         rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms, queue_latency_ms=cfg.queue_ms
     )
-    ctx = mp.get_context("spawn")
     t_start = time.monotonic()
     deadline = t_start + cfg.timeout_s
     load_before = os.getloadavg()
@@ -796,28 +737,18 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} MB/s "
             "tbf"
         )
-        inbox = ReportInbox(ctx)
         probe: dict[str, Any] = {}
-        pr = {
-            "probe-rx": ctx.Process(
-                target=_probe_receiver, args=(hosts[n], ips[n], nbytes, inbox.reporter())
-            ),
-            "probe-tx": ctx.Process(
-                target=_probe_sender, args=(hosts[0], ips[n], nbytes, inbox.reporter())
-            ),
-        }
-        for p in pr.values():
-            p.start()
-        inbox.started()
-        errors = _wait_all(
-            pr,
-            inbox,
-            min(deadline, time.monotonic() + 120),
-            lambda msg: probe.update(msg=msg) if msg[0] == "probe" else None,
+        outcome = Launch(
+            [
+                Child("probe-rx", _probe_receiver, (hosts[n], ips[n], nbytes)),
+                Child("probe-tx", _probe_sender, (hosts[0], ips[n], nbytes)),
+            ]
+        ).run(
+            timeout_s=min(deadline, time.monotonic() + 120) - time.monotonic(),
+            on_message=lambda _child, msg: probe.update(msg=msg) if msg[0] == "probe" else None,
         )
-        inbox.close()
-        if errors or "msg" not in probe:
-            raise RuntimeError(f"ceiling probe failed: {errors or 'no report'}")
+        if outcome.errors or "msg" not in probe:
+            raise RuntimeError(f"ceiling probe failed: {outcome.errors or 'no report'}")
         _, got, secs, rtt = probe["msg"]
         ceiling = got / secs
         cpu = cpu_rates()
@@ -840,27 +771,14 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         )
         # 2. The cluster.
         token = secrets.token_hex(16)
-        inbox = ReportInbox(ctx)
-        procs: dict[str, Any] = {}
-        for r in range(n):
-            procs[f"trainer{r}"] = ctx.Process(
-                target=trainer_main,
-                args=(r, cfg, hosts, ips, token, rates, inbox.reporter()),
-                name=f"wt-emu-trainer{r}",
-            )
-        for e in range(m):
-            procs[f"engine{e}"] = ctx.Process(
-                target=engine_main,
-                args=(e, cfg, hosts, ips, token, inbox.reporter()),
-                name=f"wt-emu-engine{e}",
-            )
+        children = [
+            Child(f"trainer{r}", trainer_main, (r, cfg, hosts, ips, token, rates)) for r in range(n)
+        ] + [Child(f"engine{e}", engine_main, (e, cfg, hosts, ips, token)) for e in range(m)]
         say(f"starting {n} trainer and {m} engine processes ({cfg.preset.describe()})")
-        for p in procs.values():
-            p.start()
-        inbox.started()
         msgs: list[tuple[Any, ...]] = []
 
-        def handle(msg: tuple[Any, ...]) -> None:
+        def handle(_child: str, got: list[Any]) -> None:
+            msg = tuple(got)
             msgs.append(msg)
             if msg[0] == "update" and msg[1] == "trainer0":
                 say(f"update {msg[2]}: {msg[3]:.3f} s")
@@ -869,8 +787,10 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             elif msg[0] == "sim":
                 say(f"simulator: {msg[1]['predicted_s']:.3f} s ({msg[1]['bottleneck']})")
 
-        errors = _wait_all(procs, inbox, deadline, handle)
-        inbox.close()
+        outcome = Launch(children).run(
+            timeout_s=deadline - time.monotonic(), grace_s=15.0, on_message=handle
+        )
+        errors = outcome.errors + [f"{name}: {tb}" for name, tb in outcome.tracebacks.items()]
         qdisc = cluster.qdisc_stats()
     load_after = os.getloadavg()
     # 3. Summary.

@@ -33,7 +33,7 @@ import torch
 
 from tests.markers import requires_module
 from weight_transfer.benchmarks.netns import enter_host
-from weight_transfer.cli.child_reports import ReportInbox
+from weight_transfer.cli.launch import Child, Launch
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
@@ -96,11 +96,11 @@ def trainer_proc(
     host: str,
     port: int,
     token: str,
-    out: Any,
     paused: Any,
     resume: Any,
     link_up: Any,
     finish: Any,
+    out: Any,
 ) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
@@ -235,34 +235,16 @@ def two_hosts() -> Iterator[dict[str, str]]:
 def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str, str]) -> None:
     h = two_hosts
     ctx = mp.get_context("spawn")
-    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the other
     paused, resume, link_up, finish = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     port, token = 29_000 + secrets.randbelow(1000), secrets.token_hex(16)
-    procs = {
-        "trainer": ctx.Process(
-            target=trainer_proc,
-            args=(
-                backend,
-                h["a"],
-                h["va"],
-                h["ip_a"],
-                port,
-                token,
-                inbox.reporter(),
-                paused,
-                resume,
-                link_up,
-                finish,
-            ),
-        ),
-        "engine": ctx.Process(
-            target=engine_proc,
-            args=(backend, h["b"], h["vb"], h["ip_b"], h["ip_a"], port, token, inbox.reporter()),
-        ),
-    }
-    for p in procs.values():
-        p.start()
-    inbox.started()
+    trainer_args = (backend, h["a"], h["va"], h["ip_a"], port, token)
+    engine_args = (backend, h["b"], h["vb"], h["ip_b"], h["ip_a"], port, token)
+    launch = Launch(  # one pipe per child: a dead child cannot block the other
+        [
+            Child("trainer", trainer_proc, (*trainer_args, paused, resume, link_up, finish)),
+            Child("engine", engine_proc, engine_args),
+        ]
+    ).start()
     reports: dict[tuple[str, int], Any] = {}
     deadline = time.monotonic() + 200
     try:
@@ -270,12 +252,12 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
             if paused.is_set() and not resume.is_set():
                 _ip("-n", h["a"], "link", "set", h["va"], "down")
                 resume.set()
-            got = inbox.get(timeout=0.1)
+            got = launch.get(timeout_s=0.1)
             if got is None:
-                if any(p.exitcode not in (None, 0) for p in procs.values()):
+                if launch.failure() is not None:
                     break
                 continue
-            msg = tuple(got)
+            msg = tuple(got[1])
             reports[(msg[0], msg[1])] = msg[2:]
             if msg[:2] == ("trainer", 2):
                 _ip("-n", h["a"], "link", "set", h["va"], "up")
@@ -284,13 +266,7 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
         finish.set()
         resume.set()
         link_up.set()
-        codes = {}
-        for name, p in procs.items():
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-            codes[name] = p.exitcode
+        codes = launch.close(grace_s=60)
     assert codes == {"trainer": 0, "engine": 0}, (codes, reports)
     assert len(reports) == 6, reports
     for step in (1, 3):

@@ -20,9 +20,7 @@ read worker state with `collective_rpc(callable)`; the plug-in itself does not n
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import queue
 import secrets
 import shutil
 import subprocess
@@ -38,6 +36,7 @@ import pytest
 import torch
 
 from tests.markers import requires_module
+from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(900)]
 
@@ -244,12 +243,12 @@ class _ProxyClient:
     """Trainer rank 0's view of the engine: each phase is run by the test process on its LLM
     (like the HTTP routes or a Ray actor would run it in production)."""
 
-    def __init__(self, req: Any, resp: Any) -> None:
-        self.req, self.resp = req, resp
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
 
     def _call(self, *msg: Any) -> None:
-        self.req.put(msg)
-        kind, value = self.resp.get(timeout=600)
+        self.channel.put(msg)
+        kind, value = self.channel.get(600)
         if kind == "err":
             raise RuntimeError(value)
 
@@ -297,8 +296,7 @@ def _trainer(
     dtype: str,
     steps: int,
     ckpt_root: str,
-    req: Any,
-    resp: Any,
+    channel: Any,
 ) -> None:
     import torch.distributed as dist
     import transformers
@@ -332,7 +330,7 @@ def _trainer(
             timeout_s=300,
             hf_moe_layout="fused" if moe else "per_expert",
         )
-        client = _ProxyClient(req, resp) if rank == 0 else None
+        client = _ProxyClient(channel) if rank == 0 else None
         updater = OneSidedUpdater(info, model, client)
         g = torch.Generator().manual_seed(7)
         for step in range(1, steps + 1):
@@ -350,8 +348,8 @@ def _trainer(
                 d.mkdir(parents=True)
                 save_file(_hf_checkpoint(full), str(d / "model.safetensors"))
                 shutil.copy(Path(model_dir) / "config.json", d / "config.json")
-                req.put(("check", step, str(d), stats.seconds))
-                kind, value = resp.get(timeout=600)
+                channel.put(("check", step, str(d), stats.seconds))
+                kind, value = channel.get(600)
                 assert kind == "ok", value
             dist.barrier()
         updater.close()
@@ -382,58 +380,33 @@ def _run_trainers(
     from weight_transfer.vllm import LLMWeightSyncClient
 
     client = LLMWeightSyncClient(llm)
-    ctx = mp.get_context("spawn")
-    req, resp = ctx.Queue(), ctx.Queue()
     cp_port, dist_port, token = _free_port(), _free_port(), secrets.token_hex(16)
-    procs = [
-        ctx.Process(
-            target=_trainer,
-            args=(
-                r,
-                world,
-                dist_port,
-                cp_port,
-                token,
-                num_engines,
-                str(model_dir),
-                dtype,
-                steps,
-                str(tmp),
-                req,
-                resp,
-            ),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    args = (world, dist_port, cp_port, token, num_engines, str(model_dir), dtype, steps, str(tmp))
+    launch = Launch([Child(f"trainer{r}", _trainer, (r, *args)) for r in range(world)])
     checks: list[dict[str, Any]] = []
     deadline = time.monotonic() + 800
     try:
+        launch.start()
         while len(checks) < steps and time.monotonic() < deadline:
-            try:
-                msg = req.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
+            got = launch.get(timeout_s=1.0)
+            if got is None:
+                if launch.failure() is not None:
                     break
                 continue
+            who, msg = got
             try:
                 if msg[0] == "rpc":
                     getattr(client, msg[1])(*msg[2])
-                    resp.put(("ok", None))
+                    launch.send(who, ("ok", None))
                 else:
                     _, step, path, seconds = msg
                     checks.append(check(step, Path(path), seconds))
-                    resp.put(("ok", None))
+                    launch.send(who, ("ok", None))
             except Exception as exc:  # handed to the trainer, which fails and exits non-zero
-                resp.put(("err", f"{type(exc).__name__}: {exc}"))
+                launch.send(who, ("err", f"{type(exc).__name__}: {exc}"))
     finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert [p.exitcode for p in procs] == [0] * world
+        codes = launch.close(grace_s=120)
+    assert codes == {f"trainer{r}": 0 for r in range(world)}, (codes, launch.tracebacks)
     assert len(checks) == steps
     return checks
 
