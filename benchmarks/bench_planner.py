@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from weight_transfer.planner.plan import PlannerConfig, plan  # noqa: E402
-from weight_transfer.planner.presets.clusters import cluster_manifests, get_preset, model_bytes  # noqa: E402
-from weight_transfer.planner.simulate import broadcast_baseline, simulate  # noqa: E402
+from weight_transfer.planner.plan import PlannerConfig, plan
+from weight_transfer.planner.presets.clusters import cluster_manifests, get_preset, model_bytes
+from weight_transfer.planner.simulate import broadcast_baseline, simulate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,7 +2,7 @@
 
 Run from the repository root on a CUDA machine with triton:
 
-    python benchmarks/gpu_fp8_kernel_check.py --json /tmp/fp8_kernel.json
+    python benchmarks/probes/gpu_fp8_kernel_check.py --json /tmp/fp8_kernel.json
 
 1. Correctness (before any timing): for every case, the fp8 bytes (viewed as uint8) and the
    float32 scales must be `torch.equal` to `planner.fp8.quantize_fp8_blockwise` evaluated on

@@ -7,8 +7,8 @@ timing it is checked again. The baseline, measured in the same run, is `copy_` f
 tensor into a GPU1 tensor in one process (NVLink peer copy). Reports the median GB/s (and min,
 max) of the repeats, and writes everything as JSON to --json.
 
-    python benchmarks/gpu_transport_check.py --json gpu_check.json
-    python benchmarks/gpu_transport_check.py --sizes-mib 16 64 256 1024 --repeats 10 \
+    python benchmarks/probes/gpu_transport_check.py --json gpu_check.json
+    python benchmarks/probes/gpu_transport_check.py --sizes-mib 16 64 256 1024 --repeats 10 \
         --backends ucx nixl --json out.json
 
 Needs 2 CUDA GPUs, torch, and the ucx / nixl wheels importable (PYTHONPATH is fine).

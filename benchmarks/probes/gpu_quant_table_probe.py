@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_table_copy_probe import _time
+from weight_transfer.benchmarks.probes.gpu_table_copy_probe import _time
 from weight_transfer.kernels.fp8_triton import QuantTable, quantize_fp8_blockwise_gpu
 from weight_transfer.planner.fp8 import scale_shape
 

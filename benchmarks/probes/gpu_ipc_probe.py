@@ -1,6 +1,6 @@
 """Why is a cross-process CUDA IPC write slow, and which copy reaches the NVLink rate?
 
-Run on a machine with 2 GPUs: `python benchmarks/gpu_ipc_probe.py --json out.json`.
+Run on a machine with 2 GPUs: `python benchmarks/probes/gpu_ipc_probe.py --json out.json`.
 A receiver process owns a buffer on GPU1 and exports a CUDA IPC handle; a sender process (GPU0)
 opens it and writes 256 MiB with each candidate method, verifying the bytes after each, and the
 in-process peer copy GPU0->GPU1 is measured in the same run as the ceiling.

@@ -6,7 +6,7 @@ syscall directly, with one and two concurrent streams (threads; ctypes releases 
 `memmove` in one process with one and two threads, for a 64 MiB buffer. It bounds what `ucx` and
 `nixl` can reach in `weight-transfer bench transports` on the same machine.
 
-    python benchmarks/cma_ceiling_probe.py [--mib 64] [--repeats 25] [--chunk-mib 4]
+    python benchmarks/probes/cma_ceiling_probe.py [--mib 64] [--repeats 25] [--chunk-mib 4]
 
 Linux only. Prints median GB/s per case.
 """
@@ -14,13 +14,15 @@ Linux only. Prints median GB/s per case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import mmap
-import multiprocessing as mp
 import statistics
 import threading
 import time
 from typing import Any
+
+from weight_transfer.cli.launch import Child, Launch
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -36,12 +38,14 @@ def _buffer(nbytes: int) -> tuple[mmap.mmap, int]:
     return m, address
 
 
-def _target(nbytes: int, out: Any, done: Any) -> None:
+def _target(nbytes: int, out: Any) -> None:
+    """The target process: a resident buffer; its pid and address go to the parent, then it
+    waits for the parent's word to exit."""
     _m, address = _buffer(nbytes)
     import os
 
     out.put((os.getpid(), address))
-    done.wait(300)
+    out.get(300)
 
 
 def _median_gbps(nbytes: int, run: Any, repeats: int) -> float:
@@ -75,12 +79,9 @@ def main() -> None:
     args = ap.parse_args()
     nbytes = args.mib << 20
     chunk = args.chunk_mib << 20
-    ctx = mp.get_context("spawn")
-    out, done = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_target, args=(nbytes, out, done))
-    proc.start()
+    launch = Launch([Child("target", _target, (nbytes,))]).start()
     try:
-        pid, remote = out.get(timeout=60)
+        pid, remote = launch.recv("target", timeout_s=60)
         _src_map, src = _buffer(nbytes)
         _dst_map, dst = _buffer(nbytes)
 
@@ -103,8 +104,11 @@ def main() -> None:
                 gbps = _median_gbps(nbytes, _parallel(streams, nbytes, fn), args.repeats)
                 print(f"{name:24s} {streams} stream(s)  {args.mib} MiB  {gbps:6.2f} GB/s")
     finally:
-        done.set()
-        proc.join(30)
+        with contextlib.suppress(OSError):
+            launch.send("target", "done")
+        code = launch.close(grace_s=30)["target"]
+    if code != 0:
+        raise SystemExit(f"the target process exited with code {code}")
 
 
 if __name__ == "__main__":
