@@ -471,8 +471,9 @@ class Launch:
             self._pending.append((name, msg))
 
     def _drain(self) -> None:
-        """Read what exited children left in their pipes (up to EOF, briefly)."""
-        deadline = time.monotonic() + 1.0
+        """Read what exited children left in their pipes, up to EOF. A pipe that stays open and
+        quiet (a grandchild holding it) ends the drain; one that keeps talking, after 10 s."""
+        deadline = time.monotonic() + 10.0
         while self._open and time.monotonic() < deadline:
             if not mp_connection.wait(list(self._open), 0.05):
                 if all(p.exitcode is not None for p in self._procs.values()):
