@@ -25,11 +25,11 @@ from tests.unit.test_layouts import (
     make_engines,
     shards_for,
 )
-from weight_transfer import pipeline
 from weight_transfer.backends.base import WeightTransferError, WriteHandle
+from weight_transfer.pipeline import write as write_stage
 from weight_transfer.sender import WeightSender
 
-DELAY_S = pipeline._QUIESCE_S + 1.0
+DELAY_S = write_stage.QUIESCE_S + 1.0
 
 
 class Boom(Exception):
@@ -108,7 +108,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
 
     def wrap(s: WeightSender) -> None:
         state["slow"] = SlowFirstBatch(s)
-        real_q = s._executor.quantize
+        real_q = s._executor.prepare.quantize
         calls = [0]
 
         def quantize(*args):
@@ -117,7 +117,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
                 raise Boom("injected after the slow batch was posted")
             real_q(*args)
 
-        s._executor.quantize = quantize
+        s._executor.prepare.quantize = quantize
 
     with Cluster(
         monkeypatch,
@@ -133,7 +133,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
         assert isinstance(out.results[0], WeightTransferError), out.results
         assert "Boom: injected" in str(out.results[0])
         assert slow.slow and not slow.slow[0].done, "the slow batch must outlive the failure"
-        assert slow.ex._quarantine, "its staging must be quarantined, not freed"
+        assert slow.ex.writes.quarantine, "its staging must be quarantined, not freed"
         slow.armed = False
         ok = cluster.update(2)  # runs while update 1's write is still in flight
         assert not isinstance(ok.results[0], BaseException), ok.results
@@ -148,7 +148,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
         cluster.refresh_locals()
         ok = cluster.update(3)
         assert not isinstance(ok.results[0], BaseException), ok.results
-        assert not slow.ex._quarantine, "settled writes give their staging back"
+        assert not slow.ex.writes.quarantine, "settled writes give their staging back"
         for r, e in enumerate(engines):
             assert cluster.receivers[r].version == 3
             check_engine(
