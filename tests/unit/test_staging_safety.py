@@ -159,3 +159,29 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
                 fp8=True,
                 block=(128, 128),
             )
+
+
+def test_ring_slice_is_released_only_by_the_task_that_holds_it() -> None:
+    """A graph group's arena slice stays claimed until a prepared task that holds it (`ring`)
+    is released; releasing another prepared task with the same first task id (a static batch
+    with no task of its own names the schedule's first task) gives back only its own blocks."""
+    from weight_transfer.backends.base import TransportConfig, create_transport
+    from weight_transfer.pipeline.records import TaskRecord
+    from weight_transfer.pipeline.staging import Staging, StagingArena
+    from weight_transfer.pipeline.state import Prepared
+    from weight_transfer.planner.types import Task
+
+    def task(task_id: int) -> Task:
+        return Task(task_id, "direct", 0, (0,), (), (), 0, 0)
+
+    abort = threading.Event()
+    with create_transport(TransportConfig(name="loopback")) as tr:
+        staging = Staging(StagingArena(tr, 1 << 16, torch.device("cpu")), 1 << 16, rank=0)
+        group, other = task(7), task(8)
+        assert staging.claim_slice(group, 0, 4096, time.monotonic() + 5, abort)
+        staging.release(Prepared(group, TaskRecord(7, "direct", 0), {}, [], 0))
+        abort.set()  # the slice is still taken: a claim of an overlapping slice must wait
+        assert not staging.claim_slice(other, 1024, 2048, time.monotonic() + 5, abort)
+        abort.clear()
+        staging.release(Prepared(group, TaskRecord(7, "direct", 0), {}, [], 0, ring=True))
+        assert staging.claim_slice(other, 1024, 2048, time.monotonic() + 5, abort)
