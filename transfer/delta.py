@@ -62,6 +62,11 @@ class PatchError(WeightTransferError):
     """A patch does not fit its slot, or a patch region's content is not a valid patch."""
 
 
+def applied_key(step: int, engine: str) -> str:
+    """Control-plane key where `engine` says whether it applied update `step`."""
+    return f"applied/{step}/{engine}"
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
@@ -258,6 +263,9 @@ def apply_patch_region(
     if patch.dtype != torch.uint8 or patch.dim() != 1 or patch.numel() < HEADER_BYTES:
         raise PatchError("patch region must be a flat uint8 tensor of at least 64 bytes")
     magic, num_slots, slot_bytes = _words(patch, 0, 3)
+    if magic == 0 and num_slots == 0 and slot_bytes == 0:
+        # Never written: every update so far was full.
+        return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
     if magic != MAGIC:
         raise PatchError(f"patch region has no header (magic {magic:#x}): nothing was written")
     if (
@@ -379,6 +387,7 @@ __all__ = [
     "Segment",
     "Snapshot",
     "apply_patch_region",
+    "applied_key",
     "region_header",
     "slot_layout",
 ]

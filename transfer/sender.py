@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from weight_transfer.planner.types import SliceWrite
@@ -134,6 +136,9 @@ class WeightSender:
         self.fingerprint = rp.fingerprint
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
+        self._delta: DeltaSession | None = None
+        self.delta_stats: DeltaStats | None = None
+        """What delta mode did in the last update (mode, why, bytes), or None when off."""
         try:
             self._executor = self._build(rp)
         except BaseException:
@@ -182,6 +187,9 @@ class WeightSender:
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
+            self._delta = None
         for region in self._source_regions:
             self._transport.deregister(region)
         self._source_regions = []
@@ -220,10 +228,26 @@ class WeightSender:
         descriptors = {
             e: [RegionDescriptor.from_bytes(b) for b in descs] for e, descs in rp.descriptors
         }
+        transport: Transport = self._transport
+        if self.config.delta.enabled:
+            # A new plan starts from a full update: the snapshot is made anew.
+            self._delta = DeltaSession(
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config.delta,
+                schedule=self.schedule,
+                transport=self._transport,
+                descriptors=descriptors,
+                version_regions=dict(rp.version_regions),
+                control=self._control,
+                device=self.device,
+            )
+            # The pipeline is unchanged; its writes pass through the delta layer.
+            transport = typing.cast(Transport, DeltaTransport(self._transport, self._delta))
         return Executor(
             rank=self.rank,
             schedule=self.schedule,
-            transport=self._transport,
+            transport=transport,
             sources=bindings,
             descriptors=descriptors,
             version_regions=dict(rp.version_regions),
@@ -267,7 +291,11 @@ class WeightSender:
         error = ""
         cause: BaseException | None = None
         t0 = time.perf_counter()
+        delta = self._delta
+        patch_bytes = 0
         try:
+            if delta is not None:
+                delta.begin(step, time.monotonic() + timeout)
             stats = self._executor.run(
                 step,
                 timeout,
@@ -277,6 +305,8 @@ class WeightSender:
                     f"abort/{step}", Failure(message=self._describe(exc))
                 ),
             )
+            if delta is not None:
+                patch_bytes = delta.post_patches(step, time.monotonic() + timeout)
         except Exception as exc:  # any stage, any exception: every rank must hear of it
             cause = exc
             error = self._describe(exc)
@@ -304,6 +334,8 @@ class WeightSender:
             decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
+            if delta is not None:
+                delta.failed()
             raise WeightTransferError(
                 f"update {step} failed, no engine advanced: {decision.error}"
             ) from cause
@@ -331,6 +363,8 @@ class WeightSender:
             result = cp.get(f"result/{step}", Decision, timeout)
         self._last_step = step
         if not result.ok:
+            if delta is not None:
+                delta.failed()
             # Some words may read `step` already: set every word this rank wrote back to the
             # last complete update, so no engine (no rank of a replica) shows a partial one.
             try:
@@ -347,6 +381,9 @@ class WeightSender:
             ) from cause
         self._committed_step = step
         assert stats is not None
+        if delta is not None:
+            self.delta_stats = delta.stats(patch_bytes)
+            delta.committed(step, patch_bytes)
         t_end = time.perf_counter()
         stats = dataclasses.replace(
             stats,
@@ -394,6 +431,8 @@ class WeightSender:
     def close(self) -> None:
         """Release registrations and connections."""
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
         self._transport.close()
 
     def __enter__(self) -> WeightSender:
