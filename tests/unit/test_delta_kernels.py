@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.markers import requires_module
+from tests.markers import requires_cuda, requires_module
 from weight_transfer.errors import ConfigurationError
 from weight_transfer.kernels import delta
 from weight_transfer.kernels.delta import (
@@ -246,3 +246,26 @@ def interpreter_results() -> dict[str, str]:
 def test_interpreter(interpreter_results: dict[str, str], case_name: str) -> None:
     error = interpreter_results[case_name]
     assert not error, f"interpreted kernel, case {case_name}:\n{error}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernels on a GPU (skipped here; `benchmarks/gpu_delta_1gpu.sh` runs them).
+# ---------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize(("numel", "dtype", "density"), SHAPES_DTYPES)
+def test_cuda_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float) -> None:
+    old, new, mask = _pair(numel, dtype, density, seed=numel + 2)
+    old, new = old.cuda(), new.cuda()
+    a, b = int_view(new), int_view(old)
+    offsets = torch.empty(num_chunks(numel) + 1, dtype=torch.int64, device="cuda")
+    index = torch.empty(numel, dtype=torch.int16, device="cuda")
+    values = torch.empty(numel, dtype=a.dtype, device="cuda")
+    total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+    want = mask.nonzero().reshape(-1)
+    assert total == want.numel()
+    assert torch.equal(index[:total].cpu().to(torch.int64) & 0xFFFF, want % CHUNK_ELEMENTS)
+    dst = old.clone()
+    apply_changes(int_view(dst), offsets, index, values)
+    assert torch.equal(int_view(dst).cpu(), a.cpu())

@@ -48,7 +48,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
+from weight_transfer.config import ReceiverConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
@@ -228,6 +230,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.weight_version = 0
         self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
+        self.last_apply: ApplyStats | None = None
         self._pending = 0
 
     # -- construction checks ------------------------------------------------------------------
@@ -337,6 +340,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             engine=engine,
             transport=init_info.transport_config(),
             control=control,
+            config=ReceiverConfig(patch_region_bytes=init_info.patch_region_bytes),
         )
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
@@ -371,8 +375,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         k = update_info.version
         self._signal.put(ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name))
         t0 = time.perf_counter()
-        self.receiver.wait_for_version(k, update_info.timeout_s)
+        # Waits until update k committed, then applies the patches of a delta update in place
+        # (nothing in a full one): the one piece of per-update work delta mode asks of the
+        # engine, here inside vLLM's update window.
+        applied = self.receiver.apply_delta(k, update_info.timeout_s)
         self.last_receive_s = time.perf_counter() - t0
+        self.last_apply = applied
         # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
         self._refresh()
         self._pending = k
@@ -452,6 +460,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
+            "last_apply_entries": self.last_apply.num_entries if self.last_apply else 0,
+            "last_apply_patch_bytes": self.last_apply.patch_bytes if self.last_apply else 0,
             "weight_version": self.weight_version,
         }
 
