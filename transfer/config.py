@@ -126,9 +126,6 @@ class DeltaConfig:
     """Largest snapshot "auto" keeps on the GPU (0: always host)."""
     apply_timeout_s: float = 300.0
     """Longest an update waits for the engines to apply the previous delta before it writes."""
-    verify: bool = False
-    """After every update, compare each engine's digests with what this rank sent (one read
-    of every written byte on both sides)."""
 
     def __post_init__(self) -> None:
         if self.anchor_every_updates < 0:

@@ -39,6 +39,7 @@ from weight_transfer.kernels.delta import (
     CHUNK_ELEMENTS,
     apply_changes,
     count_changes,
+    diff_encode,
     encode_changes,
     int_view,
     num_chunks,
@@ -173,10 +174,22 @@ class PatchBuilder:
         if self._offsets.numel() < chunks + 1 or self._offsets.device != a.device:
             self._offsets = torch.empty(chunks + 1, dtype=torch.int64, device=a.device)
         offsets = self._offsets[: chunks + 1]
-        offsets[0] = 0
-        count_changes(a, b, offsets[1:])
-        torch.cumsum(offsets[1:], 0, out=offsets[1:])
-        total = int(offsets[-1])
+        cpu_entries: tuple[torch.Tensor, torch.Tensor] | None = None
+        if a.is_cuda:
+            # Count, read the total (one sync), then encode straight into the slot.
+            offsets[0] = 0
+            count_changes(a, b, offsets[1:])
+            torch.cumsum(offsets[1:], 0, out=offsets[1:])
+            total = int(offsets[-1])
+        else:
+            # One pass into scratch no larger than the slot (a sparse run is never larger
+            # than a dense one, so at most n / 2 entries are worth keeping), then copied in.
+            cap = min(n // 2 + 1, self.capacity // (2 + esize) + 1)
+            index_tmp = torch.empty(cap, dtype=torch.int16)
+            values_tmp = torch.empty(cap, dtype=a.dtype)
+            total = diff_encode(a, b, index=index_tmp, values=values_tmp, offsets=offsets)
+            if total <= cap:
+                cpu_entries = (index_tmp[:total], values_tmp[:total])
         if total == 0:
             return 0
         before = self.wire_bytes
@@ -189,7 +202,11 @@ class PatchBuilder:
             index = view[i0 : i0 + 2 * total].view(torch.int16)
             v0 = i0 + _pad8(2 * total)
             values = view[v0 : v0 + esize * total].view(a.dtype)
-            encode_changes(a, b, offsets, index, values)
+            if cpu_entries is not None:
+                index.copy_(cpu_entries[0])
+                values.copy_(cpu_entries[1])
+            else:
+                encode_changes(a, b, offsets, index, values)
             kind, entries = SPARSE, total
         else:
             at = self._take(n * esize, f"a dense run of {n} elements")

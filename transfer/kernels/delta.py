@@ -188,12 +188,15 @@ def count_changes(new: torch.Tensor, old: torch.Tensor, counts: torch.Tensor) ->
         return
     group = _CPU_GROUP_CHUNKS * CHUNK_ELEMENTS
     for start in range(0, n, group):
-        a, b = new[start : start + group], old[start : start + group]
-        idx = (a != b).nonzero().reshape(-1)
+        ne = new[start : start + group] != old[start : start + group]
         c0 = start // CHUNK_ELEMENTS
-        counts[c0 : c0 + num_chunks(a.numel())] = torch.bincount(
-            idx // CHUNK_ELEMENTS, minlength=num_chunks(a.numel())
-        )
+        whole = ne.numel() // CHUNK_ELEMENTS
+        if whole:
+            counts[c0 : c0 + whole] = torch.count_nonzero(
+                ne[: whole * CHUNK_ELEMENTS].view(whole, -1), dim=1
+            )
+        if ne.numel() % CHUNK_ELEMENTS:
+            counts[c0 + whole] = torch.count_nonzero(ne[whole * CHUNK_ELEMENTS :])
 
 
 def encode_changes(
@@ -226,7 +229,8 @@ def encode_changes(
             continue
         base = int(offsets[start // CHUNK_ELEMENTS])
         # Entries of a group are contiguous: its chunks' offsets follow each other.
-        index[base : base + idx.numel()] = (idx % CHUNK_ELEMENTS).to(torch.int32).to(torch.int16)
+        # The low 16 bits of the position are its index in its chunk (a uint16 stored as int16).
+        index[base : base + idx.numel()] = (idx & (CHUNK_ELEMENTS - 1)).to(torch.int16)
         values[base : base + idx.numel()] = a[idx]
 
 
@@ -263,7 +267,7 @@ def apply_changes(
         pos = chunk_of * CHUNK_ELEMENTS + (index[lo:hi].to(torch.int64) & 0xFFFF)
         if int(pos.max()) >= n or int(pos.min()) < 0:
             raise ConfigurationError(f"patch entry outside the run of {n} elements")
-        dst[pos] = values[lo:hi]
+        dst.scatter_(0, pos, values[lo:hi])
 
 
 def diff_encode(
@@ -285,11 +289,32 @@ def diff_encode(
     if offsets.dtype != torch.int64 or offsets.numel() != chunks + 1:
         raise ConfigurationError(f"offsets must be int64 of {chunks + 1} entries")
     offsets[0] = 0
-    counts = offsets[1:]
-    count_changes(new, old, counts)
-    torch.cumsum(counts, 0, out=counts)
-    total = int(offsets[-1])
-    if total > min(index.numel(), values.numel()):
+    if _use_triton(new):
+        counts = offsets[1:]
+        count_changes(new, old, counts)
+        torch.cumsum(counts, 0, out=counts)
+        total = int(offsets[-1])
+        if total > min(index.numel(), values.numel()):
+            return total
+        encode_changes(new, old, offsets, index, values)
         return total
-    encode_changes(new, old, offsets, index, values)
+    # CPU: one pass (compare, nonzero) per group of chunks, writing while it fits.
+    capacity = min(index.numel(), values.numel())
+    n = new.numel()
+    group = _CPU_GROUP_CHUNKS * CHUNK_ELEMENTS
+    total = 0
+    for start in range(0, n, group):
+        a = new[start : start + group]
+        idx = (a != old[start : start + group]).nonzero().reshape(-1)
+        c0, k = start // CHUNK_ELEMENTS, num_chunks(a.numel())
+        counts = (
+            torch.bincount(idx >> 16, minlength=k)
+            if idx.numel()
+            else torch.zeros(k, dtype=torch.int64)
+        )
+        offsets[c0 + 1 : c0 + k + 1] = torch.cumsum(counts, 0) + total
+        if idx.numel() and total + idx.numel() <= capacity:
+            index[total : total + idx.numel()] = (idx & (CHUNK_ELEMENTS - 1)).to(torch.int16)
+            values[total : total + idx.numel()] = a[idx]
+        total += idx.numel()
     return total
