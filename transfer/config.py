@@ -126,6 +126,10 @@ class DeltaConfig:
     """Largest snapshot "auto" keeps on the GPU (0: always host)."""
     apply_timeout_s: float = 300.0
     """Longest an update waits for the engines to apply the previous delta before it writes."""
+    verify: bool = False
+    """After every update (delta or full) compare each engine's bytes with what the trainer
+    ranks sent, by keyed position digests (one read of every written byte on both sides); the
+    next update raises on a mismatch, naming the engines, and the one after it is full."""
 
     def __post_init__(self) -> None:
         if self.anchor_every_updates < 0:

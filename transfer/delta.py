@@ -68,6 +68,26 @@ def applied_key(step: int, engine: str) -> str:
     return f"applied/{step}/{engine}"
 
 
+def verify_key_key(step: int) -> str:
+    """Control-plane key of the secret a delta verification of update `step` uses."""
+    return f"dverify/{step}"
+
+
+def engine_digest_key(step: int, engine: str) -> str:
+    """Where `engine` publishes its position digest of update `step`."""
+    return f"ddigest/{step}/{engine}"
+
+
+def rank_digest_key(step: int, engine: str, rank: int) -> str:
+    """Where trainer `rank` publishes its partial digest of `engine` for update `step`."""
+    return f"dpart/{step}/{engine}/{rank}"
+
+
+def verdict_key(step: int) -> str:
+    """Where the controller's rank publishes the verification verdict of update `step`."""
+    return f"dverdict/{step}"
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
@@ -405,6 +425,10 @@ __all__ = [
     "Snapshot",
     "apply_patch_region",
     "applied_key",
+    "engine_digest_key",
+    "rank_digest_key",
+    "verdict_key",
+    "verify_key_key",
     "region_header",
     "slot_layout",
 ]

@@ -26,10 +26,25 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.delta import ApplyStats, PatchError, applied_key, apply_patch_region
+from weight_transfer.delta import (
+    ApplyStats,
+    PatchError,
+    applied_key,
+    apply_patch_region,
+    engine_digest_key,
+    verify_key_key,
+)
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
+from weight_transfer.planner.types import (
+    DestManifest,
+    DestRegion,
+    DestTensor,
+    Recipe,
+    dtype_size,
+    numel,
+)
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.verify import name_key, position_digest, region_position
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +390,32 @@ class WeightReceiver:
         if self._patch.is_cuda:
             torch.cuda.synchronize(self._patch.device)
         self._applied = step
+        self._publish_position_digest(step)
         self._ack(step, ok=True, error="")
         return stats
+
+    def _publish_position_digest(self, step: int) -> None:
+        """Delta verification (`DeltaConfig.verify`): when the trainers asked for it, publish
+        one position digest of every byte the recipes write, for them to check against the
+        digests of what they sent (`weight_transfer.verify.position_digest`)."""
+        key_name = verify_key_key(step)
+        if not self._control.exists(key_name):
+            return
+        key = int(dict(self._control.get(key_name, Digests).digests)["key"]) ^ name_key(self.engine)
+        total = 0
+        for t in self._manifest.tensors:
+            nbytes = numel(t.shape) * dtype_size(t.dtype)
+            data = self._regions[t.region].tensor[t.offset_bytes : t.offset_bytes + nbytes]
+            total += position_digest(data, region_position(t.region, t.offset_bytes), key)
+        self._control.put(
+            engine_digest_key(step, self.engine),
+            Digests(
+                engine=self.engine,
+                step=step,
+                version=self.version,
+                digests=(("sum", str(total & ((1 << 64) - 1))),),
+            ),
+        )
 
     def _ack(self, step: int, *, ok: bool, error: str) -> None:
         """Tell the trainers this engine applied (or could not apply) update `step`."""

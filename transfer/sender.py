@@ -241,6 +241,12 @@ class WeightSender:
                 version_regions=dict(rp.version_regions),
                 control=self._control,
                 device=self.device,
+                writers=None
+                if self.controller is None or self.controller.schedule is None
+                else {
+                    e: [r.rank for r in self.controller.schedule.ranks if e in r.peers]
+                    for e in self.controller.schedule.engines
+                },
             )
             # The pipeline is unchanged; its writes pass through the delta layer.
             transport = typing.cast(Transport, DeltaTransport(self._transport, self._delta))

@@ -286,3 +286,28 @@ def test_patch_slot_overflow_fails_cleanly_then_full() -> None:
 
 def test_patch_error_is_a_weight_transfer_error() -> None:
     assert issubclass(PatchError, WeightTransferError)
+
+
+@pytest.mark.timeout(180)
+def test_verification_catches_a_corrupted_engine_and_the_next_update_repairs_it() -> None:
+    s = Setup("loopback", DeltaConfig(enabled=True, verify=True))
+    try:
+        for step in (1, 2, 3):  # full, delta, delta: each verified at the start of the next
+            _perturb(s.src, step, 0.02)
+            s.update(step)
+        s.check()
+        # A byte of engine 1 changes behind the trainers' back (not through any update).
+        s.engines[1]["o_proj"].view(torch.uint8).view(-1)[17] ^= 0x40
+        _perturb(s.src, 4, 0.02)
+        s.update(4)  # verifies update 3 first: it was intact then
+        _perturb(s.src, 5, 0.02)
+        with pytest.raises(WeightTransferError, match=r"verification of update 4: engine\(s\) e1 "):
+            s.sender.update(5)
+        _perturb(s.src, 6, 0.02)
+        assert s.update(6) == "full"  # every byte rewritten
+        s.check()
+        _perturb(s.src, 7, 0.02)
+        assert s.update(7) == "delta"  # and update 6 verified clean
+        s.check()
+    finally:
+        s.close()
