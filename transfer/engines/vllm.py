@@ -242,6 +242,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     update_info_cls = EngineUpdateInfo
     supports_draft_weight_update = False
 
+    _delta = False
+    """Delta updates on (a patch region registered): derived values must not overwrite targets."""
+    _target_ptrs: frozenset[int] = frozenset()
+    """Addresses of the registered targets (for that check)."""
+
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module
     ) -> None:
@@ -331,8 +336,6 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
         self.last_apply: ApplyStats | None = None
-        self._delta = False
-        self._target_ptrs: set[int] = set()
         self._pending = 0
 
     # -- construction checks ------------------------------------------------------------------
@@ -454,7 +457,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             config=ReceiverConfig(patch_region_bytes=init_info.patch_region_bytes),
         )
         self._delta = init_info.patch_region_bytes > 0
-        self._target_ptrs = {t.data_ptr() for t in self._targets.values()}
+        self._target_ptrs = frozenset(t.data_ptr() for t in self._targets.values())
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
         self._publish_digests = init_info.publish_digests
