@@ -493,3 +493,19 @@ def test_delta_fp8_write_sends_scales_at_their_density() -> None:
     assert d.total_write_bytes == expected_wire_nbytes(0.01, 65536, 1) + 16
     with pytest.raises(ValueError, match="fp8"):
         DeltaDensity(other=0.1, fp8=1.5)
+
+
+def test_cli_simulate_delta_prints_both_and_refuses_bad_density(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from weight_transfer.cli import main
+
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--delta-density", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "delta update at densities 0.01 (BF16) / 0.01 (FP8 bytes)" in out
+    # The second "predicted update" row is the full / delta table.
+    line = [ln for ln in out.splitlines() if ln.startswith("predicted update")][-1]
+    full_s, delta_s = (float(x.rstrip("s")) for x in line.split()[-2:])
+    assert 0 < delta_s and 0 < full_s and "decision: " in out
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--delta-density", "1.5"]) == 2
+    assert "--delta-density: DeltaDensity.other must be in [0, 1]" in capsys.readouterr().err
