@@ -169,6 +169,18 @@ class PatchBuilder:
         self.cursor = at + _pad8(nbytes)
         return at
 
+    @staticmethod
+    def count(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Start encoding a run on its device without synchronizing: the exclusive prefix sum
+        of its per-chunk change counts (int64, chunks + 1; the total is the last entry). Hand
+        it to `add_counted` once the total is known (read many totals with one sync)."""
+        a, b = int_view(new), int_view(old)
+        offsets = torch.empty(num_chunks(a.numel()) + 1, dtype=torch.int64, device=a.device)
+        offsets[0] = 0
+        count_changes(a, b, offsets[1:])
+        torch.cumsum(offsets[1:], 0, out=offsets[1:])
+        return offsets
+
     def add(
         self,
         new: torch.Tensor,
@@ -181,7 +193,8 @@ class PatchBuilder:
         """Encode the run `new` (contiguous, any dtype) against `old` (its snapshot bytes, same
         dtype and size) landing at `dest_offset` of engine region `region`. Sparse where that
         is smaller, dense otherwise; nothing is added when nothing changed. Synchronizes once
-        on a GPU (to read the count). Returns the bytes added.
+        on a GPU (to read the count; `count` + `add_counted` batch that). Returns the bytes
+        added.
 
         Raises:
             PatchError: the slot is full (nothing of this run was added).
@@ -189,29 +202,63 @@ class PatchBuilder:
         a, b = int_view(new), int_view(old)
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ConfigurationError("new and snapshot bytes of a run differ in size")
+        if a.is_cuda:
+            offsets = self.count(a, b)
+            return self.add_counted(
+                a,
+                b,
+                offsets,
+                int(offsets[-1]),
+                region=region,
+                dest_offset=dest_offset,
+                snapshot_offset=snapshot_offset,
+            )
+        # CPU: one pass into scratch no larger than the slot (a sparse run is never larger
+        # than a dense one, so at most n / 2 entries are worth keeping), then copied in.
         n, esize = a.numel(), a.element_size()
         chunks = num_chunks(n)
-        if self._offsets.numel() < chunks + 1 or self._offsets.device != a.device:
-            self._offsets = torch.empty(chunks + 1, dtype=torch.int64, device=a.device)
+        if self._offsets.numel() < chunks + 1:
+            self._offsets = torch.empty(chunks + 1, dtype=torch.int64)
         offsets = self._offsets[: chunks + 1]
-        cpu_entries: tuple[torch.Tensor, torch.Tensor] | None = None
-        if a.is_cuda:
-            # Count, read the total (one sync), then encode straight into the slot.
-            offsets[0] = 0
-            count_changes(a, b, offsets[1:])
-            torch.cumsum(offsets[1:], 0, out=offsets[1:])
-            total = int(offsets[-1])
-        else:
-            # One pass into scratch no larger than the slot (a sparse run is never larger
-            # than a dense one, so at most n / 2 entries are worth keeping), then copied in.
-            cap = min(n // 2 + 1, self.capacity // (2 + esize) + 1)
-            index_tmp = torch.empty(cap, dtype=torch.int16)
-            values_tmp = torch.empty(cap, dtype=a.dtype)
-            total = diff_encode(a, b, index=index_tmp, values=values_tmp, offsets=offsets)
-            if total <= cap:
-                cpu_entries = (index_tmp[:total], values_tmp[:total])
+        cap = min(n // 2 + 1, self.capacity // (2 + esize) + 1)
+        index_tmp = torch.empty(cap, dtype=torch.int16)
+        values_tmp = torch.empty(cap, dtype=a.dtype)
+        total = diff_encode(a, b, index=index_tmp, values=values_tmp, offsets=offsets)
+        entries = (index_tmp[:total], values_tmp[:total]) if total <= cap else None
+        return self.add_counted(
+            a,
+            b,
+            offsets,
+            total,
+            region=region,
+            dest_offset=dest_offset,
+            snapshot_offset=snapshot_offset,
+            entries=entries,
+        )
+
+    def add_counted(
+        self,
+        new: torch.Tensor,
+        old: torch.Tensor,
+        offsets: torch.Tensor,
+        total: int,
+        *,
+        region: int,
+        dest_offset: int,
+        snapshot_offset: int,
+        entries: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> int:
+        """`add` for a run whose `offsets` (from `count`) and `total` are known; `entries`
+        (index, values) when they were already encoded elsewhere. Returns the bytes added.
+
+        Raises:
+            PatchError: the slot is full (nothing of this run was added).
+        """
+        a, b = int_view(new), int_view(old)
         if total == 0:
             return 0
+        n, esize = a.numel(), a.element_size()
+        chunks = num_chunks(n)
         before = self.wire_bytes
         sparse = 8 * (chunks + 1) + _pad8(2 * total) + _pad8(esize * total)
         if sparse < n * esize:
@@ -222,19 +269,17 @@ class PatchBuilder:
             index = view[i0 : i0 + 2 * total].view(torch.int16)
             v0 = i0 + _pad8(2 * total)
             values = view[v0 : v0 + esize * total].view(a.dtype)
-            if cpu_entries is not None:
-                index.copy_(cpu_entries[0])
-                values.copy_(cpu_entries[1])
+            if entries is not None:
+                index.copy_(entries[0])
+                values.copy_(entries[1])
             else:
                 encode_changes(a, b, offsets, index, values)
-            kind, entries = SPARSE, total
+            kind, num = SPARSE, total
         else:
             at = self._take(n * esize, f"a dense run of {n} elements")
             self.staging[at : at + n * esize].view(a.dtype).copy_(a)
-            kind, entries = DENSE, n
-        self.segments.append(
-            Segment(region, dest_offset, esize, n, kind, entries, at, snapshot_offset)
-        )
+            kind, num = DENSE, n
+        self.segments.append(Segment(region, dest_offset, esize, n, kind, num, at, snapshot_offset))
         return self.wire_bytes - before
 
     def finish(self, *, step: int, base_step: int, rank: int) -> int:

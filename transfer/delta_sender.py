@@ -488,6 +488,7 @@ class DeltaSession:
             return self.transport.post_writes(peer, ops)
         t0 = time.perf_counter()
         builder = self.slots[peer].builder
+        runs = []
         for op in ops:
             region, at, size = self._where(peer, op)
             src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
@@ -495,17 +496,24 @@ class DeltaSession:
             if old.device != src.device:
                 old = old.to(src.device, non_blocking=True)
             dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
-            try:
-                builder.add(
-                    src.view(dtype),
-                    old.view(dtype),
-                    region=region,
-                    dest_offset=op.target_offset,
-                    snapshot_offset=at,
-                )
-            except PatchError:
-                self._overflowed = True  # this update fails; the next one is full
-                raise
+            runs.append((src.view(dtype), old.view(dtype), region, op.target_offset, at))
+        try:
+            if runs and runs[0][0].is_cuda:
+                # Count every run, read all totals with one synchronization, then encode.
+                counted = [builder.count(a, b) for a, b, _, _, _ in runs]
+                totals = [int(x) for x in torch.stack([o[-1] for o in counted]).tolist()]
+                for (a, b, region, dest, at), offsets, total in zip(
+                    runs, counted, totals, strict=True
+                ):
+                    builder.add_counted(
+                        a, b, offsets, total, region=region, dest_offset=dest, snapshot_offset=at
+                    )
+            else:
+                for a, b, region, dest, at in runs:
+                    builder.add(a, b, region=region, dest_offset=dest, snapshot_offset=at)
+        except PatchError:
+            self._overflowed = True  # this update fails; the next one is full
+            raise
         # The pipeline frees the staging these bytes came from once the handle is done.
         self._sync(ops)
         self._encode_s += time.perf_counter() - t0

@@ -185,3 +185,26 @@ def test_overflow_raises_and_adds_nothing() -> None:
             snapshot_offset=0,
         )
     assert builder.segments == [] and builder.wire_bytes == HEADER_BYTES
+
+
+def test_count_then_add_counted_equals_add() -> None:
+    """The batched path (count every run, one read of all totals, then encode) writes the same
+    slot bytes as `add` run by run (the GPU sender uses the first, the CPU one the second)."""
+    old = _regions(12)
+    new_runs = _new_runs(old, 13)
+    one, snap, n = _build(old, new_runs, step=2, slot_bytes=1 << 20)
+    two = PatchBuilder(torch.zeros(1 << 20, dtype=torch.uint8))
+    so = 0
+    runs = []
+    for (region, off, dtype, numel, _), run in zip(RUNS, new_runs, strict=True):
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        runs.append((run, snap[so : so + size].view(dtype), region, off, so))
+        so += size
+    counted = [two.count(a, b) for a, b, _, _, _ in runs]
+    totals = torch.stack([o[-1] for o in counted]).tolist()
+    for (a, b, region, off, at), offsets, total in zip(runs, counted, totals, strict=True):
+        two.add_counted(
+            a, b, offsets, int(total), region=region, dest_offset=off, snapshot_offset=at
+        )
+    m = two.finish(step=2, base_step=1, rank=0)
+    assert m == n and torch.equal(two.staging[:m], one.staging[:n])
