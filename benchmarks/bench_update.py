@@ -109,6 +109,9 @@ class BenchUpdateConfig:
     """Delta mode: where the sender keeps its snapshot ("device" or "host")."""
     patch_region_fraction: float = 0.25
     """Delta mode: each engine's patch region, as a fraction of its weight bytes."""
+    table_quantize: bool = True
+    """FP8 graph groups quantize through one table-kernel launch per block shape
+    (`SenderConfig.table_quantize`); False: one kernel per call, for comparison."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.delta_density <= 1.0:
@@ -366,6 +369,7 @@ def trainer_main(
                     snapshot_memory=cfg.delta_snapshot,
                     apply_timeout_s=cfg.timeout_s,
                 ),
+                table_quantize=cfg.table_quantize,
             ),
         )
         if controller is not None:
@@ -505,7 +509,7 @@ def _host_cost(stats: Any) -> dict[str, float]:
         "per_write_us": total / max(1, stats.num_writes) * 1e6,
         "num_tasks": stats.num_tasks,
         "num_writes": stats.num_writes,
-        **{f"{name}_s": sec for name, sec in stats.phases},
+        **(dataclasses.asdict(stats.phases) if stats.phases is not None else {}),
     }
 
 
@@ -1045,6 +1049,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--trace", default="", help="Perfetto trace of the last timed update")
     p.add_argument("--plot", default="", help="PNG timeline of that update (needs matplotlib)")
     p.add_argument(
+        "--no-table-quant",
+        action="store_true",
+        help="FP8 graph groups: one quantize kernel per call instead of one table launch",
+    )
+    p.add_argument(
         "--option",
         action="append",
         default=[],
@@ -1104,6 +1113,7 @@ def main(ns: argparse.Namespace) -> int:
             delta_density=ns.delta_density,
             delta_anchor=ns.delta_anchor,
             delta_snapshot=ns.delta_snapshot,
+            table_quantize=not ns.no_table_quant,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

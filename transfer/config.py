@@ -159,6 +159,9 @@ class SenderConfig:
     """Record per-task stage times (cheap) for `WeightSender.trace_events`."""
     delta: DeltaConfig = dataclasses.field(default_factory=DeltaConfig)
     """Delta updates (`[sender.delta]` in TOML)."""
+    table_quantize: bool = True
+    """On CUDA, FP8 graph groups quantize through one table-kernel launch per block shape and
+    dtype; False captures one kernel per quantize call instead (the benchmarks' comparison)."""
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes <= 0:

@@ -149,6 +149,11 @@ class DeltaTransport:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def mapped_view(self, *args: Any, **kwargs: Any) -> None:
+        """Never a mapped view: every byte must pass through the delta layer (to be snapshotted
+        or encoded), so kernels do not write into engine memory directly in delta mode."""
+        return None
+
     def post_writes(self, peer: str, ops: Sequence[WriteOp]) -> WriteHandle:
         """Full: snapshot, then post. Delta: encode, complete at once. Version words pass."""
         if self.session.intercepts(ops):
