@@ -220,6 +220,7 @@ class DeltaSession:
         self.rank = rank
         self.writers = dict(writers) if writers is not None else None
         self._verify_step = 0  # last committed update whose digests were requested
+        self._published: list[list[str]] = []  # verification keys of recent updates
         self.config = config
         self.transport = transport
         self.control = control
@@ -420,6 +421,7 @@ class DeltaSession:
                 ),
             )
         verdict = self.control.get(verdict_key(step), Decision, timeout)
+        self._forget([verdict_key(step), verify_key_key(step)] if self.writers is not None else [])
         if not verdict.ok:
             if self.snapshot is not None:
                 self.snapshot.valid = False  # the next update rewrites every byte
@@ -440,6 +442,7 @@ class DeltaSession:
                 region_position(region, offset),
                 key ^ name_key(peer),
             )
+        self._forget([rank_digest_key(step, peer, self.rank) for peer in sums])
         for peer, total in sums.items():
             self.control.put(
                 rank_digest_key(step, peer, self.rank),
@@ -451,6 +454,16 @@ class DeltaSession:
                 ),
             )
         self._verify_step = step
+
+    def _forget(self, keys: list[str]) -> None:
+        """Delete the verification keys this rank made 8 updates ago (bounded store)."""
+        self._published.append(keys)
+        while len(self._published) > 8:
+            for k in self._published.pop(0):
+                try:
+                    self.control.delete(k)
+                except WeightTransferError as exc:  # only costs store memory
+                    log.debug("trainer rank %d: could not delete %r: %s", self.rank, k, exc)
 
     def intercepts(self, ops: Sequence[WriteOp]) -> bool:
         """Whether these writes go through the delta layer (weights, while delta mode is on)."""

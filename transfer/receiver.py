@@ -105,6 +105,7 @@ class WeightReceiver:
         self._known_complete = 0  # newest version whose commit the controller confirmed
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
+        self._last_digest = 0
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
         first, _ = self._control.claim(
             f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
@@ -407,6 +408,12 @@ class WeightReceiver:
             nbytes = numel(t.shape) * dtype_size(t.dtype)
             data = self._regions[t.region].tensor[t.offset_bytes : t.offset_bytes + nbytes]
             total += position_digest(data, region_position(t.region, t.offset_bytes), key)
+        if self._last_digest:
+            try:
+                self._control.delete(engine_digest_key(self._last_digest, self.engine))
+            except WeightTransferError as exc:  # only costs store memory
+                log.debug("engine %r: could not delete an old digest: %s", self.engine, exc)
+        self._last_digest = step
         self._control.put(
             engine_digest_key(step, self.engine),
             Digests(
