@@ -446,7 +446,15 @@ class Snapshot:
         for seg in builder.segments:
             itype = _INT_OF_SIZE[seg.elem_size]
             dst = self.buffer[seg.snapshot_offset : seg.snapshot_offset + seg.nbytes].view(itype)
-            data = builder.staging[seg.data_offset :]
+            if seg.kind == DENSE:
+                size = seg.nbytes
+            else:
+                size = 8 * (num_chunks(seg.numel) + 1) + _pad8(2 * seg.num_entries)
+                size += seg.elem_size * seg.num_entries
+            data = builder.staging[seg.data_offset : seg.data_offset + size]
+            if data.device != dst.device:
+                # A host snapshot of a GPU patch: bring this segment over (patch-sized).
+                data = data.to(dst.device)
             if seg.kind == DENSE:
                 dst.copy_(data[: seg.nbytes].view(itype))
                 continue

@@ -348,7 +348,7 @@ class DeltaSession:
                 ),
             )
         elif self._overflowed:
-            self.mode, self.reason = FULL, "the last delta did not fit its patch slot"
+            self.mode, self.reason = FULL, "the last delta failed in the delta layer"
         elif self._failed_apply:
             self.mode = FULL
             self.reason = (
@@ -363,7 +363,10 @@ class DeltaSession:
             self.mode, self.reason = DELTA, "delta"
         self._overflowed = False
         if self.mode == FULL and snap is not None:
-            snap.valid = False  # becomes valid again when this full update commits
+            snap.valid = False
+            # The runs' places in the snapshot are laid out anew by every full update.
+            self._offsets = {}
+            self._next_offset = 0  # becomes valid again when this full update commits
 
     def _wait_applied(self, deadline: float) -> None:
         """Bounded wait until every engine sent the last committed delta acknowledged it."""
@@ -484,6 +487,7 @@ class DeltaSession:
         at = self._offsets.get(key)
         if at is None:
             if self.mode == DELTA:
+                self._overflowed = True  # the next update is full and lays the runs out anew
                 raise WeightTransferError(
                     f"trainer rank {self.rank}: delta update wrote a run the snapshot does not "
                     f"hold ({peer!r} region {region} offset {op.target_offset})"
