@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,16 +54,12 @@ from weight_transfer.delta import (
     PatchError,
     Snapshot,
     applied_key,
-    engine_digest_key,
-    rank_digest_key,
     region_header,
     slot_layout,
-    verdict_key,
-    verify_key_key,
 )
+from weight_transfer.delta_verify import DeltaVerifier
 from weight_transfer.planner.types import QuantWrite, RankSchedule, SliceWrite, dtype_size
-from weight_transfer.protocol import Decision, Digests
-from weight_transfer.verify import name_key, position_digest, region_position
+from weight_transfer.protocol import Decision
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +213,16 @@ class DeltaSession:
         """`writers` (engine -> trainer ranks writing it) only on the rank that hosts the
         controller: it judges `DeltaConfig.verify`."""
         self.rank = rank
-        self.writers = dict(writers) if writers is not None else None
-        self._verify_step = 0  # last committed update whose digests were requested
-        self._published: list[list[str]] = []  # verification keys of recent updates
+        self.verifier = (
+            DeltaVerifier(
+                rank=rank,
+                control=control,
+                writers=writers,
+                timeout_s=config.apply_timeout_s,
+            )
+            if config.verify
+            else None
+        )
         self.config = config
         self.transport = transport
         self.control = control
@@ -246,6 +248,8 @@ class DeltaSession:
             desc = descriptors[engine][version_regions[engine] + 1]
             slot_bytes = slot_layout(desc.nbytes, world_size)
             slots[engine] = (desc, slot_bytes, HEADER_BYTES + rank * slot_bytes)
+        if self.missing_patch_region or not config.enabled:
+            self.verifier = None  # full updates only: nothing of delta mode to verify
         self.snapshot: Snapshot | None = None
         self._staging: torch.Tensor | None = None
         self._staging_region: Any = None
@@ -320,18 +324,14 @@ class DeltaSession:
         for s in self.slots.values():
             s.builder.reset()
         self._wait_applied(deadline)
-        if self._verify_step:
-            self._check_verdict(self._verify_step, deadline)
-        if self.config.verify and self.writers is not None and self.snapshot is not None:
-            self.control.put(
-                verify_key_key(step),
-                Digests(
-                    engine="key",
-                    step=step,
-                    version=0,
-                    digests=(("key", str(secrets.randbits(62))),),
-                ),
-            )
+        if self.verifier is not None:
+            try:
+                self.verifier.judge(deadline)
+            except WeightTransferError:
+                if self.snapshot is not None:
+                    self.snapshot.valid = False  # the next update rewrites every byte
+                raise
+            self.verifier.request(step)
         cfg = self.config
         snap = self.snapshot
         if not cfg.enabled:
@@ -393,80 +393,6 @@ class DeltaSession:
                 self._failed_apply.add(e)
         self._await_applied = None
         self._apply_wait_s = time.perf_counter() - t0
-
-    def _check_verdict(self, step: int, deadline: float) -> None:
-        """Delta verification of committed update `step`: the controller's rank compares each
-        engine's digest with the sum of its writers' digests and publishes the verdict; every
-        rank reads it and raises on a mismatch (nothing of this update written yet)."""
-        timeout = max(0.001, min(deadline - time.monotonic(), self.config.apply_timeout_s))
-        self._verify_step = 0
-        if self.writers is not None:
-            bad = []
-            for engine, ranks in sorted(self.writers.items()):
-                got = dict(
-                    self.control.get(engine_digest_key(step, engine), Digests, timeout).digests
-                )
-                total = 0
-                for r in ranks:
-                    part = self.control.get(rank_digest_key(step, engine, r), Digests, timeout)
-                    total += int(dict(part.digests)["sum"])
-                if int(got["sum"]) != total & ((1 << 64) - 1):
-                    bad.append(engine)
-            self.control.put(
-                verdict_key(step),
-                Decision(
-                    step=step,
-                    ok=not bad,
-                    error=f"engine(s) {', '.join(bad[:10])} hold bytes that differ from what "
-                    "the trainer ranks sent"
-                    if bad
-                    else "",
-                ),
-            )
-        verdict = self.control.get(verdict_key(step), Decision, timeout)
-        self._forget([verdict_key(step), verify_key_key(step)] if self.writers is not None else [])
-        if not verdict.ok:
-            if self.snapshot is not None:
-                self.snapshot.valid = False  # the next update rewrites every byte
-            raise WeightTransferError(
-                f"trainer rank {self.rank}: delta verification of update {step}: {verdict.error}"
-            )
-        log.info("trainer rank %d: update %d verified", self.rank, step)
-
-    def _publish_digests(self, step: int) -> None:
-        """This rank's position digest of every engine it wrote, from the snapshot."""
-        key = int(dict(self.control.get(verify_key_key(step), Digests).digests)["key"])
-        snap = self.snapshot
-        assert snap is not None
-        sums: dict[str, int] = {e: 0 for e in self.slots}
-        for (peer, region, offset, nbytes), at in self._offsets.items():
-            sums[peer] += position_digest(
-                snap.buffer[at : at + nbytes],
-                region_position(region, offset),
-                key ^ name_key(peer),
-            )
-        self._forget([rank_digest_key(step, peer, self.rank) for peer in sums])
-        for peer, total in sums.items():
-            self.control.put(
-                rank_digest_key(step, peer, self.rank),
-                Digests(
-                    engine=peer,
-                    step=step,
-                    version=0,
-                    digests=(("sum", str(total & ((1 << 64) - 1))),),
-                ),
-            )
-        self._verify_step = step
-
-    def _forget(self, keys: list[str]) -> None:
-        """Delete the verification keys this rank made 8 updates ago (bounded store)."""
-        self._published.append(keys)
-        while len(self._published) > 8:
-            for k in self._published.pop(0):
-                try:
-                    self.control.delete(k)
-                except WeightTransferError as exc:  # only costs store memory
-                    log.debug("trainer rank %d: could not delete %r: %s", self.rank, k, exc)
 
     def intercepts(self, ops: Sequence[WriteOp]) -> bool:
         """Whether these writes go through the delta layer (weights, while delta mode is on)."""
@@ -611,8 +537,15 @@ class DeltaSession:
         snap.step = step
         # Every engine applies each update (a full one too, as a no-op) and says so.
         self._await_applied = (step, sorted(self.slots))
-        if self.config.verify:
-            self._publish_digests(step)
+        if self.verifier is not None:
+            self.verifier.publish(
+                step,
+                sorted(self.slots),
+                [
+                    (peer, region, offset, snap.buffer[at : at + nbytes])
+                    for (peer, region, offset, nbytes), at in self._offsets.items()
+                ],
+            )
 
     def failed(self) -> None:
         """The update failed: a delta leaves everything as it was; after a full one the
