@@ -73,6 +73,12 @@ class Phase(str, enum.Enum):
         return "commit" if self is Phase.DONE else "result"
 
 
+def _plan_failure(exc: BaseException) -> Failure:
+    """What every rank raises for a failed plan: a mismatch keeps its list of problems."""
+    problems = tuple(exc.problems) if isinstance(exc, PlanMismatchError) else ()
+    return Failure(message=str(exc), problems=problems)
+
+
 def plan_key(epoch: int, name: str) -> str:
     """Store key of a per-plan message (`schedule/<rank>`, `plan_error`) in plan `epoch`."""
     return name if epoch == 0 else f"epoch/{epoch}/{name}"
@@ -168,7 +174,7 @@ class Controller:
             del missing_t
             schedule = self._plan_for([j for _, j in self._latest.values()])
         except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put("plan_error", Failure(message=str(exc)))
+            cp.put("plan_error", _plan_failure(exc))
             raise
         self._publish(schedule)
         return schedule
@@ -280,7 +286,7 @@ class Controller:
                 time.sleep(_JOIN_POLL_S)
             schedule = self._plan_for([self._latest[e][1] for e in names])
         except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put(plan_key(epoch, "plan_error"), Failure(message=str(exc)))
+            cp.put(plan_key(epoch, "plan_error"), _plan_failure(exc))
             raise
         self._publish(schedule)
         return schedule

@@ -88,6 +88,8 @@ class Failure:
     """A failure report that every member raises."""
 
     message: str
+    problems: tuple[str, ...] = ()
+    """For a failed plan: every problem found (each member raises `PlanMismatchError`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

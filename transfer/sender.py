@@ -25,6 +25,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.errors import PlanMismatchError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from weight_transfer.planner.types import SliceWrite
@@ -144,7 +145,10 @@ class WeightSender:
         keys = [plan_key(epoch, f"schedule/{self.rank}"), plan_key(epoch, "plan_error")]
         key = self._control.wait_any(keys, timeout_s)
         if key == keys[1]:
-            raise WeightTransferError(self._control.get(key, Failure).message)
+            failure = self._control.get(key, Failure)
+            if failure.problems:
+                raise PlanMismatchError(failure.problems)
+            raise WeightTransferError(failure.message)
         return self._control.get(key, RankPlan)
 
     def replan(self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()) -> None:
