@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from weight_transfer.addresses import member_address
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
@@ -92,6 +93,12 @@ class EngineInitInfo:
     hf_moe_layout: str = "per_expert"
     """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
     (transformers >= 5 modules); see `planner.presets.models`."""
+    listen_host: str | None = None
+    """Address every vLLM worker's transport binds. Unset (the default and what a deployment
+    over several hosts wants): each worker binds and advertises the address its host routes to
+    `host` from (`weight_transfer.addresses`); ``0.0.0.0`` binds every interface."""
+    advertise_host: str | None = None
+    """Address the workers advertise; unset: the bound (or, for a wildcard, routed) one."""
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON: normalise to the frozen form.
@@ -117,10 +124,18 @@ class EngineInitInfo:
         )
 
     def transport_config(self) -> TransportConfig:
-        """The `TransportConfig` this describes."""
-        listen = "127.0.0.1" if self.host == "localhost" else self.host
+        """The `TransportConfig` of the worker calling it: its own address, resolved on its
+        host (`weight_transfer.addresses.member_address`), never the control plane's.
+
+        Raises:
+            ConfigurationError: no route to `host` where one is needed.
+        """
+        own = member_address(self.host, self.listen_host, self.advertise_host)
         return TransportConfig(
-            name=self.transport, listen_host=listen, options=self.transport_options
+            name=self.transport,
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
+            options=self.transport_options,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +200,11 @@ class TrainerInitInfo:
     """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
     hf_moe_layout: str = "per_expert"
     """How this trainer holds MoE experts (`EngineInitInfo.hf_moe_layout`)."""
+    listen_host: str | None = None
+    """Address this trainer rank's transport binds; unset: the address its host routes to
+    `host` from (the engines resolve their own: `EngineInitInfo.listen_host`)."""
+    advertise_host: str | None = None
+    """Address this trainer rank advertises; unset: the bound (or routed) one."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -200,8 +220,19 @@ class TrainerInitInfo:
         """Rank 0 drives the vLLM phases."""
         return self.rank == 0
 
+    def transport_config(self) -> TransportConfig:
+        """This trainer rank's `TransportConfig` (its own address, resolved on its host)."""
+        own = member_address(self.host, self.listen_host, self.advertise_host)
+        return TransportConfig(
+            name=self.transport,
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
+            options=self.transport_options,
+        )
+
     def engine_init_info(self) -> EngineInitInfo:
-        """The `EngineInitInfo` rank 0 sends to the vLLM workers."""
+        """The `EngineInitInfo` rank 0 sends to the vLLM workers (their addresses are left to
+        each worker: they resolve their own)."""
         return EngineInitInfo(
             host=self.host,
             port=self.port,
@@ -305,7 +336,9 @@ class OneSidedUpdater:
 
         Raises:
             ConfigurationError: rank 0 without a client.
-            WeightTransferError: vLLM refused to join (its message), or the plan failed.
+            WeightTransferError: vLLM refused to join (its message).
+            PlanMismatchError: the trainer's tensors do not fit the engines' recipes (every
+                problem listed, on every rank); vLLM keeps serving its current weights.
             TransportTimeoutError: an engine or rank did not join in time.
         """
         self.init_info = init_info
@@ -330,18 +363,23 @@ class OneSidedUpdater:
                 raise WeightTransferError(
                     f"vLLM did not join the transfer (init_weight_transfer_engine): {exc}"
                 ) from exc
-        self.sender = WeightSender(
-            params,
-            rank=init_info.rank,
-            world_size=init_info.world_size,
-            transport=init_info.engine_init_info().transport_config(),
-            control=control,
-            controller=self.controller,
-            config=SenderConfig(
-                memory_budget_bytes=init_info.memory_budget_bytes,
-                update_timeout_s=init_info.update_timeout_s,
-            ),
-        )
+        try:
+            self.sender = WeightSender(
+                params,
+                rank=init_info.rank,
+                world_size=init_info.world_size,
+                transport=init_info.transport_config(),
+                control=control,
+                controller=self.controller,
+                config=SenderConfig(
+                    memory_budget_bytes=init_info.memory_budget_bytes,
+                    update_timeout_s=init_info.update_timeout_s,
+                ),
+            )
+        except BaseException:
+            if self.controller is not None:
+                self.controller.close()
+            raise
         self.last_step = 0
 
     @property
