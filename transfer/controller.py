@@ -179,6 +179,27 @@ class Controller:
         self._publish(schedule)
         return schedule
 
+    def linger_for_plan_error(self, epoch: int, own_rank: int) -> None:
+        """After plan `epoch` failed: wait (at most the control-plane timeout) until every other
+        trainer rank that joined has read why, so that each raises the same error.
+
+        The store lives in this process; a caller that exits on the error would otherwise take
+        it down first, and the other ranks would see only a lost controller.
+        """
+        cp = self.control
+        keys = [
+            plan_key(epoch, f"plan_error_seen/{r}")
+            for r in range(self.config.num_trainer_ranks)
+            if r != own_rank and cp.exists(f"trainer/{r}")
+        ]
+        if not keys:
+            return
+        try:
+            cp.wait(keys, cp.config.timeout_s)
+        except TransportTimeoutError:
+            late = [k for k in keys if not cp.exists(k)]
+            log.warning("controller: plan %d failed; %s did not read why in time", epoch, late)
+
     def _wait_for_engines(self, m: int) -> None:
         """Wait for `m` engine joins; fail at once if a member was refused for its token."""
         cp = self.control
