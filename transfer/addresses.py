@@ -72,6 +72,24 @@ def route_address(control_host: str) -> str:
     )
 
 
+def check_host_settings(listen_host: object, advertise_host: object) -> None:
+    """Validate a member's two settings as a config's `__post_init__` does.
+
+    Raises:
+        ConfigurationError: (a ValueError) a setting that is neither None nor a non-empty string,
+            or a wildcard `advertise_host`.
+    """
+    for what, value in (("listen_host", listen_host), ("advertise_host", advertise_host)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigurationError(
+                f"{what} must be a non-empty address string or unset, got {value!r}"
+            )
+    if advertise_host in WILDCARD_HOSTS:
+        raise ConfigurationError(
+            f"advertise_host {advertise_host!r} is a wildcard: peers need an address to reach"
+        )
+
+
 def member_address(
     control_host: str, listen_host: str | None = None, advertise_host: str | None = None
 ) -> MemberAddress:
@@ -85,13 +103,7 @@ def member_address(
     Raises:
         ConfigurationError: an empty setting, or no route to `control_host` where one is needed.
     """
-    for what, value in (("listen_host", listen_host), ("advertise_host", advertise_host)):
-        if value is not None and not value.strip():
-            raise ConfigurationError(f"{what} must be an address or unset, not {value!r}")
-    if advertise_host is not None and advertise_host in WILDCARD_HOSTS:
-        raise ConfigurationError(
-            f"advertise_host {advertise_host!r} is a wildcard: peers need an address to reach"
-        )
+    check_host_settings(listen_host, advertise_host)
     if listen_host is None:
         own = route_address(control_host)
         return MemberAddress(listen_host=own, advertise_host=advertise_host or own)
@@ -104,4 +116,10 @@ def member_address(
     return MemberAddress(listen_host=listen_host, advertise_host=advertise_host or listen_host)
 
 
-__all__ = ["WILDCARD_HOSTS", "MemberAddress", "member_address", "route_address"]
+__all__ = [
+    "WILDCARD_HOSTS",
+    "MemberAddress",
+    "check_host_settings",
+    "member_address",
+    "route_address",
+]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from weight_transfer.addresses import member_address
+from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import BACKENDS, TransportConfig
 from weight_transfer.planner.plan import PlannerConfig
 
@@ -193,10 +193,7 @@ class TransferConfig:
             raise ValueError(
                 f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}"
             )
-        for name in ("listen_host", "advertise_host"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"{name} must be a non-empty address string, got {value!r}")
+        check_host_settings(self.listen_host, self.advertise_host)
 
     def transport_config(self, device_index: int | None = None) -> TransportConfig:
         """The `TransportConfig` for one process on this host: it binds and advertises this

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from weight_transfer.addresses import member_address
+from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
 from weight_transfer.controller import Controller
@@ -106,6 +106,7 @@ class EngineInitInfo:
             self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
         )
         self.control()  # validates host, port, token, session, timeout
+        check_host_settings(self.listen_host, self.advertise_host)
         if not self.engine_prefix or "/" in self.engine_prefix:
             raise ValueError("engine_prefix must be non-empty and contain no '/'")
         if self.hf_moe_layout not in ("per_expert", "fused"):
@@ -213,6 +214,7 @@ class TrainerInitInfo:
             raise ValueError("num_engines must be >= 1")
         if self.update_timeout_s <= 0:
             raise ValueError("update_timeout_s must be positive")
+        check_host_settings(self.listen_host, self.advertise_host)
         self.engine_init_info()  # validates the shared fields
 
     @property

@@ -1,10 +1,16 @@
-"""Two hosts for real: trainer and engine in two network namespaces joined by a veth pair.
+"""Hosts for real: members in network namespaces, every byte and control message crossing links.
 
-The trainer (with the controller) runs in one namespace, the engine in the other; every byte and
-every control message crosses the veth. Update 1 must verify bit-exactly; then the link is cut
-(`ip link set ... down`) just before update 2 posts its first write, and every process must
-report the failure within the timeout naming the engine; the link comes back and update 3 must
-verify. Needs root (CI has it) to create namespaces; skipped with the reason elsewhere.
+Each member binds and advertises its own address, configured only through the public
+configuration: the README's "Two hosts" section run as written (one TOML per host), three
+emulated hosts each with its own TOML over tcp and ucx, and a vLLM engine in its own namespace
+fed by FSDP2 trainers in another through `TrainerInitInfo` / `EngineInitInfo`.
+
+A cut link: the trainer (with the controller) runs in one namespace, the engine in the other;
+every byte and every control message crosses the veth. Update 1 must verify bit-exactly; then
+the link is cut (`ip link set ... down`) just before update 2 posts its first write, and every
+process must report the failure within the timeout naming the engine; the link comes back and
+update 3 must verify. Needs root (CI has it) to create namespaces; skipped with the reason
+elsewhere.
 
 Runs for the `tcp` backend and for `ucx`. For ucx both processes are forced onto UCX's `tcp`
 lane over the veth (`TLS=tcp`, `NET_DEVICES` = each namespace's veth): between namespaces of one
@@ -417,8 +423,11 @@ def _config(path: str, token: str) -> Any:
     return config_from_mapping(merge(read_toml(path), {"control": {"token": token}}))
 
 
-def toml_trainer_proc(ns: str, path: str, token: str, rank: int, world: int, out: Any) -> None:
-    """A trainer rank on its own host, configured only by that host's file."""
+def toml_trainer_proc(
+    ns: str, path: str, token: str, rank: int, world: int, checked: Any, out: Any
+) -> None:
+    """A trainer rank on its own host, configured only by that host's file. Update 2 starts once
+    the test has read update 1 from the engines (`checked`)."""
     enter_host(ns)
     from weight_transfer.config import ControllerConfig
     from weight_transfer.controller import Controller
@@ -445,6 +454,8 @@ def toml_trainer_proc(ns: str, path: str, token: str, rank: int, world: int, out
     )
     try:
         for step in (1, 2):
+            if step == 2:
+                checked.wait(120)
             new = _src(step)
             with torch.no_grad():
                 for n in NAMES:
@@ -490,7 +501,8 @@ def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> 
     try:
         for step in (1, 2):
             rx.wait_for_version(step, CONTROL_TIMEOUT_S)
-            out.put(("engine", tp_rank, step, {n: tensor_digest(t) for n, t in tensors.items()}))
+            digests = {n: tensor_digest(t) for n, t in tensors.items()}
+            out.put(("engine", tp_rank, step, rx.version, digests))
     finally:
         rx.close()
 
@@ -518,14 +530,15 @@ def test_every_member_configured_by_its_own_hosts_file(backend: str, tmp_path: P
             paths.append(str(path))
         ctx = mp.get_context("spawn")
         inbox = ReportInbox(ctx)
+        checked = ctx.Event()
         procs = {
             "trainer0": ctx.Process(
                 target=toml_trainer_proc,
-                args=(cluster.hosts[0], paths[0], token, 0, 2, inbox.reporter()),
+                args=(cluster.hosts[0], paths[0], token, 0, 2, checked, inbox.reporter()),
             ),
             "trainer1": ctx.Process(
                 target=toml_trainer_proc,
-                args=(cluster.hosts[1], paths[1], token, 1, 2, inbox.reporter()),
+                args=(cluster.hosts[1], paths[1], token, 1, 2, checked, inbox.reporter()),
             ),
             **{
                 f"engine{r}": ctx.Process(
@@ -548,7 +561,11 @@ def test_every_member_configured_by_its_own_hosts_file(backend: str, tmp_path: P
                         break
                     continue
                 reports.append(tuple(got))
+                engines_at_1 = [r for r in reports if r[0] == "engine" and r[2] == 1]
+                if len(engines_at_1) == NUM_ENGINES:
+                    checked.set()
         finally:
+            checked.set()
             codes = {}
             for name, p in procs.items():
                 p.join(60)
@@ -566,7 +583,8 @@ def test_every_member_configured_by_its_own_hosts_file(backend: str, tmp_path: P
     }
     sent = {(r[1], r[2]): r[3] for r in reports if r[0] == "trainer"}
     assert all(sent[(rank, step)] > 0 for rank in (0, 1) for step in (1, 2)), sent
-    digests = {(r[1], r[2]): r[3] for r in reports if r[0] == "engine"}
+    digests = {(r[1], r[2]): r[4] for r in reports if r[0] == "engine"}
+    assert all(r[3] == r[2] for r in reports if r[0] == "engine"), reports  # version read
     for step in (1, 2):
         src = _src(step)
         for r in range(NUM_ENGINES):
@@ -821,3 +839,28 @@ def test_vllm_engine_in_its_own_namespace(two_hosts: dict[str, str], tmp_path: P
     assert kind == "result" and version == "1"
     assert equal_to_fresh, "vLLM after the update differs from a fresh engine on the checkpoint"
     assert changed, "the update did not change what vLLM generates"
+
+
+@pytest.mark.timeout(60)
+def test_no_route_to_the_control_plane_is_named_at_construction(
+    two_hosts: dict[str, str],
+) -> None:
+    """A member whose host has no route to the control-plane host fails at once, naming it."""
+    code = (
+        "from weight_transfer.config import config_from_mapping, new_token\n"
+        "cfg = config_from_mapping({'transport': 'tcp', 'control': "
+        "{'host': '10.99.0.1', 'token': new_token()}})\n"
+        "try:\n    cfg.transport_config()\n"
+        "except ValueError as exc:\n    print(f'{type(exc).__name__}: {exc}')\n"
+    )
+    r = subprocess.run(
+        ["ip", "netns", "exec", two_hosts["b"], sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(
+        "ConfigurationError: no route from this host to the control plane host '10.99.0.1' "
+    ), r.stdout
+    assert r.stdout.rstrip().endswith("set the member's listen_host explicitly"), r.stdout

@@ -34,7 +34,7 @@ def test_member_address_rules() -> None:
     assert member_address("127.0.0.2", "localhost") == MemberAddress("127.0.0.1", "127.0.0.1")
     with pytest.raises(ConfigurationError, match="does not resolve"):
         member_address("no-such-host.invalid")
-    with pytest.raises(ConfigurationError, match="listen_host must be an address"):
+    with pytest.raises(ConfigurationError, match="listen_host must be a non-empty address"):
         member_address("127.0.0.1", " ")
     with pytest.raises(ConfigurationError, match="is a wildcard"):
         member_address("127.0.0.1", None, "0.0.0.0")
@@ -55,6 +55,10 @@ def test_transfer_config_binds_its_own_address_not_the_control_hosts() -> None:
     assert (tc.listen_host, tc.advertise_host) == ("0.0.0.0", "10.1.2.3")
     with pytest.raises(ValueError, match="listen_host must be a non-empty address"):
         _toml_config(listen_host="")
+    with pytest.raises(ValueError, match="advertise_host must be a non-empty address"):
+        _toml_config(advertise_host=5)
+    with pytest.raises(ValueError, match="is a wildcard"):
+        EngineInitInfo(host="127.0.0.1", port=1, token=TOKEN, advertise_host="::")
 
 
 def test_vllm_init_infos_resolve_each_member_on_its_own_host() -> None:
