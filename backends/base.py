@@ -258,7 +258,11 @@ class TransportConfig:
     connect_timeout_s: float = 30.0
     """How long `connect` waits for a peer."""
     listen_host: str = "127.0.0.1"
-    """Interface the backends that listen (tcp) bind to; loopback by default."""
+    """Address the backends that listen (tcp, ibverbs' bootstrap) bind; loopback by default.
+    Configs resolve it per member (`weight_transfer.addresses.member_address`)."""
+    advertise_host: str | None = None
+    """Address this endpoint tells peers to connect to; None: `listen_host` (for a wildcard
+    listen_host the tcp backend then advertises the host's name)."""
     options: tuple[tuple[str, str], ...] = ()
     """Backend-specific key/value strings (for example UCX transport lists)."""
 

@@ -810,7 +810,7 @@ class IbverbsTransport(Transport):
             self._teardown()
             raise
         self._endpoint_bytes = plan.Endpoint(
-            host=self.opts.advertise_host or config.listen_host,
+            host=self.opts.advertise_host or config.advertise_host or config.listen_host,
             port=self._server.port,
             cookie=self._cookie,
             device=info.device,

@@ -1,9 +1,13 @@
 """TCP transport: a simulator of an RDMA NIC across hosts, for CI, laptops and clusters without
 RDMA.
 
-Every transport listens from construction. A passive receive thread per incoming connection
-plays the NIC: for each batch it reads the table of (region key, offset, length) first, checks
-every entry against the registered TARGET regions, and only then receives the payload straight
+Every transport listens from construction, on `TransportConfig.listen_host` at a port the kernel
+picks, or at the first free one of option ``port_range`` ("30000-30099": one port per member on
+a host, so a firewall between hosts can open exactly that range); its endpoint advertises
+`TransportConfig.advertise_host` (else the bound address). A passive receive thread per
+incoming connection plays the NIC: for each batch it reads the table of (region key, offset,
+length) first, checks every entry against the registered TARGET regions, and only then
+receives the payload straight
 into the registered memory (`recv_into`, or `recvmsg_into` over up to 512 host ranges at once,
 memoryviews over the addresses; ranges that continue one another are merged first; CUDA targets
 go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A
@@ -51,6 +55,7 @@ import torch
 
 from weight_transfer.backends._memory import host_view
 from weight_transfer.backends.base import (
+    ConfigurationError,
     MemoryKind,
     PeerLostError,
     Region,
@@ -92,6 +97,40 @@ _MAX_HANDSHAKES = 32
 _HANDSHAKE_TIMEOUT_S = 5.0
 _MAX_DRAIN_BYTES = 64 << 20
 """Most payload bytes a refused (authenticated) batch may make the receiver read and discard."""
+
+
+def _port_range(value: str | None) -> range:
+    """Ports option ``port_range`` ("first-last", inclusive) allows; default: one the kernel
+    picks (its ephemeral range).
+
+    Raises:
+        ConfigurationError: not "first-last" with 1 <= first <= last <= 65535.
+    """
+    if value is None or value.strip() == "0":
+        return range(0, 1)
+    first, sep, last = value.partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi <= 65535:
+        raise ConfigurationError(
+            f"tcp option port_range={value!r}: expected 'first-last' with 1 <= first <= last "
+            "<= 65535 (or '0': a port the kernel picks)"
+        )
+    return range(lo, hi + 1)
+
+
+def _listen(host: str, ports: range) -> socket.socket:
+    """A listening socket on `host` at the first free port of `ports`."""
+    last: OSError | None = None
+    for port in ports:
+        try:
+            return socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            last = exc
+    what = "a port the kernel picks" if ports == range(0, 1) else f"ports {ports[0]}-{ports[-1]}"
+    raise TransportError(f"tcp: cannot listen on {host!r} ({what}): {last}") from last
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -353,6 +392,7 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
+    option_names = frozenset({"port_range"})
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
@@ -373,13 +413,12 @@ class TcpTransport(Transport):
         self._stopping = threading.Event()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
-        try:
-            self._listener = socket.create_server((config.listen_host, 0), backlog=64)
-        except OSError as exc:
-            raise TransportError(f"tcp: cannot listen on {config.listen_host!r}: {exc}") from exc
+        self._listener = _listen(config.listen_host, _port_range(config.option("port_range")))
         self._listener.settimeout(_ACCEPT_POLL_S)
         host, port = self._listener.getsockname()[:2]
-        if host in ("0.0.0.0", "::"):
+        if config.advertise_host is not None:
+            host = config.advertise_host
+        elif host in ("0.0.0.0", "::"):
             host = socket.getfqdn()
         self._endpoint_bytes = msgpack.packb(
             {"v": _VERSION, "host": host, "port": port, "id": self._listener_id, "key": self._key},

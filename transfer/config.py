@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import BACKENDS, TransportConfig
 from weight_transfer.planner.plan import PlannerConfig
 
@@ -209,6 +210,7 @@ class TransferConfig:
 
     ```toml
     transport = "tcp"            # loopback | tcp | ucx | nixl | ibverbs
+    # listen_host = "10.0.0.2"   # this member's address (default: its route to control.host)
     [control]
     host = "10.0.0.1"
     port = 29700
@@ -226,6 +228,13 @@ class TransferConfig:
     """Backend-specific options (key, value)."""
     connect_timeout_s: float = 30.0
     """How long connecting to a peer may take."""
+    listen_host: str | None = None
+    """Address this member's transport binds: an address, ``0.0.0.0`` / ``::`` for every
+    interface, or unset for the address this host routes to `control.host` from
+    (`weight_transfer.addresses`). Each host's own file sets its own."""
+    advertise_host: str | None = None
+    """Address peers are told to connect to (NAT, a wildcard listen_host); unset: the bound
+    address, or for a wildcard the routed one."""
     control: ControlPlaneConfig
     """Control plane (required: its token has no default)."""
     sender: SenderConfig = dataclasses.field(default_factory=SenderConfig)
@@ -240,14 +249,22 @@ class TransferConfig:
             raise ValueError(
                 f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}"
             )
+        check_host_settings(self.listen_host, self.advertise_host)
 
     def transport_config(self, device_index: int | None = None) -> TransportConfig:
-        """The `TransportConfig` for one process."""
+        """The `TransportConfig` for one process on this host: it binds and advertises this
+        member's own address (`weight_transfer.addresses.member_address`).
+
+        Raises:
+            ConfigurationError: no route to the control plane host where one is needed.
+        """
+        own = member_address(self.control.host, self.listen_host, self.advertise_host)
         return TransportConfig(
             name=self.transport,
             device_index=device_index,
             connect_timeout_s=self.connect_timeout_s,
-            listen_host=self.control.host if self.control.host != "localhost" else "127.0.0.1",
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
             options=self.transport_options,
         )
 

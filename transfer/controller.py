@@ -74,6 +74,12 @@ class Phase(str, enum.Enum):
         return "commit" if self is Phase.DONE else "result"
 
 
+def _plan_failure(exc: BaseException) -> Failure:
+    """What every rank raises for a failed plan: a mismatch keeps its list of problems."""
+    problems = tuple(exc.problems) if isinstance(exc, PlanMismatchError) else ()
+    return Failure(message=str(exc), problems=problems)
+
+
 def plan_key(epoch: int, name: str) -> str:
     """Store key of a per-plan message (`schedule/<rank>`, `plan_error`) in plan `epoch`."""
     return name if epoch == 0 else f"epoch/{epoch}/{name}"
@@ -169,10 +175,31 @@ class Controller:
             del missing_t
             schedule = self._plan_for([j for _, j in self._latest.values()])
         except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put("plan_error", Failure(message=str(exc)))
+            cp.put("plan_error", _plan_failure(exc))
             raise
         self._publish(schedule)
         return schedule
+
+    def linger_for_plan_error(self, epoch: int, own_rank: int) -> None:
+        """After plan `epoch` failed: wait (at most the control-plane timeout) until every other
+        trainer rank that joined has read why, so that each raises the same error.
+
+        The store lives in this process; a caller that exits on the error would otherwise take
+        it down first, and the other ranks would see only a lost controller.
+        """
+        cp = self.control
+        keys = [
+            plan_key(epoch, f"plan_error_seen/{r}")
+            for r in range(self.config.num_trainer_ranks)
+            if r != own_rank and cp.exists(f"trainer/{r}")
+        ]
+        if not keys:
+            return
+        try:
+            cp.wait(keys, cp.config.timeout_s)
+        except TransportTimeoutError:
+            late = [k for k in keys if not cp.exists(k)]
+            log.warning("controller: plan %d failed; %s did not read why in time", epoch, late)
 
     def _wait_for_engines(self, m: int) -> None:
         """Wait for `m` engine joins; fail at once if a member was refused for its token."""
@@ -281,7 +308,7 @@ class Controller:
                 time.sleep(_JOIN_POLL_S)
             schedule = self._plan_for([self._latest[e][1] for e in names])
         except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put(plan_key(epoch, "plan_error"), Failure(message=str(exc)))
+            cp.put(plan_key(epoch, "plan_error"), _plan_failure(exc))
             raise
         self._publish(schedule)
         return schedule

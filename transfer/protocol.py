@@ -8,6 +8,8 @@ Keys (under the session prefix):
     engine_slot/<i>                EngineJoin   an engine's destination manifest and endpoint
     schedule/<rank>                RankPlan     a trainer rank's part of the schedule
     plan_error                     Failure      set instead of schedules if planning failed
+    plan_error_seen/<rank>         Done         trainer rank read it (the controller's process
+                                                lingers for these before it raises)
     epoch/<e>/schedule/<rank>      RankPlan     the same for re-plan e > 0 (`Controller.replan`)
     epoch/<e>/plan_error           Failure      re-plan e failed
     go/<step>                      Go           start update `step`
@@ -113,6 +115,8 @@ class Failure:
     """A failure report that every member raises."""
 
     message: str
+    problems: tuple[str, ...] = ()
+    """For a failed plan: every problem found (each member raises `PlanMismatchError`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

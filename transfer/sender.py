@@ -27,6 +27,7 @@ from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
 from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
+from weight_transfer.errors import PlanMismatchError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -144,7 +145,11 @@ class WeightSender:
         self._boxes = {t.name: t.local_box for t in manifest.tensors}
         self._control.put(f"trainer/{rank}", TrainerJoin(manifest=manifest))
         if controller is not None:
-            controller.plan()
+            try:
+                controller.plan()
+            except WeightTransferError:
+                controller.linger_for_plan_error(0, rank)
+                raise
         self.epoch = 0
         """Number of the plan this rank runs (counts up with `replan`)."""
         rp = self._fetch_plan(0, self._control.config.timeout_s)
@@ -167,7 +172,16 @@ class WeightSender:
         keys = [plan_key(epoch, f"schedule/{self.rank}"), plan_key(epoch, "plan_error")]
         key = self._control.wait_any(keys, timeout_s)
         if key == keys[1]:
-            raise WeightTransferError(self._control.get(key, Failure).message)
+            failure = self._control.get(key, Failure)
+            # The store lives in the controller's process, which lingers for this before its
+            # caller (who may exit on the error) goes on.
+            self._control.put(
+                plan_key(epoch, f"plan_error_seen/{self.rank}"),
+                Done(rank=self.rank, step=epoch, ok=False, error="", nbytes=0, seconds=0.0),
+            )
+            if failure.problems:
+                raise PlanMismatchError(failure.problems)
+            raise WeightTransferError(failure.message)
         return self._control.get(key, RankPlan)
 
     def replan(self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()) -> None:
@@ -191,7 +205,11 @@ class WeightSender:
         epoch = self.epoch + 1
         self.epoch = epoch  # a failed plan uses up its number too, on every rank alike
         if self.controller is not None:
-            self.controller.replan(engines=engines, rejoined=rejoined)
+            try:
+                self.controller.replan(engines=engines, rejoined=rejoined)
+            except WeightTransferError:
+                self.controller.linger_for_plan_error(epoch, self.rank)
+                raise
         # Non-controller ranks wait while the controller waits for joins, plus the planning.
         rp = self._fetch_plan(epoch, 2 * self._control.config.timeout_s)
         self._release_plan()

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import (
     ControllerConfig,
@@ -97,6 +98,12 @@ class EngineInitInfo:
     hf_moe_layout: str = "per_expert"
     """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
     (transformers >= 5 modules); see `planner.presets.models`."""
+    listen_host: str | None = None
+    """Address every vLLM worker's transport binds. Unset (the default and what a deployment
+    over several hosts wants): each worker binds and advertises the address its host routes to
+    `host` from (`weight_transfer.addresses`); ``0.0.0.0`` binds every interface."""
+    advertise_host: str | None = None
+    """Address the workers advertise; unset: the bound (or, for a wildcard, routed) one."""
     patch_region_bytes: int = 0
     """Delta updates: bytes of the patch region each worker registers (0: none; full updates
     only). `update_weights` applies the patches (docs/delta.md)."""
@@ -109,6 +116,7 @@ class EngineInitInfo:
             self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
         )
         self.control()  # validates host, port, token, session, timeout
+        check_host_settings(self.listen_host, self.advertise_host)
         if not self.engine_prefix or "/" in self.engine_prefix:
             raise ValueError("engine_prefix must be non-empty and contain no '/'")
         if self.hf_moe_layout not in ("per_expert", "fused"):
@@ -127,10 +135,18 @@ class EngineInitInfo:
         )
 
     def transport_config(self) -> TransportConfig:
-        """The `TransportConfig` this describes."""
-        listen = "127.0.0.1" if self.host == "localhost" else self.host
+        """The `TransportConfig` of the worker calling it: its own address, resolved on its
+        host (`weight_transfer.addresses.member_address`), never the control plane's.
+
+        Raises:
+            ConfigurationError: no route to `host` where one is needed.
+        """
+        own = member_address(self.host, self.listen_host, self.advertise_host)
         return TransportConfig(
-            name=self.transport, listen_host=listen, options=self.transport_options
+            name=self.transport,
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
+            options=self.transport_options,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +211,11 @@ class TrainerInitInfo:
     """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
     hf_moe_layout: str = "per_expert"
     """How this trainer holds MoE experts (`EngineInitInfo.hf_moe_layout`)."""
+    listen_host: str | None = None
+    """Address this trainer rank's transport binds; unset: the address its host routes to
+    `host` from (the engines resolve their own: `EngineInitInfo.listen_host`)."""
+    advertise_host: str | None = None
+    """Address this trainer rank advertises; unset: the bound (or routed) one."""
     delta_enabled: bool = False
     """Delta updates (`DeltaConfig.enabled`); needs `patch_region_bytes` > 0."""
     delta_anchor_every_updates: int = 0
@@ -209,6 +230,7 @@ class TrainerInitInfo:
             raise ValueError("num_engines must be >= 1")
         if self.update_timeout_s <= 0:
             raise ValueError("update_timeout_s must be positive")
+        check_host_settings(self.listen_host, self.advertise_host)
         self.engine_init_info()  # validates the shared fields
 
     @property
@@ -216,8 +238,19 @@ class TrainerInitInfo:
         """Rank 0 drives the vLLM phases."""
         return self.rank == 0
 
+    def transport_config(self) -> TransportConfig:
+        """This trainer rank's `TransportConfig` (its own address, resolved on its host)."""
+        own = member_address(self.host, self.listen_host, self.advertise_host)
+        return TransportConfig(
+            name=self.transport,
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
+            options=self.transport_options,
+        )
+
     def engine_init_info(self) -> EngineInitInfo:
-        """The `EngineInitInfo` rank 0 sends to the vLLM workers."""
+        """The `EngineInitInfo` rank 0 sends to the vLLM workers (their addresses are left to
+        each worker: they resolve their own)."""
         return EngineInitInfo(
             host=self.host,
             port=self.port,
@@ -345,7 +378,9 @@ class OneSidedUpdater:
 
         Raises:
             ConfigurationError: rank 0 without a client.
-            WeightTransferError: vLLM refused to join (its message), or the plan failed.
+            WeightTransferError: vLLM refused to join (its message).
+            PlanMismatchError: the trainer's tensors do not fit the engines' recipes (every
+                problem listed, on every rank); vLLM keeps serving its current weights.
             TransportTimeoutError: an engine or rank did not join in time.
         """
         self.init_info = init_info
@@ -370,23 +405,28 @@ class OneSidedUpdater:
                 raise WeightTransferError(
                     f"vLLM did not join the transfer (init_weight_transfer_engine): {exc}"
                 ) from exc
-        self.sender = WeightSender(
-            params,
-            rank=init_info.rank,
-            world_size=init_info.world_size,
-            transport=init_info.engine_init_info().transport_config(),
-            control=control,
-            controller=self.controller,
-            config=SenderConfig(
-                memory_budget_bytes=init_info.memory_budget_bytes,
-                update_timeout_s=init_info.update_timeout_s,
-                delta=DeltaConfig(
-                    enabled=init_info.delta_enabled,
-                    anchor_every_updates=init_info.delta_anchor_every_updates,
-                    apply_timeout_s=init_info.update_timeout_s,
+        try:
+            self.sender = WeightSender(
+                params,
+                rank=init_info.rank,
+                world_size=init_info.world_size,
+                transport=init_info.transport_config(),
+                control=control,
+                controller=self.controller,
+                config=SenderConfig(
+                    memory_budget_bytes=init_info.memory_budget_bytes,
+                    update_timeout_s=init_info.update_timeout_s,
+                    delta=DeltaConfig(
+                        enabled=init_info.delta_enabled,
+                        anchor_every_updates=init_info.delta_anchor_every_updates,
+                        apply_timeout_s=init_info.update_timeout_s,
+                    ),
                 ),
-            ),
-        )
+            )
+        except BaseException:
+            if self.controller is not None:
+                self.controller.close()
+            raise
         self.last_step = 0
 
     @property

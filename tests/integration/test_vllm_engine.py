@@ -88,6 +88,19 @@ QWEN2_MOE = dict(
     tie_word_embeddings=False,
 )
 """A tiny Qwen2-MoE: routed experts plus a shared expert and its gate, qkv bias."""
+QWEN3_TIED = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=864,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+"""A tiny Qwen3 whose LM head shares the embedding (as Qwen3-0.6B to 4B do); its MLP width is
+the issue's 864."""
 PROMPTS = [[1, 5, 9, 33, 71, 2, 640, 18], [7, 300, 999, 4, 12], [250, 251, 8, 77, 3, 10, 11]]
 MAX_TOKENS = 8
 LOGPROB_ATOL = {"float32": 1e-3, "bfloat16": 0.15}
@@ -521,7 +534,7 @@ def _check(
 
 
 def _check_fresh(
-    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float
+    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float, moe: bool = True
 ) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
 
@@ -530,7 +543,7 @@ def _check_fresh(
     (docs/vllm.md). The fresh engine is checked, then reloads the same checkpoint itself: its
     loader's hand-off to processing is the oracle for our checkpoint-layout buffers, and the
     reload's known defect is pinned (its tokens change; re-running the skipped prepack restores
-    them).
+    them) unless `moe` is False.
     """
     fresh = _start_llm(ckpt, dtype, tp, backend=False)
     try:
@@ -541,6 +554,8 @@ def _check_fresh(
         worst, near_ties = _compare_transformers(got, ckpt, dtype, step)
         captured = fresh.collective_rpc(_oracle_reload, args=(str(ckpt),))
         bad = _compare_states(ours, theirs, captured, step)
+        if not moe:
+            return _fresh_result(llm, step, bad, ours, got, worst, near_ties, seconds)
         # vLLM 0.32's own in-place reload of the same weights (pinned, not relied on): the
         # experts now hold the checkpoint layout the CPU kernel does not read...
         reloaded = fresh.collective_rpc(_probe_state, args=(step,))
@@ -559,6 +574,19 @@ def _check_fresh(
     finally:
         fresh.llm_engine.engine_core.shutdown()
         del fresh
+    return _fresh_result(llm, step, bad, ours, got, worst, near_ties, seconds)
+
+
+def _fresh_result(
+    llm: Any,
+    step: int,
+    bad: list[str],
+    ours: list[Any],
+    got: list[Any],
+    worst: float,
+    near_ties: int,
+    seconds: float,
+) -> dict[str, Any]:
     assert llm.llm_engine.get_weight_version() == str(step)
     return {
         "step": step,
@@ -876,6 +904,153 @@ class TestTP2:
                     f"{sorted(set(s['paths'].values()))}, hf max |dlogprob| "
                     f"{c['hf_logprob_max_abs']:.3f}, near-ties {c['hf_near_ties']}"
                 )
+
+
+# -- Qwen3 with tied embeddings; a trainer of another shape is refused -------------------------
+
+
+def _mismatched_trainer(
+    rank: int,
+    world: int,
+    cp_port: int,
+    token: str,
+    model_dir: str,
+    intermediate_size: int,
+    req: Any,
+    resp: Any,
+    out: Any,
+) -> None:
+    """A trainer rank whose Qwen3 has another MLP width than the engine's: report what
+    `OneSidedUpdater` raised (type and problems)."""
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+
+    torch.set_num_threads(1)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg.intermediate_size = intermediate_size
+    torch.manual_seed(rank)
+    model = Qwen3ForCausalLM(cfg).float()
+    info = TrainerInitInfo(
+        rank=rank, world_size=world, num_engines=1, port=cp_port, token=token, timeout_s=120
+    )
+    try:
+        updater = OneSidedUpdater(info, model, _ProxyClient(req, resp) if rank == 0 else None)
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
+        return
+    updater.close()
+    out.put((rank, "no error", []))
+
+
+class TestQwen3Tied:
+    """Qwen3 with `tie_word_embeddings=True`, tp=1, float32: vLLM holds one tensor for the
+    embedding and the LM head; the FSDP2 trainer lists the head as an alias of its embedding."""
+
+    @pytest.fixture(scope="class")
+    def engine(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        d = _save_moe(
+            tmp_path_factory.mktemp("qwen3_tied"),
+            "Qwen3ForCausalLM",
+            QWEN3_TIED,
+            torch.float32,
+            seed=4,
+        )
+        t0 = time.monotonic()
+        llm = _start_llm(d, "float32", 1, backend=True)
+        print(f"\nvLLM start-up (Qwen3 tied, tp=1, float32): {time.monotonic() - t0:.1f} s")
+        yield d, llm
+        llm.llm_engine.engine_core.shutdown()
+
+    def test_tied_updates_equal_a_fresh_engine(self, engine: Any, tmp_path: Path) -> None:
+        d, llm = engine
+        before = _tokens(_generate(llm))
+        checks = _run_trainers(
+            llm,
+            None,
+            world=2,
+            num_engines=1,
+            model_dir=d,
+            dtype="float32",
+            steps=2,
+            tmp=tmp_path,
+            check=lambda step, path, s: _check_fresh(llm, step, path, "float32", 1, s, moe=False),
+        )
+        _print_checks(checks)
+        for c in checks:
+            assert c["bad"] == [], f"step {c['step']}: {c['bad'][:5]}"
+            assert c["hf_near_ties"] == 0  # float32: greedy tokens identical to transformers
+        stats = checks[0]["stats"][0]
+        assert "lm_head.weight" not in stats["paths"]  # vLLM shares the embedding's tensor
+        assert stats["paths"]["model.embed_tokens.weight"] == "in-place+reprocess"
+        assert "lm_head" in stats["reprocessed"]  # its GEMM state is rebuilt from the new rows
+        assert (
+            len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+        )
+
+    def test_trainer_of_another_mlp_width_is_refused(self, engine: Any) -> None:
+        """The issue's case: trainers with intermediate_size=896 against this engine (864) used
+        to run "successful" updates that sent the first 864 rows. Now every trainer rank raises
+        `PlanMismatchError` listing every mismatched tensor before any byte moves, and vLLM
+        keeps serving what it served."""
+        from weight_transfer.vllm import LLMWeightSyncClient
+
+        d, llm = engine
+        before = _generate(llm)
+        version = llm.llm_engine.get_weight_version()
+        client = LLMWeightSyncClient(llm)
+        ctx = mp.get_context("spawn")
+        req, resp, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        cp_port, token = _free_port(), secrets.token_hex(16)
+        procs = [
+            ctx.Process(
+                target=_mismatched_trainer,
+                args=(r, 2, cp_port, token, str(d), 896, req, resp, out),
+            )
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        reports: dict[int, Any] = {}
+        deadline = time.monotonic() + 300
+        try:
+            while len(reports) < 2 and time.monotonic() < deadline:
+                try:
+                    msg = req.get(timeout=0.2)
+                except queue.Empty:
+                    while not out.empty():
+                        r, kind, probs = out.get()
+                        reports[r] = (kind, probs)
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        break
+                    continue
+                try:
+                    getattr(client, msg[1])(*msg[2])
+                    resp.put(("ok", None))
+                except Exception as exc:
+                    resp.put(("err", f"{type(exc).__name__}: {exc}"))
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
+        assert [p.exitcode for p in procs] == [0, 0]
+        want = []
+        for i in range(QWEN3_TIED["num_hidden_layers"]):
+            m = f"model.layers.{i}.mlp."
+            for src, dest, have, exp in (
+                ("down_proj", "down_proj", (256, 896), (256, 864)),
+                ("gate_proj", "gate_up_proj", (896, 256), (864, 256)),
+                ("up_proj", "gate_up_proj", (896, 256), (864, 256)),
+            ):
+                want.append(
+                    f"trainer tensor '{m}{src}.weight' is shape {have}, but engine "
+                    f"'vllm/rank0' reads it for '{m}{dest}.weight' as shape {exp}"
+                )
+        assert reports == {r: ("PlanMismatchError", sorted(want)) for r in (0, 1)}, reports
+        assert llm.llm_engine.get_weight_version() == version
+        _compare_generation(_generate(llm), before, 0)
 
 
 # -- MoE: vLLM's CPU backend prepacks the routed experts (buffer+reprocess path) ----------------

@@ -24,6 +24,12 @@ written parameter then takes one of three paths, logged once:
   and re-runs vLLM's processing for exactly that layer (the buffer itself is never
   reallocated; vLLM builds its packed copy from it as it does at load).
 
+Tied embeddings (`tie_word_embeddings`, Qwen3-0.6B to 4B and the like): vLLM 0.32 builds a
+`ParallelLMHead` and makes its ``weight`` the embedding's own parameter, so the live model has
+one tensor, ``model.embed_tokens.weight``, and the preset has no ``lm_head`` recipe; the
+trainer's tied ``lm_head.weight`` is an alias of its embedding (one source). The LM head module
+derives its logits GEMM state from the shared weight, so it is re-processed with the embedding.
+
 `init_transfer_engine` joins the control plane (a `WeightReceiver`); `receive_weights` announces
 readiness and waits, bounded, for the update's version word; the writes land while the worker's
 thread is inside that call, so no forward pass reads a partial update.
@@ -304,7 +310,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             else:
                 assert view is not None
                 self._targets[name] = view
-        self._reprocess = sorted({p.module for p in self.paths.values() if p.path != IN_PLACE})
+        self._reprocess = sorted(
+            {p.module for p in self.paths.values() if p.path != IN_PLACE}
+            | self._tied_holders(params)
+        )
         # The parameter objects of every re-processed layer as loaded: their storage is what
         # vLLM's kernels (and captured CUDA graphs) read, so a refresh writes its results back
         # into them (`_restore_captured`).
@@ -337,6 +346,24 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.last_receive_s = 0.0
         self.last_apply: ApplyStats | None = None
         self._pending = 0
+
+    def _tied_holders(self, params: dict[str, torch.Tensor]) -> set[str]:
+        """Other modules that hold a registered parameter and derive kernel state from it.
+
+        A tied LM head (`tie_word_embeddings`: vLLM's `ParallelLMHead.tie_weights` makes
+        ``lm_head.weight`` the embedding's own parameter, so `named_parameters()` lists it once,
+        as ``model.embed_tokens.weight``) is such a module: on the CPU backend its processing
+        builds the logits GEMM's handle from that weight, so it is re-processed too.
+        """
+        owner = {id(params[name]): p.module for name, p in self.paths.items()}
+        out: set[str] = set()
+        for mod_name, module in self.model.named_modules():
+            if getattr(module, "quant_method", None) is None:
+                continue
+            for _, param in module.named_parameters(recurse=False):
+                if owner.get(id(param), mod_name) != mod_name:
+                    out.add(mod_name)
+        return out
 
     # -- construction checks ------------------------------------------------------------------
 
@@ -632,6 +659,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
+            "reprocessed": list(self._reprocess),
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
