@@ -152,7 +152,7 @@ def _install_counting() -> Callable[[], None]:
     real_start = threading.Thread.start
 
     def start(self: threading.Thread) -> None:
-        kind, member = getattr(_who, "kind", None), getattr(_who, "member", None)
+        kind, member = getattr(_who, "kind", None), getattr(_who, "member", "")
         if kind is not None:
             body = self.run
 
@@ -244,7 +244,9 @@ def run_cluster(
     transport = TransportConfig(name="loopback")
     g = torch.Generator().manual_seed(members)
     per_engine = -(-n // m) + 1  # enough writes that every trainer rank gets one
-    full = {f"t{e}_{i}": torch.randn(shape, generator=g) for e in range(m) for i in range(per_engine)}
+    full = {
+        f"t{e}_{i}": torch.randn(shape, generator=g) for e in range(m) for i in range(per_engine)
+    }
 
     # When each rank's executor starts and ends, per step (the commit starts at the last end).
     exec_times: dict[tuple[int, int], tuple[float, float]] = {}
@@ -325,8 +327,10 @@ def run_cluster(
         _join_all([threading.Thread(target=make_rank, args=(r,)) for r in range(n)])
         if errors:
             raise errors[0]
-        progress(f"  {members} members ({n} trainer ranks, {m} engines) built in "
-                 f"{time.perf_counter() - t_build:.1f} s")
+        progress(
+            f"  {members} members ({n} trainer ranks, {m} engines) built in "
+            f"{time.perf_counter() - t_build:.1f} s"
+        )
         steps = cfg.warmups + cfg.updates
         rank_times: dict[tuple[int, int], tuple[float, float]] = {}
         engine_done: dict[tuple[int, int], float] = {}
@@ -431,7 +435,9 @@ def run_cluster(
     by_op = collections.Counter[str]()
     for (_, op), v in timed.items():
         by_op[op] += v
-    trainer_members = [v for k, v in by_member.items() if k.startswith("trainer") and k != "trainer0"]
+    trainer_members = [
+        v for k, v in by_member.items() if k.startswith("trainer") and k != "trainer0"
+    ]
     engine_members = [v for k, v in by_member.items() if k.startswith("engine")]
     idle_total = sum(idle_snapshot.values())
     return {
@@ -490,8 +496,61 @@ def machine() -> dict[str, Any]:
     }
 
 
+def measure_costs(samples: int = 2000) -> dict[str, float]:
+    """The simulator's control-plane rates on this machine (`planner.simulate.Rates`):
+    `control_rtt_s`, one request's round trip to the store (median of `check` calls), and
+    `control_message_s`, the controller's time to authenticate, decrypt and decode one rank's
+    report (median). `control_request_s` comes from the cluster runs (store CPU / requests)."""
+    from weight_transfer.config import ControlPlaneConfig
+    from weight_transfer.control import ControlPlane
+    from weight_transfer.planner import codec
+    from weight_transfer.protocol import Done
+
+    cfg = ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16), timeout_s=60)
+    server = ControlPlane(cfg, server=True, member="controller")
+    try:
+        client = ControlPlane(cfg, server=False, member="trainer rank 1")
+        client.put("probe", Done(rank=1, step=1, ok=True, error="", nbytes=0, seconds=0.0))
+        rtts = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            client.exists("probe")
+            rtts.append(time.perf_counter() - t0)
+        full = client.full_key("done/1/1")
+        sealed = client.seal(
+            full,
+            codec.to_msgpack(Done(rank=1, step=1, ok=True, error="", nbytes=123456, seconds=0.5)),
+        )
+        costs = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            codec.from_msgpack(Done, server.unseal(full, sealed))
+            costs.append(time.perf_counter() - t0)
+        client.close()
+    finally:
+        server.close()
+    return {
+        "control_rtt_s": statistics.median(rtts),
+        "control_message_s": statistics.median(costs),
+    }
+
+
+def model(r: dict[str, Any], rates: dict[str, float]) -> dict[str, float] | None:
+    """The simulator's control-plane phases for a measured cluster, with the measured rates."""
+    try:
+        from weight_transfer.planner.simulate import control_plane_phases, rates_from_mapping
+    except ImportError:
+        return None
+    phases = control_plane_phases(r["trainer_ranks"], r["engines"], rates_from_mapping(rates))
+    return {
+        "go_s": phases["go"],
+        "commit_s": phases["done"] + phases["committed"],
+        "total_s": sum(phases.values()),
+    }
+
+
 def run(cfg: BenchControlPlaneConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Every cluster of `cfg`, one after another."""
+    """Every cluster of `cfg`, one after another, and the costs the simulator takes."""
     out: dict[str, Any] = {"config": dataclasses.asdict(cfg), "machine_before": machine()}
     out["clusters"] = []
     for members in cfg.members:
@@ -500,6 +559,22 @@ def run(cfg: BenchControlPlaneConfig, progress: Callable[[str], None]) -> dict[s
         r["loadavg_after"] = list(os.getloadavg())
         out["clusters"].append(r)
         progress(format_row(r))
+    try:
+        costs = measure_costs()
+    except (ImportError, AttributeError) as exc:  # an older runtime lacks what it needs
+        progress(f"costs not measured: {exc}")
+        costs = {}
+    per_request = [
+        r["store_process_cpu_s_per_update"] / r["requests_per_update"]
+        for r in out["clusters"]
+        if r["store_process_cpu_s_per_update"] is not None and r["requests_per_update"]
+    ]
+    if per_request:
+        costs["control_request_s"] = per_request[-1]  # the largest cluster's
+    out["rates"] = costs
+    if len(costs) == 3:
+        for r in out["clusters"]:
+            r["model"] = model(r, costs)
     out["machine_after"] = machine()
     return out
 
