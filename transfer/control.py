@@ -133,12 +133,14 @@ def _probe(host: str, port: int, deadline: float) -> None:
     """
     delay = 0.01
     seen = "nothing listens there"
+    first = True
     while True:
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 and not first:
             raise TimeoutError(seen)
+        first = False
         try:
-            with socket.create_connection((host, port), timeout=remaining) as sock:
+            with socket.create_connection((host, port), timeout=max(remaining, 0.01)) as sock:
                 nonce = os.getpid() & 0xFFFFFFFF
                 sock.sendall(_VALIDATE + struct.pack("<BI", _PING_QUERY, nonce))
                 reply = b""
@@ -224,10 +226,10 @@ class ControlPlane:
         self.requests: collections.Counter[str] = collections.Counter()
         """Store requests this connection sent, by operation (`REQUESTS`)."""
         self._hosted: HostedStore | None = None
-        deadline = time.monotonic() + config.timeout_s
         try:
             if server:
-                # The store host takes the socket over (bound here: exactly this host).
+                # The store host takes the socket over (bound here: exactly this host). Its
+                # start, once per process, is bounded on its own (it imports torch).
                 self._hosted = host_store(
                     _listen(config.host, config.port),
                     config.host,
@@ -237,6 +239,7 @@ class ControlPlane:
                     ),
                     config.timeout_s,
                 )
+            deadline = time.monotonic() + config.timeout_s
             self._store = _connect(config, deadline)
         except (RuntimeError, OSError, TimeoutError) as exc:
             if self._hosted is not None:
@@ -254,7 +257,7 @@ class ControlPlane:
             value = nonce + self._hello_aead.encrypt(nonce, codec.to_msgpack(hello), full.encode())
             self._call("publishing 'hello'", "set", lambda: self._store.set(full, value))  # type: ignore[arg-type]
         else:
-            self.wait(["hello"], max(0.001, deadline - time.monotonic()))
+            self.wait(["hello"], max(1.0, deadline - time.monotonic()))
             raw = self._call("reading 'hello'", "get", lambda: self._store.get(full))
             try:
                 hello = codec.from_msgpack(Hello, self._open(self._hello_aead, full, b"", raw))

@@ -235,10 +235,18 @@ def _simulate(ns: argparse.Namespace) -> int:
         f"{rates.write_overhead_s * 1e6:g} us, per task {rates.task_overhead_s * 1e6:g} us"
     )
     print()
+    print(
+        f"control plane: round trip {rates.control_rtt_s * 1e6:g} us, store "
+        f"{rates.control_request_s * 1e6:g} us per request, controller "
+        f"{rates.control_message_s * 1e6:g} us per rank report"
+    )
+    print()
     print(f"{'':<30}{'schedule':>12}{'rank-0 broadcast':>20}")
-    print(f"{'predicted update':<30}{r.predicted_s:>11.3f}s{base.predicted_s:>19.3f}s")
-    print(f"{'lower bound':<30}{r.lower_bound_s:>11.3f}s")
-    print(f"{'efficiency (bound/predicted)':<30}{r.efficiency:>12.1%}")
+    print(f"{'predicted update':<30}{r.update_s:>11.3f}s{base.predicted_s:>19.3f}s")
+    print(f"{'  data plane':<30}{r.predicted_s:>11.3f}s")
+    print(f"{'  control plane':<30}{r.control_plane_s:>11.3f}s")
+    print(f"{'lower bound (data plane)':<30}{r.lower_bound_s:>11.3f}s")
+    print(f"{'efficiency (bound/data plane)':<30}{r.efficiency:>12.1%}")
     print()
     print("stage bounds:")
     for k, v in r.stage_bound_s.items():
