@@ -228,7 +228,7 @@ def run_cluster(
     """Build one cluster, run its updates, return the measured numbers."""
     import torch
 
-    from weight_transfer import pipeline
+    import weight_transfer.pipeline as pipeline
     from weight_transfer.backends.base import Transport, TransportConfig
     from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
     from weight_transfer.controller import Controller
@@ -253,7 +253,11 @@ def run_cluster(
     real_run = pipeline.Executor.run
     real_poll = Transport.poll
     real_event = Transport.completion_event
-    real_slice = pipeline._EVENT_SLICE_S
+    # Where the write loop's idle slice lives (a module of the pipeline package, or the old
+    # single module).
+    slice_home: Any = getattr(pipeline, "write", pipeline)
+    slice_name = "EVENT_SLICE_S" if hasattr(slice_home, "EVENT_SLICE_S") else "_EVENT_SLICE_S"
+    real_slice = getattr(slice_home, slice_name)
     slow = threading.local()
 
     def timed_run(self: Any, step: int, *args: Any, **kwargs: Any) -> Any:
@@ -284,7 +288,7 @@ def run_cluster(
     Transport.completion_event = slow_event  # type: ignore[method-assign]
     # An executor waiting on its writes wakes every 20 ms instead of every 0.1 ms, so that
     # hundreds of them do not take both cores (it still polls the control plane as before).
-    pipeline._EVENT_SLICE_S = 0.02
+    setattr(slice_home, slice_name, 0.02)
     undo = _install_counting()
     t_build = time.perf_counter()
     _as("controller", "controller")
@@ -420,7 +424,7 @@ def run_cluster(
         pipeline.Executor.run = real_run  # type: ignore[method-assign]
         Transport.poll = real_poll  # type: ignore[method-assign]
         Transport.completion_event = real_event  # type: ignore[method-assign]
-        pipeline._EVENT_SLICE_S = real_slice
+        setattr(slice_home, slice_name, real_slice)
         for s in senders:
             if s is not None:
                 s.close()

@@ -47,7 +47,7 @@ def max_rank_plan_bytes(schedule: Any, dests: Any) -> int:
     must fit one store value (`weight_transfer.control.MAX_VALUE_BYTES`)."""
     from weight_transfer.control import MAX_VALUE_BYTES  # noqa: F401 - the limit it must meet
     from weight_transfer.planner import codec
-    from weight_transfer.protocol import RankPlan
+    from weight_transfer.protocol import EnginePeer, RankPlan
 
     by_engine = {d.engine: d for d in dests}
     largest = 0
@@ -55,11 +55,17 @@ def max_rank_plan_bytes(schedule: Any, dests: Any) -> int:
         plan_msg = RankPlan(
             fingerprint=schedule.fingerprint,
             schedule=rs,
-            endpoints=tuple((e, bytes(64)) for e in rs.peers),
-            descriptors=tuple(
-                (e, tuple(r.descriptor for r in by_engine[e].regions)) for e in rs.peers
+            engines=tuple(
+                EnginePeer(
+                    name=e,
+                    endpoint=bytes(64),
+                    descriptors=tuple(
+                        r.descriptor for r in sorted(by_engine[e].regions, key=lambda r: r.index)
+                    ),
+                    version_region=by_engine[e].version_region,
+                )
+                for e in rs.peers
             ),
-            version_regions=tuple((e, by_engine[e].version_region) for e in rs.peers),
         )
         largest = max(largest, len(codec.to_msgpack(plan_msg)) + 28)  # nonce + tag
     return largest

@@ -43,6 +43,7 @@ from weight_transfer.protocol import (
     Digests,
     Done,
     EngineJoin,
+    EnginePeer,
     Failure,
     Go,
     PlanStage,
@@ -413,10 +414,14 @@ class Controller:
                     RankPlan(
                         fingerprint=new.schedule.fingerprint,
                         schedule=rs,
-                        endpoints=tuple((e, new.joins[e].endpoint) for e in rs.peers),
-                        descriptors=tuple((e, descriptors[e]) for e in rs.peers),
-                        version_regions=tuple(
-                            (e, new.joins[e].manifest.version_region) for e in rs.peers
+                        engines=tuple(
+                            EnginePeer(
+                                name=e,
+                                endpoint=new.joins[e].endpoint,
+                                descriptors=descriptors[e],
+                                version_region=new.joins[e].manifest.version_region,
+                            )
+                            for e in rs.peers
                         ),
                     ),
                 )
