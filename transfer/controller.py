@@ -482,8 +482,15 @@ class Controller:
             if n > 1:
                 self.control.put(f"{phase.verdict_key}/{step}", decision)
             return decision
+        verdict: list[tuple[str, object]] = []
         if phase is Phase.COMMITTED or not decision.ok or n > 1 or own is None:
-            self.control.put(f"{phase.verdict_key}/{step}", decision)
+            verdict.append((f"{phase.verdict_key}/{step}", decision))
+        if phase is Phase.COMMITTED or not decision.ok:
+            # The update is decided (a failed DONE verdict: no version word was written).
+            verdict += self._decided_now(decision, with_result=phase is Phase.DONE)
+            if phase is Phase.COMMITTED and decision.ok:
+                self._last_committed = step
+        self.control.put_many(verdict)  # one request: the verdict and the engines' keys
         if phase is Phase.DONE and n > 1:
             # Ends every rank's watch for another rank's failure (`abort/<step>`), unless a
             # failure is there already (after the verdict: off the commit's path).
@@ -492,29 +499,20 @@ class Controller:
             except ControlPlaneAuthError as exc:
                 log.warning("controller: %s", exc)
                 self.control.put(f"abort/{step}", Failure(message=""))
-        if phase is Phase.DONE and not decision.ok:
-            # No version word was written: the update is decided now (engines hear it).
-            self._decided_now(decision, with_result=True)
-        elif phase is Phase.COMMITTED:
-            if decision.ok:
-                self._last_committed = step
-            self._decided_now(decision, with_result=False)
         return decision
 
-    def _decided_now(self, decision: Decision, *, with_result: bool) -> None:
-        """Publish a decided update for the engines and forget the oldest past the window."""
+    def _decided_now(self, decision: Decision, *, with_result: bool) -> list[tuple[str, object]]:
+        """What to publish for the engines about a decided update; forgets the oldest
+        updates past the window."""
         prev = self._decided[-1][0] if self._decided else 0
-        items: list[tuple[str, object]] = [
-            (f"next/{prev}", decision),
-            ("latest", decision),
-        ]
+        items: list[tuple[str, object]] = [(f"next/{prev}", decision), ("latest", decision)]
         if with_result:
             items.append((f"result/{decision.step}", decision))
-        self.control.put_many(items)
         groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
         self._decided.append((decision.step, tuple(self.joins), groups))
         while len(self._decided) > _KEEP_STEPS:
             self._forget(*self._decided.popleft())
+        return items
 
     def forget_later(self, step: int, keys: Sequence[str]) -> None:
         """Delete `keys` with update `step`'s own keys, once it is old (see `_forget`)."""

@@ -187,6 +187,39 @@ def test_a_strangers_ready_key_does_not_release_go_while_the_engine_runs() -> No
         client.close()
 
 
+class _FailingVllm(_FakeVllm):
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        raise RuntimeError("injected: the worker refused the update")
+
+
+@pytest.mark.timeout(90)
+def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() -> None:
+    """rank 0 blocks in the store for the engines' announcements; vLLM's call failing first
+    must end that wait now, not at the update's timeout."""
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+
+    info = TrainerInitInfo(
+        rank=0,
+        world_size=1,
+        num_engines=1,
+        port=free_port(),
+        token=secrets.token_hex(16),
+        timeout_s=10,
+        update_timeout_s=60,
+    )
+    client = _FailingVllm(busy_s=0.0)
+    updater = OneSidedUpdater(info, _source(6), client)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError, match="ended before every engine was ready"):
+            updater.update(1)
+        assert time.monotonic() - t0 < 5
+        assert client.receivers[0].version == 0
+    finally:
+        updater.close()
+        client.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_planted_join_slot_claim_does_not_stall_replan() -> None:
     cp = _control(timeout_s=4)
