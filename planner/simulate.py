@@ -82,16 +82,17 @@ class Rates:
     task_overhead_s: float = 0.0
     """Host time to launch one task's preparation (gather, pack or quantize kernels) on the
     prepare stage; tasks whose writes all go straight from the shard pay nothing."""
-    control_rtt_s: float = 43e-6
+    control_rtt_s: float = 88e-6
     """One control-plane round trip between a member and the store (network and the store's
-    reply). Default: measured on loopback of the 2-core CPU machine (`bench control-plane`);
-    a fabric's TCP round trip replaces it."""
-    control_request_s: float = 8.6e-6
-    """Store CPU per request it serves (one thread serves them all, in turn). Default:
-    measured (`bench control-plane`: the store process's CPU over the requests it served)."""
-    control_message_s: float = 29e-6
+    reply). Default: measured on loopback of the shared 2-core CPU machine, 2026-12
+    (`bench control-plane`, median of 2000); a fabric's TCP round trip replaces it."""
+    control_request_s: float = 26e-6
+    """Store CPU per request it serves, its wake-ups of waiting members included (one thread
+    serves them all, in turn). Default: measured at 256 + 128 members (`bench control-plane`:
+    the store process's CPU over the requests it served)."""
+    control_message_s: float = 57e-6
     """Controller CPU per rank report it reads (authenticate, decrypt, decode). Default:
-    measured (`bench control-plane`)."""
+    measured (`bench control-plane`, median of 2000)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

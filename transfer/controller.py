@@ -232,11 +232,7 @@ class Controller:
                     f"join within {t:.0f} s"
                 )
             self.sources = [got.values[f"trainer/{r}"].manifest for r in range(n)]
-            self._read_joins(
-                lambda: len(self._latest) >= m,
-                time.monotonic() + t,
-                lambda: f"controller: {len(self._latest)} of {m} engines joined within {t:.0f} s",
-            )
+            self._wait_for_engines(m)
             new = self._plan_for(0, [j for _, j in self._latest.values()])
         except (PlanMismatchError, WeightTransferError) as exc:
             self._stage(0, "result", plan_failure(0, exc))
@@ -245,6 +241,15 @@ class Controller:
         self._adopt(new)
         self._stage(0, "result", PlanStage(epoch=0, ok=True, error="", wait_s=0.0))
         return new.schedule
+
+    def _wait_for_engines(self, m: int) -> None:
+        """Wait for `m` engines to join; fail at once if a member was refused for its token."""
+        t = self.control.config.timeout_s
+        self._read_joins(
+            lambda: len(self._latest) >= m,
+            time.monotonic() + t,
+            lambda: f"controller: {len(self._latest)} of {m} engines joined within {t:.0f} s",
+        )
 
     def _read_joins(
         self, done: Callable[[], bool], deadline: float, what: Callable[[], str]
