@@ -396,6 +396,11 @@ class Controller:
         self._pending = new
         return new.schedule
 
+    @property
+    def newest_schedule(self) -> Schedule | None:
+        """The schedule of the newest plan made: a re-plan being built, else the current one."""
+        return self._pending.schedule if self._pending is not None else self.schedule
+
     def switch(self, epoch: int, own: Done, timeout_s: float) -> Decision:
         """Decide whether every rank switches to re-plan `epoch` (all built it) or all keep
         the current plan; adopt it here if so. `own`: the hosting rank's build report."""

@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key, stage_key
+from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -81,6 +83,17 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
         return t.full_tensor()
     local = local_part(t)
     return local if device is None else local.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Built:
+    """One plan built on one transport: what `WeightSender.replan` switches to or discards."""
+
+    executor: Executor
+    source_regions: list[Any]
+    """Zero-copy registrations of the trainer's shards on that transport."""
+    delta: DeltaSession | None
+    """Delta mode's state of that plan (None when off)."""
 
 
 class _FailureWatch:
@@ -210,8 +223,13 @@ class WeightSender:
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
         self._watch: _FailureWatch | None = None
+        self._delta: DeltaSession | None = None
+        self._patch_bytes = 0
+        self.delta_stats: DeltaStats | None = None
+        """What delta mode did in the last update (mode, why, bytes), or None when off; the
+        same as that update's `UpdateStats.delta`."""
         try:
-            self._executor, self._source_regions = self._build(rp, self._transport)
+            self._adopt(self._build(rp, self._transport))
             if world_size > 1:
                 self._watch = _FailureWatch(
                     self._control, 2 * self.config.update_timeout_s + self._control.config.timeout_s
@@ -289,7 +307,7 @@ class WeightSender:
             self.controller.replan(engines=engines, rejoined=rejoined)
         rp = self._fetch_plan(epoch)
         transport = create_transport(self._transport_config)
-        built: tuple[Executor, list[Any]] | None = None
+        built: _Built | None = None
         error = ""
         cause: BaseException | None = None
         try:
@@ -319,7 +337,7 @@ class WeightSender:
         self._release_plan()
         self._transport.close()
         self._transport = transport
-        self._executor, self._source_regions = built
+        self._adopt(built)
         self._plan_epoch = epoch
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
@@ -330,23 +348,34 @@ class WeightSender:
     _plan_epoch = 0
     """The plan this rank runs (`epoch` counts plans made, failed ones included)."""
 
+    def _adopt(self, built: _Built) -> None:
+        """Run `built` from the next update on."""
+        self._executor = built.executor
+        self._source_regions = built.source_regions
+        self._delta = built.delta
+
     @staticmethod
-    def _discard(built: tuple[Executor, list[Any]] | None, transport: Transport) -> None:
+    def _discard(built: _Built | None, transport: Transport) -> None:
         """Release a plan built beside the current one that is not switched to."""
         if built is not None:
-            built[0].close()
+            built.executor.close()
+            if built.delta is not None:
+                built.delta.close()
         transport.close()
 
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
+            self._delta = None
         for region in self._source_regions:
             self._transport.deregister(region)
         self._source_regions = []
         for peer in list(self._transport.peers):
             self._transport.disconnect(peer)
 
-    def _build(self, rp: RankPlan, transport: Transport) -> tuple[Executor, list[Any]]:
+    def _build(self, rp: RankPlan, transport: Transport) -> _Built:
         """This rank's executor of plan `rp` on `transport` (which it connects and registers
         into), and the zero-copy source regions it registered."""
         zero_copy = {
@@ -381,6 +410,29 @@ class WeightSender:
         descriptors = {
             e.name: [RegionDescriptor.from_bytes(b) for b in e.descriptors] for e in rp.engines
         }
+        plain = transport
+        delta = None
+        if self.config.delta.enabled:
+            # A new plan starts from a full update: the snapshot is made anew.
+            delta = DeltaSession(
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config.delta,
+                schedule=rp.schedule,
+                transport=plain,
+                descriptors=descriptors,
+                version_regions={e.name: e.version_region for e in rp.engines},
+                control=self._control,
+                device=self.device,
+                writers=None
+                if self.controller is None or self.controller.newest_schedule is None
+                else {
+                    e: [r.rank for r in self.controller.newest_schedule.ranks if e in r.peers]
+                    for e in self.controller.newest_schedule.engines
+                },
+            )
+            # The pipeline is unchanged; its writes pass through the delta layer.
+            transport = typing.cast(Transport, DeltaTransport(plain, delta))
         executor = Executor(
             rank=self.rank,
             schedule=rp.schedule,
@@ -395,8 +447,10 @@ class WeightSender:
                 f"group/{self._current_step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
+            # Kernels writing straight into mapped engine memory would bypass the delta layer.
+            mapped_writes=not self.config.delta.enabled,
         )
-        return executor, source_regions
+        return _Built(executor=executor, source_regions=source_regions, delta=delta)
 
     _current_step = 0
 
@@ -436,6 +490,8 @@ class WeightSender:
         decision = self._decide(step, Phase.DONE, done, timeout)
         if not decision.ok:
             self._last_step = step
+            if self._delta is not None:
+                self._delta.failed()
             raise WeightTransferError(
                 f"update {step} failed, no engine advanced: {decision.error}"
             ) from ran.cause
@@ -454,15 +510,22 @@ class WeightSender:
         result = self._decide(step, Phase.COMMITTED, committed, timeout)
         self._last_step = step
         if not result.ok:
+            if self._delta is not None:
+                self._delta.failed()
             self._roll_back(step, timeout)
             raise WeightTransferError(
                 f"update {step}: version words not all written: {result.error}"
             ) from written.cause
         self._committed_step = step
         assert ran.stats is not None
+        delta_stats = None
+        if self._delta is not None:
+            delta_stats = self.delta_stats = self._delta.stats(self._patch_bytes)
+            self._delta.committed(step, self._patch_bytes)
         t_end = time.perf_counter()
         stats = dataclasses.replace(
             ran.stats,
+            delta=delta_stats,
             phases=UpdatePhases(
                 go_s=t0 - t_go,
                 done_s=t_done - t_exec,
@@ -486,7 +549,11 @@ class WeightSender:
         """This rank's writes of the update (the executor); any failure is caught, logged and
         returned, since every rank must hear of it before anyone raises."""
         cp = self._control
+        self._patch_bytes = 0
         try:
+            if self._delta is not None:
+                # Mode of this update; waits until the engines applied the last delta.
+                self._delta.begin(step, time.monotonic() + timeout_s)
             stats = self._executor.run(
                 step,
                 timeout_s,
@@ -496,6 +563,8 @@ class WeightSender:
                     f"abort/{step}", Failure(message=self._describe(exc))
                 ),
             )
+            if self._delta is not None:
+                self._patch_bytes = self._delta.post_patches(step, time.monotonic() + timeout_s)
         except Exception as exc:  # any stage, any exception: every rank must hear of it
             if isinstance(exc, UpdateAbortedError):
                 log.info("trainer rank %d: %s", self.rank, exc)
@@ -581,6 +650,8 @@ class WeightSender:
         if self._watch is not None:
             self._watch.close()
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
         self._transport.close()
 
     def __enter__(self) -> WeightSender:
