@@ -30,6 +30,10 @@ Pure: no clocks, no I/O. `simulate` replays a `Schedule` on a described cluster:
 The lower bound is the busiest resource: bytes over bandwidth of the busiest trainer NIC,
 engine NIC and NVLink, and the busiest GPU's host-to-device and preparation time. The rank-0
 broadcast baseline (`broadcast_baseline`) is modelled in closed form beside it.
+
+The control plane ("go", the commit's two phases, the result reaching every member) is added
+in closed form (`control_plane_s`) from measured round-trip, store and controller costs:
+`SimResult.update_s` is the whole update.
 """
 
 from __future__ import annotations
@@ -86,6 +90,17 @@ class Rates:
     task_overhead_s: float = 0.0
     """Host time to launch one task's preparation (gather, pack or quantize kernels) on the
     prepare stage; tasks whose writes all go straight from the shard pay nothing."""
+    control_rtt_s: float = 88e-6
+    """One control-plane round trip between a member and the store (network and the store's
+    reply). Default: measured on loopback of the shared 2-core CPU machine, 2026-12
+    (`bench control-plane`, median of 2000); a fabric's TCP round trip replaces it."""
+    control_request_s: float = 26e-6
+    """Store CPU per request it serves, its wake-ups of waiting members included (one thread
+    serves them all, in turn). Default: measured at 256 + 128 members (`bench control-plane`:
+    the store process's CPU over the requests it served)."""
+    control_message_s: float = 57e-6
+    """Controller CPU per rank report it reads (authenticate, decrypt, decode). Default:
+    measured (`bench control-plane`, median of 2000)."""
     diff_gb_per_s: float = 1000.0
     """Delta updates: engine-format bytes one trainer GPU compares with its snapshot and
     encodes per second (reads both; an assumption until the H200 measurement, docs/delta.md)."""
@@ -188,6 +203,9 @@ class SimResult:
     """Largest temporary memory in flight on one rank."""
     stall_s: float
     """Longest time a rank waited for memory to be admitted."""
+    control_plane_s: float = 0.0
+    """The update's control plane on its critical path (`control_plane_s`): "go", the two
+    commit phases and the result reaching every member."""
     mode: str = "full"
     """"full", or "delta" when simulated with a `DeltaDensity`."""
     apply_s: float = 0.0
@@ -202,6 +220,55 @@ class SimResult:
     def efficiency(self) -> float:
         """lower bound / predicted."""
         return self.lower_bound_s / self.predicted_s if self.predicted_s else 1.0
+
+    @property
+    def update_s(self) -> float:
+        """The whole update as `WeightSender.update` returns it: data plane plus control plane."""
+        return self.predicted_s + self.control_plane_s
+
+
+REPORTS_PER_READ = 64
+"""Rank reports the controller reads per request (`transfer.control._MULTI_GET_KEYS`)."""
+
+
+def control_plane_s(num_trainer_ranks: int, num_engines: int, rates: Rates) -> float:
+    """The control plane's share of one update's critical path (sum of `control_plane_phases`)."""
+    return sum(control_plane_phases(num_trainer_ranks, num_engines, rates).values())
+
+
+def control_plane_phases(
+    num_trainer_ranks: int, num_engines: int, rates: Rates
+) -> dict[str, float]:
+    """The control plane's phases of one update on its critical path (`transfer.controller`).
+
+    With n trainer ranks and m engines, h = rtt / 2 one way, r = the store's time per request,
+    c = the controller's time per report:
+
+    - go: rank 0 writes `go/k`; the store wakes the n - 1 waiting ranks and serves their reads
+      (2 (n - 1) requests in turn): 4 h + 2 (n - 1) r for the last rank.
+    - done, then committed (twice): the last rank's report reaches the store (h), which wakes
+      the controller (h); the controller reads all reports, 64 per read, each read a wait and
+      a multi_get (2 rtt, and the store serialises n values: n r), checks each (c), and writes
+      its verdict, which wakes and serves every waiting member: the n - 1 ranks after done,
+      the n - 1 ranks and m engines after committed (4 h + 2 (n - 1 [+ m]) r).
+
+    The version words themselves are data-plane writes (`write_latency_s`). Work off the
+    path (deletes, the watches' ends) is not counted.
+    """
+    n, m = num_trainer_ranks, num_engines
+    if n < 1 or m < 0:
+        raise ValueError("num_trainer_ranks must be >= 1 and num_engines >= 0")
+    rtt, r, c = rates.control_rtt_s, rates.control_request_s, rates.control_message_s
+    if n == 1:
+        # One rank: no go, no reports to read; the result still reaches the engines.
+        return {"go": 0.0, "done": 0.0, "committed": 2 * rtt + 2 * m * r}
+    reads = -(-(n - 1) // REPORTS_PER_READ)
+    phase = rtt + reads * 2 * rtt + n * r + (n - 1) * c
+    return {
+        "go": 2 * rtt + 2 * (n - 1) * r,
+        "done": phase + 2 * rtt + 2 * (n - 1) * r,
+        "committed": phase + 2 * rtt + 2 * (n - 1 + m) * r,
+    }
 
 
 @dataclasses.dataclass(slots=True)
@@ -359,7 +426,8 @@ def simulate(
         fair=links == "fair",
     )
     sim.run(progress)
-    result = sim.result()
+    control = control_plane_s(schedule.num_ranks, len(schedule.engines), rates)
+    result = dataclasses.replace(sim.result(), control_plane_s=control)
     if delta is None:
         return result
     patch_per_engine: dict[str, int] = defaultdict(int)
@@ -973,6 +1041,8 @@ __all__ = [
     "Spread",
     "binomial_broadcast_s",
     "broadcast_baseline",
+    "control_plane_phases",
+    "control_plane_s",
     "funnel_baseline",
     "load_rates",
     "rates_from_mapping",

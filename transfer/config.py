@@ -78,8 +78,17 @@ class ControlPlaneConfig:
     """Longest any control-plane wait may take (joining, manifests, signals)."""
     session: str = "default"
     """Namespace of keys, so several transfers can share one store."""
+    store_memory_bytes: int = 1 << 30
+    """Most memory the store's process (the controller's side) may hold in values; past it the
+    store refuses writes. Size it to the schedule: every rank's part is stored once."""
+    store_max_connections: int = 4096
+    """Most connections the store serves at once (each member holds one or two)."""
 
     def __post_init__(self) -> None:
+        if self.store_memory_bytes <= 0:
+            raise ValueError("store_memory_bytes must be positive")
+        if self.store_max_connections <= 0:
+            raise ValueError("store_max_connections must be positive")
         if not self.host:
             raise ValueError("control plane host must be non-empty")
         if not 0 < self.port < 65536:

@@ -16,6 +16,7 @@ from torch import nn
 
 from weight_transfer.backends.base import (
     ConfigurationError,
+    ControlPlaneAuthError,
     Region,
     RegionRole,
     Transport,
@@ -47,8 +48,6 @@ from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
 from weight_transfer.verify import name_key, position_digest, region_position
 
 log = logging.getLogger(__name__)
-
-_DECISION_POLL_S = 0.05
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -103,13 +102,12 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
+        self._heard = 0  # newest update whose outcome this engine read (`wait_for_version`)
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
         self._last_digest = 0
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first, _ = self._control.claim(
-            f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
-        )
+        first = self._claim_name()
         if rejoin and first:
             raise ConfigurationError(
                 f"engine {engine!r} cannot rejoin: it never joined this control plane session"
@@ -134,8 +132,29 @@ class WeightReceiver:
             self._transport.name,
         )
 
+    def _claim_name(self) -> bool:
+        """Claim this engine's name; True if no member had it.
+
+        Raises:
+            ControlPlaneAuthError: a stranger's value holds the name.
+        """
+        key = f"engine/{self.engine}"
+        first, holder = self._control.claim(
+            key, Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )
+        if not first and holder is None:
+            raise ControlPlaneAuthError(
+                f"engine {self.engine!r}: control message "
+                f"{self._control.full_key('claim/' + key)!r} failed authentication: someone "
+                "without the token claimed this name first"
+            )
+        return first
+
     def _publish_join(self) -> None:
-        """Claim the next free join slot and publish the manifest and endpoint in it."""
+        """Claim the next free join slot and publish the manifest and endpoint in it.
+
+        A slot a stranger's value holds is skipped (the controller skips it too).
+        """
         slot = 0
         while not self._control.claim(
             f"engine_slot/{slot}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
@@ -170,12 +189,10 @@ class WeightReceiver:
         # The old session's results are gone with it: what the word reads now is what this
         # engine last received.
         self._known_complete = self.version
+        self._heard = 0  # the new session's updates are heard of from its start
         self._control.close()
         self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
-        first, _ = self._control.claim(
-            f"engine/{self.engine}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
-        )
-        if not first:
+        if not self._claim_name():
             raise ConfigurationError(
                 f"engine {self.engine!r} is already registered in that control plane session "
                 "(the controller did not restart; a restarted engine passes rejoin=True)"
@@ -295,66 +312,78 @@ class WeightReceiver:
     def wait_for_version(self, step: int, timeout_s: float) -> int:
         """Block until update `step` (or a later one) is complete; returns the version seen.
 
-        While waiting it also watches the control plane (every `_DECISION_POLL_S`), so a failed
-        update is reported here as soon as the controller decides it, with the controller's
-        message naming the failed rank or peer.
+        The wait blocks in the control plane on the controller's verdicts, so a failed update
+        is reported here as soon as the controller decides it, with the controller's message
+        naming the failed rank or peer. Each verdict is read once: `result/<v>` when this
+        engine's version word already reads v, else `next/<u>`, the update decided after the
+        last one u this engine heard of (so a step the trainers skip ends the wait with the
+        next update). Two to four store requests per update; none while nothing happens.
 
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
             WeightTransferError: the controller aborted update `step` (this engine's version
-                did not advance).
+                did not advance), or rolled it back.
             PeerLostError: the controller is gone.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         deadline = time.monotonic() + timeout_s
-        next_check = time.monotonic()
+        if self.version < step and self._heard == 0:
+            # A member new to the session (joined late, or `join_new_session`) starts from
+            # the newest decided update: the first links of the chain may be deleted already.
+            # Later, the version word tells how far the trainers got (`result/<v>`).
+            try:
+                if self._control.exists("latest"):
+                    self._hear(self._control.get("latest", Decision, 1.0), step)
+            except TransportTimeoutError:
+                pass
         while True:
             v = self.version
-            if v >= step and self._confirmed(v, step):
+            if v >= step and v <= self._known_complete:
                 return v
-            if time.monotonic() >= next_check:
-                self._raise_if_aborted(step)
-                next_check = time.monotonic() + _DECISION_POLL_S
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            key = f"result/{v}" if v > self._heard else f"next/{self._heard}"
+            try:
+                decision = self._control.get(key, Decision, max(0.001, remaining))
+            except TransportTimeoutError:
                 raise TransportTimeoutError(
                     f"engine {self.engine!r}: update {step} not complete after {timeout_s:.1f} s "
-                    f"(version is {v})"
-                )
-            time.sleep(0.0005)
+                    f"(version is {self.version})"
+                ) from None
+            self._hear(decision, step)
 
-    def _confirmed(self, v: int, step: int) -> bool:
-        """True once the controller's result for update `v` says every version word was
-        written; raises if it says the update failed (its words are being set back)."""
-        if v <= self._known_complete:
-            return True
-        if not self._control.exists(f"result/{v}"):
-            time.sleep(0.0005)
-            return False
-        decision = self._control.get(f"result/{v}", Decision)
+    def _hear(self, decision: Decision, step: int) -> None:
+        """Take the controller's verdict on an update (`wait_for_version` waits for `step`).
+
+        An update that succeeded is confirmed here once this engine's version word reads it
+        (an update this engine is not part of, say after it left the plan, is only noted).
+        """
+        self._heard = max(self._heard, decision.step)
+        v = self.version
         if not decision.ok:
+            if decision.step != step:
+                return  # another update failed: keep waiting for this one
+            if v >= decision.step:
+                raise WeightTransferError(
+                    f"engine {self.engine!r}: update {decision.step} failed while its version "
+                    f"words were written and is rolled back (waiting for {step}): "
+                    f"{decision.error}"
+                )
             raise WeightTransferError(
-                f"engine {self.engine!r}: update {v} failed while its version words were "
-                f"written and is rolled back (waiting for {step}): {decision.error}"
+                f"engine {self.engine!r}: update {decision.step} failed and was not applied "
+                f"(version stays {v}): {decision.error}"
             )
-        self._known_complete = v
+        if v < decision.step or decision.step <= self._known_complete:
+            return
+        self._known_complete = decision.step
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).
-            self._control.put(f"seen/{self.engine}", Seen(engine=self.engine, step=v))
+            self._control.put(f"seen/{self.engine}", Seen(engine=self.engine, step=decision.step))
         except WeightTransferError as exc:
-            log.debug("engine %r: could not acknowledge update %d: %s", self.engine, v, exc)
-        return True
-
-    def _raise_if_aborted(self, step: int) -> None:
-        for key in (f"commit/{step}", f"result/{step}"):
-            if self._control.exists(key):
-                decision = self._control.get(key, Decision)
-                if not decision.ok:
-                    raise WeightTransferError(
-                        f"engine {self.engine!r}: update {step} failed and was not applied "
-                        f"(version stays {self.version}): {decision.error}"
-                    )
+            log.debug(
+                "engine %r: could not acknowledge update %d: %s", self.engine, decision.step, exc
+            )
 
     @property
     def applied_version(self) -> int:

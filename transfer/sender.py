@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
+import threading
 import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -15,19 +17,20 @@ import torch
 from torch import nn
 
 from weight_transfer.backends.base import (
+    PlanMismatchError,
     RegionDescriptor,
     RegionRole,
     Transport,
     TransportConfig,
+    TransportTimeoutError,
     UpdateAbortedError,
     WeightTransferError,
     create_transport,
 )
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.controller import Controller, Phase, plan_key, stage_key
 from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
-from weight_transfer.errors import PlanMismatchError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -37,7 +40,15 @@ from weight_transfer.pipeline import (
     trace_events,
 )
 from weight_transfer.planner.types import SliceWrite
-from weight_transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
+from weight_transfer.protocol import (
+    Decision,
+    Done,
+    Failure,
+    Go,
+    PlanStage,
+    RankPlan,
+    TrainerJoin,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +83,63 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
         return t.full_tensor()
     local = local_part(t)
     return local if device is None else local.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Built:
+    """One plan built on one transport: what `WeightSender.replan` switches to or discards."""
+
+    executor: Executor
+    source_regions: list[Any]
+    """Zero-copy registrations of the trainer's shards on that transport."""
+    delta: DeltaSession | None
+    """Delta mode's state of that plan (None when off)."""
+
+
+class _FailureWatch:
+    """Hears another trainer rank's failure of the update in flight, for `Executor.run`.
+
+    One thread and one connection of the rank's own: it blocks in the store on
+    `abort/<step>`, which the first failing rank publishes, or the controller (an empty
+    message) once every rank reported the update. The executor's frequent checks read a
+    dictionary: per update this is one wait and one read, whatever the update's length.
+    """
+
+    def __init__(self, control: ControlPlane, timeout_s: float) -> None:
+        self._control = control.clone(f"{control.member} (failure watch)")
+        self._timeout_s = timeout_s
+        self._steps: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._failures: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, name="wt-failure-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: int) -> Callable[[], str | None]:
+        """Start watching update `step`; the returned check gives the failure, once heard."""
+        self._steps.put(step)
+        failures = self._failures
+        return lambda: failures.get(step)
+
+    def _run(self) -> None:
+        while True:
+            step = self._steps.get()
+            if step is None:
+                return
+            for old in [s for s in self._failures if s < step - 16]:
+                del self._failures[old]
+            try:
+                report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
+            except WeightTransferError as exc:  # the update itself reports what went wrong
+                log.debug("%s: %s", self._control.member, exc)
+                continue
+            if report.message:
+                self._failures[step] = report.message
+
+    def close(self) -> None:
+        """Stop (a wait in progress ends with its update or its timeout)."""
+        self._steps.put(None)
+        self._thread.join(0.1)
+        if not self._thread.is_alive():
+            self._control.close()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,6 +202,7 @@ class WeightSender:
             if controller
             else ControlPlane(control, server=False, member=f"trainer rank {rank}")
         )
+        self._transport_config = transport
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, float, Any]] = []
@@ -152,46 +221,84 @@ class WeightSender:
                 raise
         self.epoch = 0
         """Number of the plan this rank runs (counts up with `replan`)."""
-        rp = self._fetch_plan(0, self._control.config.timeout_s)
+        rp = self._fetch_plan(0)
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
+        self._watch: _FailureWatch | None = None
         self._delta: DeltaSession | None = None
         self._patch_bytes = 0
         self.delta_stats: DeltaStats | None = None
         """What delta mode did in the last update (mode, why, bytes), or None when off; the
         same as that update's `UpdateStats.delta`."""
         try:
-            self._executor = self._build(rp)
+            self._adopt(self._build(rp, self._transport))
+            if world_size > 1:
+                self._watch = _FailureWatch(
+                    self._control, 2 * self.config.update_timeout_s + self._control.config.timeout_s
+                )
         except BaseException:
             self._transport.close()
             raise
 
-    def _fetch_plan(self, epoch: int, timeout_s: float) -> RankPlan:
-        keys = [plan_key(epoch, f"schedule/{self.rank}"), plan_key(epoch, "plan_error")]
-        key = self._control.wait_any(keys, timeout_s)
-        if key == keys[1]:
-            failure = self._control.get(key, Failure)
+    def _fetch_plan(self, epoch: int) -> RankPlan:
+        """This rank's part of plan `epoch`, once the controller published it.
+
+        Waits for the controller's `started` stage (it begins planning), then for its `result`
+        as long as the controller said it may wait for members to join, plus the planning. A
+        rank that gives up publishes its own outcome of the stage with a compare-and-set, so
+        the controller and every rank see the same one.
+
+        Raises:
+            PlanMismatchError / WeightTransferError: the plan failed (every rank alike).
+            TransportTimeoutError: the controller did not answer in time.
+        """
+        t = self._control.config.timeout_s
+        started = self._stage(epoch, "started", t, "start")
+        if not started.ok:
+            raise WeightTransferError(started.error)
+        result = self._stage(epoch, "result", started.wait_s + t, "finish")
+        if not result.ok:
             # The store lives in the controller's process, which lingers for this before its
             # caller (who may exit on the error) goes on.
             self._control.put(
                 plan_key(epoch, f"plan_error_seen/{self.rank}"),
                 Done(rank=self.rank, step=epoch, ok=False, error="", nbytes=0, seconds=0.0),
             )
-            if failure.problems:
-                raise PlanMismatchError(failure.problems)
-            raise WeightTransferError(failure.message)
-        return self._control.get(key, RankPlan)
+            if result.problems:
+                raise PlanMismatchError(result.problems)
+            raise WeightTransferError(result.error)
+        return self._control.get(plan_key(epoch, f"schedule/{self.rank}"), RankPlan, t)
+
+    def _stage(self, epoch: int, stage: str, timeout_s: float, verb: str) -> PlanStage:
+        key = stage_key(epoch, stage)
+        try:
+            return self._control.get(key, PlanStage, timeout_s)
+        except TransportTimeoutError:
+            mine = PlanStage(
+                epoch=epoch,
+                ok=False,
+                error=(
+                    f"trainer rank {self.rank} gave up waiting for plan {epoch} to {verb} "
+                    f"after {timeout_s:.0f} s"
+                ),
+                wait_s=0.0,
+            )
+            first = self._control.put_first(key, mine, PlanStage)
+            return first if first is not None else mine
 
     def replan(self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()) -> None:
         """Switch to a new plan after engines restarted, joined or left. Collective.
 
         Every trainer rank calls it between updates with the same arguments; the rank hosting
         the `Controller` waits for the named engines to (re)join and plans (`Controller.replan`),
-        the others wait for their part. Then each rank drops its connections, staging memory and
-        registrations of the old plan and connects to the new plan's engines. The next `update`
-        uses the new plan; its step must still be larger than the last one.
+        the others wait for their part. Then every rank builds the new plan beside the one it
+        runs (a transport of its own: connections, staging memory and registrations), reports
+        whether it could, and the controller decides: if every rank built it, all switch to it
+        and release the old one; otherwise all release the new one and keep running the old.
+        The next `update` uses whichever plan was kept; its step must still be larger than the
+        last one. While both exist a rank holds two staging arenas.
 
         Args:
             engines: engine names of the new plan (default: the current ones).
@@ -199,26 +306,76 @@ class WeightSender:
 
         Raises:
             TransportTimeoutError: an engine did not (re)join in time (every rank raises).
-            PlanMismatchError / WeightTransferError: the new plan failed (every rank raises);
-                the sender keeps its old plan and can retry.
+            PlanMismatchError / WeightTransferError: the new plan failed, or a rank could not
+                build it (every rank raises, naming it); the sender keeps its old plan and can
+                retry.
         """
         epoch = self.epoch + 1
         self.epoch = epoch  # a failed plan uses up its number too, on every rank alike
+        cp = self._control
         if self.controller is not None:
             try:
                 self.controller.replan(engines=engines, rejoined=rejoined)
             except WeightTransferError:
                 self.controller.linger_for_plan_error(epoch, self.rank)
                 raise
-        # Non-controller ranks wait while the controller waits for joins, plus the planning.
-        rp = self._fetch_plan(epoch, 2 * self._control.config.timeout_s)
+        rp = self._fetch_plan(epoch)
+        transport = create_transport(self._transport_config)
+        built: _Built | None = None
+        error = ""
+        cause: BaseException | None = None
+        try:
+            built = self._build(rp, transport)
+        except Exception as exc:  # reported, so every rank keeps the old plan
+            cause = exc
+            error = self._describe(exc)
+            log.error("trainer rank %d: building plan %d failed: %s", self.rank, epoch, error)
+        report = Done(rank=self.rank, step=epoch, ok=not error, error=error, nbytes=0, seconds=0.0)
+        t = cp.config.timeout_s
+        try:
+            if self.controller is not None:
+                decision = self.controller.switch(epoch, report, t)
+            else:
+                cp.put(f"built/{epoch}/{self.rank}", report)
+                decision = cp.get(f"switch/{epoch}", Decision, 2 * t)
+        except BaseException:
+            self._discard(built, transport)
+            raise
+        if not decision.ok:
+            self._discard(built, transport)
+            raise WeightTransferError(
+                f"plan {epoch} not adopted (every rank keeps plan {self._plan_epoch}): "
+                f"{decision.error}"
+            ) from cause
+        assert built is not None
         self._release_plan()
+        self._transport.close()
+        self._transport = transport
+        self._adopt(built)
+        self._plan_epoch = epoch
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
-        self._executor = self._build(rp)
         log.info(
             "trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks)
         )
+
+    _plan_epoch = 0
+    """The plan this rank runs (`epoch` counts plans made, failed ones included)."""
+
+    def _adopt(self, built: _Built) -> None:
+        """Run `built` from the next update on."""
+        self._executor = built.executor
+        self._source_regions = built.source_regions
+        self._delta = built.delta
+
+    @staticmethod
+    def _discard(built: _Built | None, transport: Transport) -> None:
+        """Release a plan built beside the current one that is not switched to."""
+        if built is not None:
+            built.executor.close()
+            if built.delta is not None:
+                built.delta.close()
+        transport.close()
 
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
@@ -232,14 +389,17 @@ class WeightSender:
         for peer in list(self._transport.peers):
             self._transport.disconnect(peer)
 
-    def _build(self, rp: RankPlan) -> Executor:
+    def _build(self, rp: RankPlan, transport: Transport) -> _Built:
+        """This rank's executor of plan `rp` on `transport` (which it connects and registers
+        into), and the zero-copy source regions it registered."""
         zero_copy = {
             w.source
-            for t in self.schedule.tasks
+            for t in rp.schedule.tasks
             for w in t.writes
             if isinstance(w, SliceWrite) and w.zero_copy
         }
         regions: dict[tuple[str, int], Any] = {}
+        source_regions: list[Any] = []
         bindings: dict[str, SourceBinding] = {}
         for name, p in self._params.items():
             local = local_part(p)
@@ -248,10 +408,10 @@ class WeightSender:
                 s = local.untyped_storage()
                 key = (str(local.device), s.data_ptr())
                 if key not in regions:
-                    regions[key] = self._transport.register(
+                    regions[key] = transport.register(
                         storage_view(s, local.device), role=RegionRole.SOURCE
                     )
-                    self._source_regions.append(regions[key])
+                    source_regions.append(regions[key])
                 region = regions[key]
             bindings[name] = SourceBinding(
                 param=p,
@@ -260,35 +420,36 @@ class WeightSender:
                 storage_ptr=local.untyped_storage().data_ptr(),
             )
         for engine in rp.engines:
-            self._transport.connect(engine.name, engine.endpoint)
+            transport.connect(engine.name, engine.endpoint)
         descriptors = {
             e.name: [RegionDescriptor.from_bytes(b) for b in e.descriptors] for e in rp.engines
         }
-        transport: Transport = self._transport
+        plain = transport
+        delta = None
         if self.config.delta.enabled:
             # A new plan starts from a full update: the snapshot is made anew.
-            self._delta = DeltaSession(
+            delta = DeltaSession(
                 rank=self.rank,
                 world_size=self.world_size,
                 config=self.config.delta,
-                schedule=self.schedule,
-                transport=self._transport,
+                schedule=rp.schedule,
+                transport=plain,
                 descriptors=descriptors,
                 version_regions={e.name: e.version_region for e in rp.engines},
                 control=self._control,
                 device=self.device,
                 writers=None
-                if self.controller is None or self.controller.schedule is None
+                if self.controller is None or self.controller.newest_schedule is None
                 else {
-                    e: [r.rank for r in self.controller.schedule.ranks if e in r.peers]
-                    for e in self.controller.schedule.engines
+                    e: [r.rank for r in self.controller.newest_schedule.ranks if e in r.peers]
+                    for e in self.controller.newest_schedule.engines
                 },
             )
             # The pipeline is unchanged; its writes pass through the delta layer.
-            transport = typing.cast(Transport, DeltaTransport(self._transport, self._delta))
-        return Executor(
+            transport = typing.cast(Transport, DeltaTransport(plain, delta))
+        executor = Executor(
             rank=self.rank,
-            schedule=self.schedule,
+            schedule=rp.schedule,
             transport=transport,
             sources=bindings,
             descriptors=descriptors,
@@ -303,6 +464,7 @@ class WeightSender:
             # Kernels writing straight into mapped engine memory would bypass the delta layer.
             mapped_writes=not self.config.delta.enabled,
         )
+        return _Built(executor=executor, source_regions=source_regions, delta=delta)
 
     _current_step = 0
 
@@ -480,15 +642,10 @@ class WeightSender:
         return text if text.startswith(who) else f"{who}: {text}"
 
     def _peer_failure(self, step: int) -> Callable[[], str | None]:
-        """For `Executor.run`: another rank's failure report for `step`, if one was published."""
-        key = f"abort/{step}"
-
-        def check() -> str | None:
-            if not self._control.exists(key):
-                return None
-            return self._control.get(key, Failure).message
-
-        return check
+        """For `Executor.run`: another rank's failure report for `step`, once one was published
+        (heard by a blocking wait on a second connection: the executor's checks cost nothing)."""
+        assert self._watch is not None
+        return self._watch.watch(step)
 
     def trace_events(self) -> list[dict[str, Any]]:
         """Chrome/Perfetto events of the recent updates on this rank, one after another on one
@@ -504,6 +661,8 @@ class WeightSender:
 
     def close(self) -> None:
         """Release registrations and connections."""
+        if self._watch is not None:
+            self._watch.close()
         self._executor.close()
         if self._delta is not None:
             self._delta.close()

@@ -11,8 +11,9 @@ below for an in-process `vllm.LLM`). `OneSidedUpdater` maps them onto this proje
    worker builds a `WeightReceiver` over its live model and joins; then every trainer rank
    builds its `WeightSender` (the controller plans once the engines have joined);
 2. per update k: rank 0 calls `start_weight_update`, then `update_weights({"version": k})` on a
-   thread: inside that call every vLLM worker announces that it is ready and blocks (bounded)
-   until its version word reads k. Only when every worker is ready does rank 0 post "go k", so
+   thread: inside that call every vLLM worker announces that it is ready (a sealed value naming
+   it and k) and blocks (bounded) until its version word reads k. Only when every worker's
+   announcement is read and authenticated does rank 0 post "go k", so
    every one-sided write lands while each worker's only thread is inside that call and no
    forward pass runs (vLLM runs a worker's RPCs and its model steps on one thread, in order).
    `finish_weight_update(str(k))` then re-runs vLLM's processing where it derives kernel
@@ -44,7 +45,12 @@ from weight_transfer.config import (
     SenderConfig,
 )
 from weight_transfer.controller import Controller
-from weight_transfer.errors import ConfigurationError, TransportTimeoutError, WeightTransferError
+from weight_transfer.errors import (
+    ConfigurationError,
+    ControlPlaneAuthError,
+    TransportTimeoutError,
+    WeightTransferError,
+)
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
 
@@ -53,8 +59,6 @@ log = logging.getLogger(__name__)
 BACKEND = "weight_transfer"
 """The name this project's engines are registered under with vLLM (`WeightTransferConfig`)."""
 
-_READY_POLL_S = 0.01
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ready:
@@ -62,6 +66,9 @@ class Ready:
 
     step: int
     engine: str
+    aborted: bool = False
+    """Written by trainer rank 0 itself when vLLM's `update_weights` ended before every
+    engine was ready: it ends rank 0's wait (the update fails)."""
 
 
 def ready_key(step: int, engine: str) -> str:
@@ -472,16 +479,24 @@ class OneSidedUpdater:
 
     def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
         errors: list[BaseException] = []
+        waiting = threading.Event()
+        waiting.set()
+        engines = self.engines
 
         def receive() -> None:
             try:
                 client.update_weights({"version": step, "timeout_s": timeout})
             except BaseException as exc:  # reported by the caller's thread
                 errors.append(exc)
+            if waiting.is_set():
+                self._end_ready_wait(step, engines)
 
         th = threading.Thread(target=receive, name=f"wt-vllm-update-{step}", daemon=True)
         th.start()
-        self._wait_ready(step, th, errors, timeout)
+        try:
+            self._wait_ready(step, engines, errors, timeout)
+        finally:
+            waiting.clear()
         try:
             stats = self.sender.update(step)
         finally:
@@ -494,30 +509,60 @@ class OneSidedUpdater:
             raise WeightTransferError(f"update {step}: vLLM's update_weights failed: {errors[0]}")
         return stats
 
-    def _wait_ready(
-        self, step: int, th: threading.Thread, errors: list[BaseException], timeout_s: float
-    ) -> None:
+    def _end_ready_wait(self, step: int, engines: list[str]) -> None:
+        """vLLM's `update_weights` ended before every engine was ready: mark every engine's
+        ready key aborted (on a connection of its own: the waiting thread blocks on the
+        controller's), which ends `_wait_ready` at once."""
         assert self.controller is not None
-        cp = self.controller.control
-        engines = self.engines
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [e for e in engines if not cp.exists(ready_key(step, e))]
-            if not missing:
-                for e in engines:
-                    cp.delete(ready_key(step, e))
-                return
-            if errors or not th.is_alive():
-                th.join(1.0)
-                raise WeightTransferError(
-                    f"update {step}: vLLM's update_weights ended before every engine was "
-                    f"ready: {errors[0] if errors else 'no error reported'}"
-                )
-            if time.monotonic() > deadline:
-                raise TransportTimeoutError(
-                    f"update {step}: engine(s) {missing} not ready within {timeout_s:.0f} s"
-                )
-            time.sleep(_READY_POLL_S)
+        try:
+            cp = self.controller.control.clone("controller (vLLM update thread)")
+        except WeightTransferError as exc:
+            log.warning("update %d: could not end the wait for ready engines: %s", step, exc)
+            return
+        try:
+            cp.put_many(
+                [(ready_key(step, e), Ready(step=step, engine=e, aborted=True)) for e in engines]
+            )
+        finally:
+            cp.close()
+
+    def _wait_ready(
+        self, step: int, engines: list[str], errors: list[BaseException], timeout_s: float
+    ) -> None:
+        """Block until every engine announced it is inside `update_weights` for `step`.
+
+        One blocking wait for all their keys, then one read per 64: each value must be
+        authentic and name its engine and this step (a key's existence proves nothing).
+
+        Raises:
+            WeightTransferError: vLLM's `update_weights` ended first.
+            ControlPlaneAuthError: an announcement is not authentic by the deadline.
+            TransportTimeoutError: an engine was not ready in time (named).
+        """
+        assert self.controller is not None
+        keys = {ready_key(step, e): e for e in engines}
+        self.controller.forget_later(step, list(keys))
+        got = self.controller.control.collect(
+            list(keys),
+            Ready,
+            timeout_s,
+            accept=lambda k, r: r.step == step and r.engine == keys[k],
+        )
+        if errors or any(r.aborted for r in got.values.values()):
+            raise WeightTransferError(
+                f"update {step}: vLLM's update_weights ended before every engine was "
+                f"ready: {errors[0] if errors else 'no error reported'}"
+            )
+        if got.refused:
+            raise ControlPlaneAuthError(
+                f"update {step}: the ready announcement(s) {sorted(got.refused)} are not "
+                f"authentic: {next(iter(got.refused.values()))}"
+            )
+        if got.missing:
+            raise TransportTimeoutError(
+                f"update {step}: engine(s) {[keys[k] for k in got.missing]} not ready within "
+                f"{timeout_s:.0f} s"
+            )
 
     def close(self) -> None:
         """Release the sender (and the control plane on rank 0)."""

@@ -421,7 +421,11 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     # asserted separately below.
     deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline and not (0 in rep["trainer"] and 0 in rep["engine"]):
+        # Rank 0 reports "untouched" right after its outcome: wait for that too (the engine's
+        # report can come first now that it hears the failure at once).
+        while time.monotonic() < deadline and not (
+            0 in rep["trainer"] and 0 in rep["engine"] and 0 in rep["untouched"]
+        ):
             got = launch.get(timeout_s=0.2)
             if got is None:
                 continue

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -505,52 +504,44 @@ def test_every_member_configured_by_its_own_hosts_file(backend: str, tmp_path: P
             path.write_text(_host_toml(backend, cluster.ips[0], port))
             paths.append(str(path))
         ctx = mp.get_context("spawn")
-        inbox = ReportInbox(ctx)
         checked = ctx.Event()
-        procs = {
-            "trainer0": ctx.Process(
-                target=toml_trainer_proc,
-                args=(cluster.hosts[0], paths[0], token, 0, 2, checked, inbox.reporter()),
-            ),
-            "trainer1": ctx.Process(
-                target=toml_trainer_proc,
-                args=(cluster.hosts[1], paths[1], token, 1, 2, checked, inbox.reporter()),
-            ),
-            **{
-                f"engine{r}": ctx.Process(
-                    target=toml_engine_proc,
-                    args=(cluster.hosts[2], paths[2], token, r, inbox.reporter()),
-                )
-                for r in range(NUM_ENGINES)
-            },
-        }
-        for p in procs.values():
-            p.start()
-        inbox.started()
+        launch = Launch(
+            [
+                Child(
+                    "trainer0",
+                    toml_trainer_proc,
+                    (cluster.hosts[0], paths[0], token, 0, 2, checked),
+                ),
+                Child(
+                    "trainer1",
+                    toml_trainer_proc,
+                    (cluster.hosts[1], paths[1], token, 1, 2, checked),
+                ),
+                *(
+                    Child(f"engine{r}", toml_engine_proc, (cluster.hosts[2], paths[2], token, r))
+                    for r in range(NUM_ENGINES)
+                ),
+            ]
+        )
         reports: list[tuple[Any, ...]] = []
         deadline = time.monotonic() + 240
         try:
+            launch.start()
             while len(reports) < 4 + 2 * 2 + 2 * NUM_ENGINES and time.monotonic() < deadline:
-                got = inbox.get(timeout=0.2)
+                got = launch.get(timeout_s=0.2)
                 if got is None:
-                    if any(p.exitcode not in (None, 0) for p in procs.values()):
+                    if launch.failure() is not None:
                         break
                     continue
-                reports.append(tuple(got))
+                reports.append(tuple(got[1]))
                 engines_at_1 = [r for r in reports if r[0] == "engine" and r[2] == 1]
                 if len(engines_at_1) == NUM_ENGINES:
                     checked.set()
         finally:
             checked.set()
-            codes = {}
-            for name, p in procs.items():
-                p.join(60)
-                if p.is_alive():
-                    p.kill()
-                    p.join(10)
-                codes[name] = p.exitcode
+            codes = launch.close(grace_s=60)
         ips = cluster.ips
-    assert codes == dict.fromkeys(procs, 0), (codes, reports)
+    assert codes == dict.fromkeys(launch.names, 0), (codes, reports, launch.tracebacks)
     bound = {(r[1], r[2]): (r[3], r[4]) for r in reports if r[0] == "bound"}
     assert bound == {
         ("trainer", 0): (ips[0], ips[0]),
@@ -591,14 +582,15 @@ VLLM_PROMPTS = [[1, 5, 9, 33, 71, 2, 640, 18], [7, 300, 999, 4, 12]]
 
 class _ProxyClient:
     """Trainer rank 0's handle on the engine host's vLLM: each phase is run there (as vLLM's
-    HTTP routes would run it), over a pipe between the namespaces."""
+    HTTP routes would run it), over its launcher pipe; the test relays each call to the engine
+    host and its answer back."""
 
-    def __init__(self, req: Any, resp: Any) -> None:
-        self.req, self.resp = req, resp
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
 
     def _call(self, *msg: Any) -> None:
-        self.req.put(msg)
-        kind, value = self.resp.get(timeout=600)
+        self.channel.put(msg)
+        kind, value = self.channel.get(600)
         if kind == "err":
             raise RuntimeError(value)
 
@@ -655,7 +647,7 @@ def _vllm_outputs(llm: Any) -> list[tuple[list[int], list[float]]]:
     return result
 
 
-def vllm_host_proc(ns: str, model_dir: str, req: Any, resp: Any, out: Any) -> None:
+def vllm_host_proc(ns: str, model_dir: str, channel: Any) -> None:
     """The engine host: a vLLM engine with the plug-in, serving trainer rank 0's phases; then a
     fresh vLLM engine on the trainer's checkpoint, the oracle."""
     enter_host(ns)
@@ -665,23 +657,23 @@ def vllm_host_proc(ns: str, model_dir: str, req: Any, resp: Any, out: Any) -> No
     before = _vllm_outputs(llm)
     client = LLMWeightSyncClient(llm)
     while True:
-        msg = req.get(timeout=600)
+        msg = channel.get(600)
         if msg[0] == "check":
             got = _vllm_outputs(llm)
             version = llm.llm_engine.get_weight_version()
-            resp.put(("ok", None))
+            channel.put(("ok", None))
             break
         try:
             getattr(client, msg[1])(*msg[2])
-            resp.put(("ok", None))
+            channel.put(("ok", None))
         except Exception as exc:  # handed to trainer rank 0, which fails
-            resp.put(("err", f"{type(exc).__name__}: {exc}"))
+            channel.put(("err", f"{type(exc).__name__}: {exc}"))
     llm.llm_engine.engine_core.shutdown()
     del llm
     fresh = _start_vllm(msg[1], backend=False)
     want = _vllm_outputs(fresh)
     fresh.llm_engine.engine_core.shutdown()
-    out.put(("result", version, got == want, got != before))
+    channel.put(("result", version, got == want, got != before))
 
 
 def vllm_trainer_proc(
@@ -694,8 +686,7 @@ def vllm_trainer_proc(
     token: str,
     model_dir: str,
     ckpt: str,
-    req: Any,
-    resp: Any,
+    channel: Any,
 ) -> None:
     """An FSDP2 trainer rank in the trainers' namespace: one AdamW step, one update."""
     enter_host(ns)
@@ -735,15 +726,15 @@ def vllm_trainer_proc(
             timeout_s=300,
             transport="tcp",
         )
-        updater = OneSidedUpdater(info, model, _ProxyClient(req, resp) if rank == 0 else None)
+        updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
         updater.update(1)
         full = {n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()}
         if rank == 0:
             os.makedirs(ckpt)
             save_file(full, os.path.join(ckpt, "model.safetensors"))
             sh.copy(os.path.join(model_dir, "config.json"), os.path.join(ckpt, "config.json"))
-            req.put(("check", ckpt))
-            kind, value = resp.get(timeout=600)
+            channel.put(("check", ckpt))
+            kind, value = channel.get(600)
             assert kind == "ok", value
         dist.barrier()
         updater.close()
@@ -767,49 +758,50 @@ def test_vllm_engine_in_its_own_namespace(two_hosts: dict[str, str], tmp_path: P
     model_dir = tmp_path / "llama"
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**VLLM_LLAMA)).float().save_pretrained(model_dir)
-    ctx = mp.get_context("spawn")
-    req, resp, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     port, token = 29_700, secrets.token_hex(16)
-    procs = [
-        ctx.Process(target=vllm_host_proc, args=(h["b"], str(model_dir), req, resp, out)),
-        *(
-            ctx.Process(
-                target=vllm_trainer_proc,
-                args=(
-                    h["a"],
-                    h["ip_a"],
-                    r,
-                    2,
-                    29_500,
-                    port,
-                    token,
-                    str(model_dir),
-                    str(tmp_path / "step1"),
-                    req,
-                    resp,
-                ),
-            )
-            for r in range(2)
-        ),
-    ]
-    for p in procs:
-        p.start()
+    launch = Launch(
+        [
+            Child("vllm", vllm_host_proc, (h["b"], str(model_dir))),
+            *(
+                Child(
+                    f"trainer{r}",
+                    vllm_trainer_proc,
+                    (
+                        h["a"],
+                        h["ip_a"],
+                        r,
+                        2,
+                        29_500,
+                        port,
+                        token,
+                        str(model_dir),
+                        str(tmp_path / "step1"),
+                    ),
+                )
+                for r in range(2)
+            ),
+        ]
+    )
     result = None
     deadline = time.monotonic() + 800
     try:
+        launch.start()
         while result is None and time.monotonic() < deadline:
-            try:
-                result = out.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
+            got = launch.get(timeout_s=1.0)
+            if got is None:
+                if launch.failure() is not None:
                     break
+                continue
+            who, msg = got
+            if who == "vllm" and msg[0] == "result":
+                result = tuple(msg)
+            elif who == "vllm":  # an answer: back to the trainer rank that asked
+                launch.send("trainer0", msg)
+            else:  # trainer rank 0's call: to the engine host
+                launch.send("vllm", msg)
     finally:
-        for p in procs:
-            p.join(120)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
+        codes = launch.close(grace_s=120)
+    assert codes == dict.fromkeys(launch.names, 0), (codes, launch.tracebacks)
     assert result is not None
     kind, version, equal_to_fresh, changed = result
     assert kind == "result" and version == "1"

@@ -916,9 +916,7 @@ def _mismatched_trainer(
     token: str,
     model_dir: str,
     intermediate_size: int,
-    req: Any,
-    resp: Any,
-    out: Any,
+    channel: Any,
 ) -> None:
     """A trainer rank whose Qwen3 has another MLP width than the engine's: report what
     `OneSidedUpdater` raised (type and problems)."""
@@ -935,12 +933,12 @@ def _mismatched_trainer(
         rank=rank, world_size=world, num_engines=1, port=cp_port, token=token, timeout_s=120
     )
     try:
-        updater = OneSidedUpdater(info, model, _ProxyClient(req, resp) if rank == 0 else None)
+        updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
     except Exception as exc:
-        out.put((rank, type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
+        channel.put(("outcome", type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
         return
     updater.close()
-    out.put((rank, "no error", []))
+    channel.put(("outcome", "no error", []))
 
 
 class TestQwen3Tied:
@@ -999,43 +997,35 @@ class TestQwen3Tied:
         before = _generate(llm)
         version = llm.llm_engine.get_weight_version()
         client = LLMWeightSyncClient(llm)
-        ctx = mp.get_context("spawn")
-        req, resp, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
         cp_port, token = _free_port(), secrets.token_hex(16)
-        procs = [
-            ctx.Process(
-                target=_mismatched_trainer,
-                args=(r, 2, cp_port, token, str(d), 896, req, resp, out),
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
+        launch = Launch(
+            [
+                Child(f"trainer{r}", _mismatched_trainer, (r, 2, cp_port, token, str(d), 896))
+                for r in range(2)
+            ]
+        )
         reports: dict[int, Any] = {}
         deadline = time.monotonic() + 300
         try:
+            launch.start()
             while len(reports) < 2 and time.monotonic() < deadline:
-                try:
-                    msg = req.get(timeout=0.2)
-                except queue.Empty:
-                    while not out.empty():
-                        r, kind, probs = out.get()
-                        reports[r] = (kind, probs)
-                    if any(p.exitcode not in (None, 0) for p in procs):
+                got = launch.get(timeout_s=0.2)
+                if got is None:
+                    if launch.failure() is not None:
                         break
+                    continue
+                who, msg = got
+                if msg[0] == "outcome":
+                    reports[int(who.removeprefix("trainer"))] = (msg[1], msg[2])
                     continue
                 try:
                     getattr(client, msg[1])(*msg[2])
-                    resp.put(("ok", None))
+                    launch.send(who, ("ok", None))
                 except Exception as exc:
-                    resp.put(("err", f"{type(exc).__name__}: {exc}"))
+                    launch.send(who, ("err", f"{type(exc).__name__}: {exc}"))
         finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-                    p.join(10)
-        assert [p.exitcode for p in procs] == [0, 0]
+            codes = launch.close(grace_s=60)
+        assert codes == {"trainer0": 0, "trainer1": 0}, (codes, launch.tracebacks)
         want = []
         for i in range(QWEN3_TIED["num_hidden_layers"]):
             m = f"model.layers.{i}.mlp."

@@ -414,6 +414,36 @@ def test_funnel_grows_with_trainer_ranks_and_pays_the_tree() -> None:
     assert times[0] < times[1] < times[2]
 
 
+def test_control_plane_is_part_of_the_predicted_update() -> None:
+    """The update's control plane, computed by hand for 3 ranks and 2 engines, is added to the
+    data plane's prediction (`update_s`), and stays linear in the members."""
+    from weight_transfer.planner.simulate import control_plane_phases, control_plane_s
+
+    rates = Rates(control_rtt_s=100e-6, control_request_s=10e-6, control_message_s=20e-6)
+    n, m, rtt, req, msg = 3, 2, 100e-6, 10e-6, 20e-6
+    # go: the write and the woken ranks' reads (2 rtt), the store serving 2 (n - 1) requests.
+    go = 2 * rtt + 2 * (n - 1) * req
+    # each commit phase: report in and wake-up (rtt), one wait + multi_get (2 rtt), n values,
+    # n - 1 reports checked, then the verdict's fan-out (2 rtt + 2 requests per woken member).
+    phase = rtt + 2 * rtt + n * req + (n - 1) * msg
+    done = phase + 2 * rtt + 2 * (n - 1) * req
+    committed = phase + 2 * rtt + 2 * (n - 1 + m) * req
+    assert control_plane_phases(n, m, rates) == pytest.approx(
+        {"go": go, "done": done, "committed": committed}
+    )
+    b = 10 * MB
+    sched = schedule_of(
+        [[direct(r, r, [slice_write(f"e{r % 2}", b, offset=(r // 2) * b)])] for r in range(n)],
+        ("e0", "e1"),
+    )
+    r = simulate(sched, sources_of(n), {"e0": "a", "e1": "b"}, rates, memory_budget_bytes=1 << 30)
+    assert r.control_plane_s == pytest.approx(go + done + committed)
+    assert r.update_s == pytest.approx(r.predicted_s + r.control_plane_s)
+    # 256 + 128 members cost about twice 128 + 64 (no term grows faster than the members).
+    big, half = control_plane_s(256, 128, Rates()), control_plane_s(128, 64, Rates())
+    assert 1.5 < big / half < 2.1
+
+
 def test_delta_update_by_hand() -> None:
     """A delta of one 40 MB BF16 write at 2% density: the patch's bytes over the NIC after the
     diff, then the engine's apply; computed here from the wire format's definition."""
