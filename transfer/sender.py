@@ -25,6 +25,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.errors import UpdateInProgressError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -150,6 +151,8 @@ class WeightSender:
         self.fingerprint = rp.fingerprint
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
+        self._outlived: list[Executor] = []
+        """Executors of earlier plans whose prepare thread still runs."""
         try:
             self._executor = self._build(rp)
         except BaseException:
@@ -197,6 +200,10 @@ class WeightSender:
 
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
+        if self._executor.busy() is not None:
+            # Its prepare thread still runs (it outlived a failed update): the new plan's
+            # updates are refused until it ends, as the old plan's were.
+            self._outlived.append(self._executor)
         self._executor.close()
         for region in self._source_regions:
             self._transport.deregister(region)
@@ -246,13 +253,11 @@ class WeightSender:
             device=self.device,
             memory_budget_bytes=self.config.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
-            barrier=lambda g: self._control.barrier(
-                f"group/{self._current_step}/{g}", self.world_size, self.rank
+            barrier=lambda step, g: self._control.barrier(
+                f"group/{step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
         )
-
-    _current_step = 0
 
     def update(self, step: int) -> UpdateStats:
         """Send the current weights as update `step`. Collective: every trainer rank calls it.
@@ -265,6 +270,9 @@ class WeightSender:
 
         Raises:
             ValueError: `step` is not larger than the previous one.
+            UpdateInProgressError: refused on this rank: an earlier update's prepare thread
+                outlived its deadline and still runs (the other ranks raise
+                `WeightTransferError` naming this rank).
             WeightTransferError: this or another rank failed (message names them).
             TransportTimeoutError: a wait ran past `config.update_timeout_s`.
         """
@@ -272,7 +280,6 @@ class WeightSender:
             raise ValueError(
                 f"update step {step} must be larger than the previous ({self._last_step})"
             )
-        self._current_step = step
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
         self._go(step, timeout)
@@ -290,9 +297,10 @@ class WeightSender:
         decision = self._decide(step, Phase.DONE, done, timeout)
         if not decision.ok:
             self._last_step = step
-            raise WeightTransferError(
-                f"update {step} failed, no engine advanced: {decision.error}"
-            ) from ran.cause
+            message = f"update {step} failed, no engine advanced: {decision.error}"
+            if isinstance(ran.cause, UpdateInProgressError):  # this rank refused it
+                raise UpdateInProgressError(message) from ran.cause
+            raise WeightTransferError(message) from ran.cause
         # A commit verdict needs every rank's success, this one's too: `ran` holds no error.
         t_done = time.perf_counter()
         written = self._commit_versions(step, timeout)
@@ -340,7 +348,16 @@ class WeightSender:
         """This rank's writes of the update (the executor); any failure is caught, logged and
         returned, since every rank must hear of it before anyone raises."""
         cp = self._control
+        self._outlived = [ex for ex in self._outlived if ex.busy() is not None]
         try:
+            if self._outlived:
+                refused = UpdateInProgressError(
+                    f"trainer rank {self.rank}: update {step} refused: "
+                    f"{self._outlived[0].busy()} (before a re-plan) past its deadline; until "
+                    "it ends no update can start on this rank"
+                )
+                cp.put(f"abort/{step}", Failure(message=self._describe(refused)))
+                raise refused
             stats = self._executor.run(
                 step,
                 timeout_s,
