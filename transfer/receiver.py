@@ -29,6 +29,7 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
 from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.serving import ServingGate, ServingStatus
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,16 @@ class WeightReceiver:
     complete; the transport's own machinery (NIC, shared memory, receive thread of the `tcp`
     simulator) does the rest.
 
-    Not thread-safe; `version` and `wait_for_version` may be called from any thread.
+    Serving gate (`weight_transfer.serving`): writes land in place, so while an update is being
+    written, and after one that failed once its writes began, the tensors may mix two updates.
+    `serving` says whether the engine may serve now; `check_serving()` raises
+    `NotServingError` and `wait_serving(timeout_s)` blocks while it may not. The gate closes
+    when an update's window opens (`begin_update(k)`, or `wait_for_version(k)`), opens when
+    update k is complete (`wait_for_version` returns, or `end_update(k)` for an engine with
+    post-processing to do first), and stays closed (FAILED) after a failure until a later
+    update completes: a failed update is never rolled back, the next complete one repairs it.
+
+    Not thread-safe; `version`, `wait_for_version` and the gate may be called from any thread.
     """
 
     def __init__(
@@ -87,6 +97,8 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
+        self.gate = ServingGate()
+        """Whether the engine may serve now (see the class docstring)."""
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
         first, _ = self._control.claim(
             f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
@@ -263,12 +275,18 @@ class WeightReceiver:
         updates whose words were written on every engine."""
         return int(self._version_view[0].item())
 
-    def wait_for_version(self, step: int, timeout_s: float) -> int:
+    def wait_for_version(self, step: int, timeout_s: float, *, serve: bool = True) -> int:
         """Block until update `step` (or a later one) is complete; returns the version seen.
 
         While waiting it also watches the control plane (every `_DECISION_POLL_S`), so a failed
         update is reported here as soon as the controller decides it, with the controller's
         message naming the failed rank or peer.
+
+        The serving gate closes at the call (the update's writes may land from now on) and
+        opens when it returns (with `serve=False` it stays closed: the engine calls
+        `end_update` after its own post-processing). If it raises, the gate stays closed:
+        FAILED after a failure (the tensors may be mixed until a complete update lands),
+        UPDATING after a timeout (the update may still be arriving).
 
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
@@ -278,6 +296,68 @@ class WeightReceiver:
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        self.gate.begin(step)
+        try:
+            v = self._wait_for_version(step, timeout_s)
+        except TransportTimeoutError as exc:
+            self.gate.still_updating(step, str(exc))
+            raise
+        except BaseException as exc:
+            self.gate.fail(step, str(exc))
+            raise
+        if serve:
+            self.gate.commit(v)
+        return v
+
+    # -- the serving gate ----------------------------------------------------------------------
+
+    @property
+    def serving(self) -> ServingStatus:
+        """The serving gate now: state, the version served, and why not, if not."""
+        return self.gate.status
+
+    def check_serving(self) -> int:
+        """The version the engine may serve now.
+
+        Raises:
+            NotServingError: an update is being written, or one failed (the message says
+                which and why); serve nothing.
+        """
+        return self.gate.check()
+
+    def wait_serving(self, timeout_s: float) -> int:
+        """Block until the engine may serve; returns the version.
+
+        Raises:
+            TransportTimeoutError: the gate stayed closed for `timeout_s`.
+        """
+        return self.gate.wait_serving(timeout_s)
+
+    def begin_update(self, step: int) -> None:
+        """Close the gate for update `step` before telling the trainer this engine is ready
+        (`wait_for_version` closes it too; this is for an engine that pauses first)."""
+        self.gate.begin(step)
+
+    def end_update(self, step: int) -> None:
+        """Open the gate on update `step`, complete (after `wait_for_version(step, serve=False)`
+        and the engine's own post-processing).
+
+        Raises:
+            ValueError: update `step` was not confirmed complete.
+        """
+        if step > self._known_complete:
+            raise ValueError(
+                f"engine {self.engine!r}: update {step} is not complete (last complete: "
+                f"{self._known_complete})"
+            )
+        self.gate.commit(step)
+
+    def fail_update(self, step: int, reason: str) -> None:
+        """The engine's own part of update `step` failed (its post-processing): FAILED until a
+        later update completes."""
+        self.gate.fail(step, reason)
+
+    def _wait_for_version(self, step: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic()
         while True:
