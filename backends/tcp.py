@@ -251,11 +251,14 @@ class _Target:
 class _BatchState:
     """Completion state of one posted batch (handle.state); set by the link's threads."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "sent")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.sent = threading.Event()
+        """Set once the send thread no longer reads the batch's sources: sent, or skipped
+        because the link had failed, or abandoned when sending failed."""
 
 
 class _Link:
@@ -286,7 +289,9 @@ class _Link:
             if self.failure is not None:
                 raise PeerLostError(f"tcp: peer {self.peer!r} is lost: {self.failure}")
             self._pending[batch_id] = state
-        self._queue.put((batch_id, table, sources))
+            # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
+            # `failure` is set under it) then sees every batch queued before it.
+            self._queue.put((batch_id, table, sources, state))
         return state
 
     def _fail_all(self, error: BaseException) -> None:
@@ -299,6 +304,7 @@ class _Link:
             state.done.set()
 
     def _send_loop(self) -> None:
+        state: _BatchState | None = None
         try:
             while True:
                 item = self._queue.get()
@@ -306,30 +312,55 @@ class _Link:
                     # Graceful end: the listener answers everything sent so far, then EOF.
                     self.sock.shutdown(socket.SHUT_WR)
                     return
-                batch_id, table, sources = item
-                tag = _mac(self._conn_key, _SEQ.pack(self._seq), table)
-                self._seq += 1
-                views = [memoryview(table), memoryview(tag)]
-                host: list[tuple[int, int]] = []
-                for region, offset, nbytes in sources:
-                    if region.kind is MemoryKind.HOST:
-                        host.append((region.address + offset, nbytes))
-                        continue
-                    views += [host_view(a, n) for a, n in _coalesce(host)]
-                    host = []
-                    _send_views(self.sock, views)
-                    views = []
-                    for begin in range(offset, offset + nbytes, _CHUNK_BYTES):
-                        end = min(begin + _CHUNK_BYTES, offset + nbytes)
-                        self.sock.sendall(region.tensor[begin:end].cpu().numpy().data)
-                views += [host_view(a, n) for a, n in _coalesce(host)]
-                if views:
-                    _send_views(self.sock, views)
+                _, table, sources, state = item
+                if self.failure is not None:
+                    # The link failed (the ack reader saw the peer go) and this batch was
+                    # already failed with it: its sources are never read.
+                    state.sent.set()
+                    continue
+                self._send_batch(table, sources)
+                state.sent.set()
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r} while sending: {exc}"))
+            self._abandon_queued(state)
         except Exception as exc:  # never let the send thread die silently
             log.exception("tcp: send thread for peer %r failed", self.peer)
             self._fail_all(TransportError(f"tcp: sending to peer {self.peer!r} failed: {exc}"))
+            self._abandon_queued(state)
+
+    def _abandon_queued(self, current: _BatchState | None) -> None:
+        """The send thread ends on an error: the batch it was sending and every queued one
+        will not be read again (`failure` is set, so nothing more is queued)."""
+        if current is not None:
+            current.sent.set()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[3].sent.set()
+
+    def _send_batch(self, table: bytes, sources: list[tuple[Region, int, int]]) -> None:
+        """Frame, tag and payload of one batch (the payload straight from the sources)."""
+        tag = _mac(self._conn_key, _SEQ.pack(self._seq), table)
+        self._seq += 1
+        views = [memoryview(table), memoryview(tag)]
+        host: list[tuple[int, int]] = []
+        for region, offset, nbytes in sources:
+            if region.kind is MemoryKind.HOST:
+                host.append((region.address + offset, nbytes))
+                continue
+            views += [host_view(a, n) for a, n in _coalesce(host)]
+            host = []
+            _send_views(self.sock, views)
+            views = []
+            for begin in range(offset, offset + nbytes, _CHUNK_BYTES):
+                end = min(begin + _CHUNK_BYTES, offset + nbytes)
+                self.sock.sendall(region.tensor[begin:end].cpu().numpy().data)
+        views += [host_view(a, n) for a, n in _coalesce(host)]
+        if views:
+            _send_views(self.sock, views)
 
     def _read_loop(self) -> None:
         try:
@@ -717,6 +748,13 @@ class TcpTransport(Transport):
     def _completion_event(self, handle: WriteHandle) -> threading.Event:
         state: _BatchState = handle.state
         return state.done
+
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        # A batch fails as soon as the link does (the ack reader saw the peer go), while the
+        # send thread may still be sending it or have it queued: quiet once that thread is
+        # done with it (it skips the queued ones of a failed link).
+        state: _BatchState = handle.state
+        return state.sent.is_set()
 
     def _poll(self, handle: WriteHandle) -> bool:
         state: _BatchState = handle.state

@@ -30,12 +30,14 @@ from weight_transfer.controller import Controller
 from weight_transfer.errors import (
     ConfigurationError,
     ControlPlaneAuthError,
+    NotServingError,
     PeerLostError,
     PlanMismatchError,
     TransportError,
     TransportTimeoutError,
     TransportUnavailableError,
     UpdateAbortedError,
+    UpdateInProgressError,
     WeightTransferError,
 )
 from weight_transfer.manifest import allocate_engine_tensors
@@ -48,6 +50,7 @@ from weight_transfer.planner.presets.models import (
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
+from weight_transfer.serving import ServingGate, ServingState, ServingStatus
 
 __version__ = "0.1.0"
 
@@ -60,16 +63,21 @@ __all__ = [
     "ControllerConfig",
     "DeltaConfig",
     "ModelShape",
+    "NotServingError",
     "PeerLostError",
     "PlanMismatchError",
     "ReceiverConfig",
     "SenderConfig",
+    "ServingGate",
+    "ServingState",
+    "ServingStatus",
     "TransferConfig",
     "TransportConfig",
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
     "UpdateAbortedError",
+    "UpdateInProgressError",
     "WeightReceiver",
     "WeightSender",
     "WeightTransferError",

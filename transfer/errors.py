@@ -13,7 +13,9 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "NotServingError",
     "UpdateAbortedError",
+    "UpdateInProgressError",
     "WeightTransferError",
 ]
 
@@ -58,3 +60,13 @@ class ControlPlaneAuthError(WeightTransferError):
 
 class UpdateAbortedError(WeightTransferError):
     """This rank stopped an update because another rank failed (named in the message)."""
+
+
+class UpdateInProgressError(WeightTransferError):
+    """A new update was refused: a previous update's thread on this rank (named in the message,
+    with the collective it is blocked in) outlived its deadline and still runs."""
+
+
+class NotServingError(WeightTransferError):
+    """The engine's weights are not a complete update right now (an update is being written,
+    or one failed after its writes began): it must serve nothing until a complete one lands."""

@@ -45,6 +45,7 @@ from weight_transfer.planner.types import (
     numel,
 )
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.serving import ServingGate, ServingStatus
 from weight_transfer.verify import name_key, position_digest, region_position
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,16 @@ class WeightReceiver:
     complete; the transport's own machinery (NIC, shared memory, receive thread of the `tcp`
     simulator) does the rest.
 
-    Not thread-safe; `version` and `wait_for_version` may be called from any thread.
+    Serving gate (`weight_transfer.serving`): writes land in place, so while an update is being
+    written, and after one that failed once its writes began, the tensors may mix two updates.
+    `serving` says whether the engine may serve now; `check_serving()` raises
+    `NotServingError` and `wait_serving(timeout_s)` blocks while it may not. The gate closes
+    when an update's window opens (`begin_update(k)`, or `wait_for_version(k)`), opens when
+    update k is complete (`wait_for_version` returns, or `end_update(k)` for an engine with
+    post-processing to do first), and stays closed (FAILED) after a failure until a later
+    update completes: a failed update is never rolled back, the next complete one repairs it.
+
+    Not thread-safe; `version`, `wait_for_version` and the gate may be called from any thread.
     """
 
     def __init__(
@@ -106,6 +116,8 @@ class WeightReceiver:
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
         self._last_digest = 0
+        self.gate = ServingGate()
+        """Whether the engine may serve now (see the class docstring)."""
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
         first = self._claim_name()
         if rejoin and first:
@@ -309,7 +321,7 @@ class WeightReceiver:
         updates whose words were written on every engine."""
         return int(self._version_view[0].item())
 
-    def wait_for_version(self, step: int, timeout_s: float) -> int:
+    def wait_for_version(self, step: int, timeout_s: float, *, serve: bool = True) -> int:
         """Block until update `step` (or a later one) is complete; returns the version seen.
 
         The wait blocks in the control plane on the controller's verdicts, so a failed update
@@ -319,6 +331,12 @@ class WeightReceiver:
         last one u this engine heard of (so a step the trainers skip ends the wait with the
         next update). Two to four store requests per update; none while nothing happens.
 
+        The serving gate closes at the call (the update's writes may land from now on) and
+        opens when it returns (with `serve=False` it stays closed: the engine calls
+        `end_update` after its own post-processing). If it raises, the gate stays closed:
+        FAILED after a failure (the tensors may be mixed until a complete update lands),
+        UPDATING after a timeout (the update may still be arriving).
+
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
             WeightTransferError: the controller aborted update `step` (this engine's version
@@ -327,6 +345,68 @@ class WeightReceiver:
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        self.gate.begin(step)
+        try:
+            v = self._wait_for_version(step, timeout_s)
+        except TransportTimeoutError as exc:
+            self.gate.still_updating(step, str(exc))
+            raise
+        except BaseException as exc:
+            self.gate.fail(step, str(exc))
+            raise
+        if serve:
+            self.gate.commit(v)
+        return v
+
+    # -- the serving gate ----------------------------------------------------------------------
+
+    @property
+    def serving(self) -> ServingStatus:
+        """The serving gate now: state, the version served, and why not, if not."""
+        return self.gate.status
+
+    def check_serving(self) -> int:
+        """The version the engine may serve now.
+
+        Raises:
+            NotServingError: an update is being written, or one failed (the message says
+                which and why); serve nothing.
+        """
+        return self.gate.check()
+
+    def wait_serving(self, timeout_s: float) -> int:
+        """Block until the engine may serve; returns the version.
+
+        Raises:
+            TransportTimeoutError: the gate stayed closed for `timeout_s`.
+        """
+        return self.gate.wait_serving(timeout_s)
+
+    def begin_update(self, step: int) -> None:
+        """Close the gate for update `step` before telling the trainer this engine is ready
+        (`wait_for_version` closes it too; this is for an engine that pauses first)."""
+        self.gate.begin(step)
+
+    def end_update(self, step: int) -> None:
+        """Open the gate on update `step`, complete (after `wait_for_version(step, serve=False)`
+        and the engine's own post-processing).
+
+        Raises:
+            ValueError: update `step` was not confirmed complete.
+        """
+        if step > self._known_complete:
+            raise ValueError(
+                f"engine {self.engine!r}: update {step} is not complete (last complete: "
+                f"{self._known_complete})"
+            )
+        self.gate.commit(step)
+
+    def fail_update(self, step: int, reason: str) -> None:
+        """The engine's own part of update `step` failed (its post-processing): FAILED until a
+        later update completes."""
+        self.gate.fail(step, reason)
+
+    def _wait_for_version(self, step: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         if self.version < step and self._heard == 0:
             # A member new to the session (joined late, or `join_new_session`) starts from
@@ -391,7 +471,7 @@ class WeightReceiver:
         the engine ran its per-update work."""
         return self._applied
 
-    def apply_delta(self, step: int, timeout_s: float) -> ApplyStats:
+    def apply_delta(self, step: int, timeout_s: float, *, serve: bool = True) -> ApplyStats:
         """The one piece of per-update engine work in delta mode: wait until update `step` is
         complete (as `wait_for_version`), then apply the patches the trainer ranks wrote into
         this engine's patch region, in place, in the engine's own memory format (a scatter,
@@ -405,23 +485,32 @@ class WeightReceiver:
             TransportTimeoutError / WeightTransferError: as `wait_for_version` (nothing applied).
             PatchError: the patch region holds no valid patch of `step` against the version
                 this engine holds; nothing was written, the trainers are told (their next
-                update is full for this engine) and this engine must not serve until then.
+                update is full for this engine) and this engine must not serve until then
+                (its serving gate is FAILED).
+
+        The serving gate is handled as by `wait_for_version` (`serve=False`: the caller opens
+        it with `end_update` after its own post-processing).
         """
-        self.wait_for_version(step, timeout_s)
+        self.wait_for_version(step, timeout_s, serve=False)
         if self._patch is None:
             self._applied = step
+            if serve:
+                self.gate.commit(step)
             return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
         targets = [r.tensor for r in self._regions]
         try:
             stats = apply_patch_region(self._patch, targets, step, base_step=self._applied)
         except PatchError as exc:
             self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
+            self.gate.fail(step, str(exc))
             raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
         if self._patch.is_cuda:
             torch.cuda.synchronize(self._patch.device)
         self._applied = step
         self._publish_position_digest(step)
         self._ack(step, ok=True, error="")
+        if serve:
+            self.gate.commit(step)
         return stats
 
     def _publish_position_digest(self, step: int) -> None:

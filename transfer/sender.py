@@ -31,6 +31,7 @@ from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key, stage_key
 from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
+from weight_transfer.errors import UpdateInProgressError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -232,6 +233,8 @@ class WeightSender:
         self.delta_stats: DeltaStats | None = None
         """What delta mode did in the last update (mode, why, bytes), or None when off; the
         same as that update's `UpdateStats.delta`."""
+        self._outlived: list[Executor] = []
+        """Executors of earlier plans whose prepare thread still runs."""
         try:
             self._adopt(self._build(rp, self._transport))
             if world_size > 1:
@@ -379,6 +382,10 @@ class WeightSender:
 
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
+        if self._executor.busy() is not None:
+            # Its prepare thread still runs (it outlived a failed update): the new plan's
+            # updates are refused until it ends, as the old plan's were.
+            self._outlived.append(self._executor)
         self._executor.close()
         if self._delta is not None:
             self._delta.close()
@@ -457,16 +464,14 @@ class WeightSender:
             device=self.device,
             memory_budget_bytes=self.config.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
-            barrier=lambda g: self._control.barrier(
-                f"group/{self._current_step}/{g}", self.world_size, self.rank
+            barrier=lambda step, g: self._control.barrier(
+                f"group/{step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
             # Kernels writing straight into mapped engine memory would bypass the delta layer.
             mapped_writes=not self.config.delta.enabled,
         )
         return _Built(executor=executor, source_regions=source_regions, delta=delta)
-
-    _current_step = 0
 
     def update(self, step: int) -> UpdateStats:
         """Send the current weights as update `step`. Collective: every trainer rank calls it.
@@ -479,6 +484,9 @@ class WeightSender:
 
         Raises:
             ValueError: `step` is not larger than the previous one.
+            UpdateInProgressError: refused on this rank: an earlier update's prepare thread
+                outlived its deadline and still runs (the other ranks raise
+                `WeightTransferError` naming this rank).
             WeightTransferError: this or another rank failed (message names them).
             TransportTimeoutError: a wait ran past `config.update_timeout_s`.
         """
@@ -486,7 +494,6 @@ class WeightSender:
             raise ValueError(
                 f"update step {step} must be larger than the previous ({self._last_step})"
             )
-        self._current_step = step
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
         self._go(step, timeout)
@@ -506,9 +513,10 @@ class WeightSender:
             self._last_step = step
             if self._delta is not None:
                 self._delta.failed()
-            raise WeightTransferError(
-                f"update {step} failed, no engine advanced: {decision.error}"
-            ) from ran.cause
+            message = f"update {step} failed, no engine advanced: {decision.error}"
+            if isinstance(ran.cause, UpdateInProgressError):  # this rank refused it
+                raise UpdateInProgressError(message) from ran.cause
+            raise WeightTransferError(message) from ran.cause
         # A commit verdict needs every rank's success, this one's too: `ran` holds no error.
         t_done = time.perf_counter()
         written = self._commit_versions(step, timeout)
@@ -564,7 +572,16 @@ class WeightSender:
         returned, since every rank must hear of it before anyone raises."""
         cp = self._control
         self._patch_bytes = 0
+        self._outlived = [ex for ex in self._outlived if ex.busy() is not None]
         try:
+            if self._outlived:
+                refused = UpdateInProgressError(
+                    f"trainer rank {self.rank}: update {step} refused: "
+                    f"{self._outlived[0].busy()} (before a re-plan) past its deadline; until "
+                    "it ends no update can start on this rank"
+                )
+                cp.put(f"abort/{step}", Failure(message=self._describe(refused)))
+                raise refused
             if self._delta is not None:
                 # Mode of this update; waits until the engines applied the last delta.
                 self._delta.begin(step, time.monotonic() + timeout_s)

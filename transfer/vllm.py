@@ -19,6 +19,16 @@ below for an in-process `vllm.LLM`). `OneSidedUpdater` maps them onto this proje
    `finish_weight_update(str(k))` then re-runs vLLM's processing where it derives kernel
    state from the weights, and sets the weight version.
 
+Fail closed: once "go k" is posted, bytes of update k may be in the engine's memory, so if the
+update then fails anywhere (a trainer rank, a peer, vLLM's refresh) the engine must serve nothing
+until a complete update lands. `OneSidedUpdater` then calls the client's
+`fail_weight_update(reason)` instead of `abort_weight_update()` (which resumes serving and is
+called only for a failure before "go", when no byte was written): `LLMWeightSyncClient` keeps
+vLLM's scheduler paused (requests are accepted and held, none is scheduled) and reports
+`serving` FAILED; `get_weight_version()` still names the last complete update. The next update
+that completes resumes scheduling, and the held requests run on its weights. A client without
+`fail_weight_update` is left as the failed update left it (paused, if its start paused vLLM).
+
 Trainer processes without vLLM installed use this module directly with any client object (for
 example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm` wraps it as
 vLLM's `TrainerWeightTransferEngine` for those that have vLLM.
@@ -53,6 +63,7 @@ from weight_transfer.errors import (
 )
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
+from weight_transfer.serving import ServingGate, ServingStatus
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +305,13 @@ class LLMWeightSyncClient:
     resets vLLM's prefix cache (cached KV blocks were computed with the old weights) and sets the
     engine's weight version. Not thread-safe: one phase at a time.
 
+    Fail closed: after `fail_weight_update` (an update failed once its writes began) the
+    scheduler stays paused: `llm.generate` then holds its requests (it returns once a later
+    update completes, with that update's tokens), `serving` reads FAILED and `check_serving()`
+    raises `NotServingError`, so code that must not block can refuse instead. The next update
+    that finishes resumes scheduling. Restarting the engine also recovers (it loads its
+    checkpoint); waking the scheduler by hand (`llm.wake_up`) would serve the mixed weights.
+
     vLLM 0.26 has no weight version on its engine and no `shutdown_weight_transfer_engine` on
     its workers: there the version is kept by this client, and leaving the transfer happens when
     the engine shuts down (its workers shut their weight-transfer engine down then).
@@ -303,6 +321,22 @@ class LLMWeightSyncClient:
         """Args: llm: a `vllm.LLM` started with `weight_transfer_config={"backend": BACKEND}`."""
         self.llm = llm
         self._version = "0"
+        self._gate = ServingGate()
+        self._step = 0
+
+    @property
+    def serving(self) -> ServingStatus:
+        """Whether vLLM serves a complete update now (FAILED after `fail_weight_update`)."""
+        return self._gate.status
+
+    def check_serving(self) -> int:
+        """The update vLLM serves (0: the weights it started with).
+
+        Raises:
+            NotServingError: an update is being written, or one failed and vLLM holds its
+                requests until a complete update lands.
+        """
+        return self._gate.check()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every worker joins (vLLM worker method `init_weight_transfer_engine`)."""
@@ -314,11 +348,14 @@ class LLMWeightSyncClient:
         try:
             self.llm.collective_rpc("start_weight_update")
         except BaseException:
-            self.llm.wake_up(tags=["scheduling"])
+            if self._gate.serving:  # paused only for this update, which never began
+                self.llm.wake_up(tags=["scheduling"])
             raise
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Every worker waits (bounded) until the update's writes are complete."""
+        self._step = int(update_info["version"])
+        self._gate.begin(self._step)
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -332,11 +369,28 @@ class LLMWeightSyncClient:
                 if set_version is not None:  # vLLM 0.27 and later
                     set_version(weight_version)
         finally:
+            # The workers' refresh ran inside update_weights, which returned: complete.
+            self._gate.commit(self._step)
             self.llm.wake_up(tags=["scheduling"])
 
     def abort_weight_update(self) -> None:
-        """Resume scheduling after a failed update (the engine keeps its previous version)."""
-        self.llm.wake_up(tags=["scheduling"])
+        """The update failed before any byte was written ("go" never posted): resume
+        scheduling on the weights vLLM had, unless an earlier failure left them mixed."""
+        self._gate.reopen()
+        if self._gate.serving:
+            self.llm.wake_up(tags=["scheduling"])
+
+    def fail_weight_update(self, reason: str) -> None:
+        """The update failed after its writes may have begun: the weights may mix it with the
+        previous one. Scheduling stays paused (requests are held) until a complete update."""
+        self._gate.fail(self._step, reason)
+        log.error(
+            "vLLM holds its requests: update %d failed after its writes began and no complete "
+            "update has landed since (weight version stays %s): %s",
+            self._step,
+            self.get_weight_version(),
+            reason,
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Every worker leaves the transfer (inference goes on); on vLLM 0.26, which has no such
@@ -435,6 +489,7 @@ class OneSidedUpdater:
                 self.controller.close()
             raise
         self.last_step = 0
+        self._writing = False
 
     @property
     def engines(self) -> list[str]:
@@ -450,7 +505,9 @@ class OneSidedUpdater:
 
         Raises:
             WeightTransferError: vLLM refused a phase (its message), or the transfer failed
-                (the failing rank and peer named); the engine's version does not advance.
+                (the failing rank and peer named); the engine's version does not advance. A
+                failure once writes may have begun leaves vLLM paused, serving nothing
+                (`LLMWeightSyncClient.fail_weight_update`) until a later update completes.
             TransportTimeoutError: an engine did not get ready in time.
         """
         step = self.last_step + 1 if step is None else step
@@ -465,12 +522,21 @@ class OneSidedUpdater:
         client = self.client
         timeout = self.init_info.update_timeout_s
         client.start_weight_update()
+        self._writing = False
         try:
             stats = self._transfer(step, client, timeout)
-        except BaseException:
-            abort = getattr(client, "abort_weight_update", None)
-            if abort is not None:
-                abort()
+        except BaseException as exc:
+            if not self._writing:  # "go" was never posted: not a byte was written
+                abort = getattr(client, "abort_weight_update", None)
+                if abort is not None:
+                    abort()
+                raise
+            fail = getattr(client, "fail_weight_update", None)
+            if fail is not None:
+                fail(f"{type(exc).__name__}: {exc}")
+                exc.add_note(
+                    "vLLM serves nothing (it holds its requests) until a complete update lands"
+                )
             raise
         t0 = time.perf_counter()
         client.finish_weight_update(str(step))
@@ -497,6 +563,7 @@ class OneSidedUpdater:
             self._wait_ready(step, engines, errors, timeout)
         finally:
             waiting.clear()
+        self._writing = True  # from here on, bytes of this update may be in the engines
         try:
             stats = self.sender.update(step)
         finally:

@@ -245,6 +245,39 @@ def _count_steps(self: Any, path: str) -> None:
         self.execute_model = counted
 
 
+def _log_steps_to(self: Any, path: str) -> None:
+    """`_count_steps` into `path`, also where an earlier test wrapped execute_model already."""
+    if getattr(self, "_wt_steps", None) is None:
+        _count_steps(self, path)
+    else:
+        self._wt_steps = path
+
+
+def _target_digests(self: Any) -> dict[str, str]:
+    """sha256 of every tensor the plug-in registered for writes (live storage or buffer)."""
+    from weight_transfer.receiver import tensor_digest
+
+    return {n: tensor_digest(t) for n, t in self.weight_transfer_engine._targets.items()}
+
+
+def _worker_serving(self: Any) -> dict[str, Any]:
+    """The plug-in's serving gate in this worker (`stats()["serving"]`)."""
+    state: dict[str, Any] = self.weight_transfer_engine.stats()["serving"]
+    return state
+
+
+def _break_next_refresh(self: Any) -> None:
+    """The next refresh (vLLM's processing after the writes landed) raises, once."""
+    engine = self.weight_transfer_engine
+    real = engine._refresh
+
+    def broken() -> None:
+        engine._refresh = real
+        raise RuntimeError("injected: vLLM's processing failed")
+
+    engine._refresh = broken
+
+
 def _read_steps(path: Path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
@@ -707,6 +740,123 @@ class TestTP1:
         assert before and after, (len(before), len(after))  # the update landed mid-generation
         assert inside == [], f"{len(inside)} forward passes ran during the update"
         assert llm.llm_engine.get_weight_version() == "100"
+
+    def test_a_failed_update_serves_nothing_until_a_complete_one_lands(
+        self, engines: Any, tmp_path: Path
+    ) -> None:
+        """Fail closed on a running vLLM. Two failures once writes began: the transfer fails
+        after half of a batch landed (the engine's tensors then mix two updates), and vLLM's
+        refresh fails after the version word was written (new raw bytes, old derived state).
+        After each, vLLM keeps its scheduler paused: the client reports FAILED and refuses
+        (`check_serving`), the weight version stays, a request submitted meanwhile is held
+        (no forward pass runs); the next complete update resumes it, and it is answered with
+        that update's tokens, as transformers computes them from the trainer's weights."""
+        from transformers import LlamaForCausalLM
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from tests.unit.test_serving_gate import _half_then_fail
+        from weight_transfer.errors import NotServingError, WeightTransferError
+        from weight_transfer.serving import ServingState
+        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
+
+        d, llm, _ = engines
+        step_log = tmp_path / "forward_passes.txt"
+        llm.collective_rpc(_log_steps_to, args=(str(step_log),))
+        client = LLMWeightSyncClient(llm)
+        params = {n: t.clone() for n, t in _hf_state(d).items()}
+        updater = OneSidedUpdater(
+            TrainerInitInfo(
+                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
+            ),
+            params,
+            client,
+        )
+        g = torch.Generator().manual_seed(17)
+
+        def new_weights() -> None:
+            with torch.no_grad():
+                for t in params.values():
+                    t.add_(torch.randn(t.shape, generator=g) * 0.05)
+
+        held: list[Any] = []
+        gen: threading.Thread | None = None
+        try:
+            version = llm.llm_engine.get_weight_version()
+            before = llm.collective_rpc(_target_digests)[0]
+            new_weights()
+            armed = {"on": True}
+            _half_then_fail(updater.sender, armed)
+            t0 = time.monotonic()
+            with pytest.raises(WeightTransferError, match="injected after"):
+                updater.update(300)
+            t_failed = time.monotonic()
+            print(f"\nupdate 300 (failed mid-transfer) raised after {t_failed - t0:.2f} s")
+            after = llm.collective_rpc(_target_digests)[0]
+            changed = [n for n in before if after[n] != before[n]]
+            assert 0 < len(changed) < len(before), "the injected failure wrote all or nothing"
+            assert client.serving.state is ServingState.FAILED
+            with pytest.raises(NotServingError, match="update 300 failed"):
+                client.check_serving()
+            assert llm.llm_engine.get_weight_version() == version
+            (worker,) = llm.collective_rpc(_worker_serving)
+            assert worker["state"] == "failed" and worker["step"] == 300, worker
+
+            # A request submitted now is held: no forward pass runs on the mixed weights.
+            sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+            gen = threading.Thread(
+                target=lambda: held.extend(
+                    llm.generate(
+                        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False
+                    )
+                )
+            )
+            gen.start()
+            wait_until = time.monotonic() + 60
+            while llm.llm_engine.get_num_unfinished_requests() < len(PROMPTS):
+                assert time.monotonic() < wait_until, "generate did not submit its requests"
+                time.sleep(0.05)
+            time.sleep(2.0)
+            assert gen.is_alive() and not held, "vLLM served requests from mixed weights"
+
+            # The refresh fails after the writes of update 301 were all committed.
+            new_weights()
+            llm.collective_rpc(_break_next_refresh)
+            with pytest.raises(WeightTransferError, match="injected: vLLM's processing failed"):
+                updater.update(301)
+            assert client.serving.state is ServingState.FAILED and client.serving.step == 301
+            (worker,) = llm.collective_rpc(_worker_serving)
+            assert worker["state"] == "failed" and worker["step"] == 301, worker
+            assert llm.llm_engine.get_weight_version() == version
+            time.sleep(1.0)
+            assert gen.is_alive() and not held, "vLLM served requests after a failed refresh"
+
+            # A complete update: serving resumes, the held requests get its tokens.
+            new_weights()
+            t_good = time.monotonic()
+            updater.update(302)
+            gen.join(120)
+            print(f"update 302 and the held requests: {time.monotonic() - t_good:.2f} s")
+            assert not gen.is_alive() and len(held) == len(PROMPTS)
+        finally:
+            updater.close()
+            if not client.serving.serving:  # never leave the shared engine paused
+                llm.wake_up(tags=["scheduling"])
+            if gen is not None:
+                gen.join(60)
+        assert client.check_serving() == 302
+        assert llm.llm_engine.get_weight_version() == "302"
+        (worker,) = llm.collective_rpc(_worker_serving)
+        assert worker["state"] == "serving" and worker["version"] == 302, worker
+        assert [t for t in _read_steps(step_log) if t_failed <= t <= t_good] == []
+        model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        model.load_state_dict(params)
+        with torch.no_grad():
+            for p, o in zip(PROMPTS, held, strict=True):
+                seq = list(p)
+                for _ in range(MAX_TOKENS):
+                    seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                assert seq[len(p) :] == list(o.outputs[0].token_ids)
 
     def test_wrong_token_and_wrong_session_are_refused(self, engines: Any) -> None:
         from weight_transfer.config import ControllerConfig, ControlPlaneConfig

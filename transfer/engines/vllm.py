@@ -462,6 +462,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             WeightTransferError: the control plane refused or cannot be reached (wrong token,
                 wrong address); the engine keeps serving its current weights.
         """
+        previous = self.receiver.serving if self.receiver is not None else None
         self.shutdown()
         if self._shape.is_moe:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
@@ -485,6 +486,9 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         )
         self._delta = init_info.patch_region_bytes > 0
         self._target_ptrs = frozenset(t.data_ptr() for t in self._targets.values())
+        if previous is not None and not previous.serving:
+            # A new trainer does not make mixed weights whole: still FAILED until it lands one.
+            self.receiver.fail_update(previous.step, previous.reason)
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
         self._publish_digests = init_info.publish_digests
@@ -509,26 +513,49 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         in `finish_weight_update`, so that between the first write and the refreshed state the
         worker's thread never leaves this call and no forward pass can run in between.
 
+        The receiver's serving gate (`WeightReceiver.serving`, in `stats()`) closes before
+        the engine says it is ready and opens only once the refresh succeeded; after any
+        failure it stays FAILED (the raw bytes may be new while vLLM's derived state is old,
+        or the bytes themselves mixed) until a later update completes. The trainer side keeps
+        vLLM's scheduler paused meanwhile (`LLMWeightSyncClient.fail_weight_update`).
+
         Raises:
             TransportTimeoutError: not complete within `update_info.timeout_s`.
-            WeightTransferError: the trainer aborted the update (version stays).
+            WeightTransferError: the trainer aborted the update (version stays), or vLLM's
+                processing moved a registered parameter.
         """
         if self.receiver is None or self._signal is None:
             raise WeightTransferError("weight_transfer: update_weights before init")
         k = update_info.version
-        self._signal.put(ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name))
-        t0 = time.perf_counter()
-        # Waits until update k committed, then applies the patches of a delta update in place
-        # (nothing in a full one): the one piece of per-update work delta mode asks of the
-        # engine, here inside vLLM's update window.
-        applied = self.receiver.apply_delta(k, update_info.timeout_s)
-        self.last_receive_s = time.perf_counter() - t0
-        self.last_apply = applied
-        # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
-        self._refresh()
+        rx = self.receiver
+        rx.begin_update(k)
+        try:
+            self._signal.put(
+                ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name)
+            )
+            t0 = time.perf_counter()
+            # Waits until update k committed, then applies the patches of a delta update in
+            # place (nothing in a full one): the one piece of per-update work delta mode asks
+            # of the engine, here inside vLLM's update window.
+            applied = rx.apply_delta(k, update_info.timeout_s, serve=False)
+            self.last_receive_s = time.perf_counter() - t0
+            self.last_apply = applied
+            # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
+            self._refresh()
+        except BaseException as exc:
+            rx.fail_update(k, f"{type(exc).__name__}: {exc}")
+            log.error(
+                "weight_transfer: rank %d: update %d failed; this engine must serve nothing "
+                "until a complete update lands: %s",
+                self.global_rank,
+                k,
+                exc,
+            )
+            raise
+        rx.end_update(k)
         self._pending = k
         if self._publish_digests:
-            self.receiver.publish_digests(k)
+            rx.publish_digests(k)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's entry point; skips the base class's device synchronize on CPU."""
@@ -655,6 +682,18 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             self._signal.close()
             self._signal = None
 
+    def _serving(self) -> dict[str, Any] | None:
+        """The receiver's serving gate as plain values (None before init)."""
+        if self.receiver is None:
+            return None
+        status = self.receiver.serving
+        return {
+            "state": status.state.value,
+            "version": status.version,
+            "step": status.step,
+            "reason": status.reason,
+        }
+
     def stats(self) -> dict[str, Any]:
         """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
         return {
@@ -666,6 +705,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "last_apply_entries": self.last_apply.num_entries if self.last_apply else 0,
             "last_apply_patch_bytes": self.last_apply.patch_bytes if self.last_apply else 0,
             "weight_version": self.weight_version,
+            "serving": self._serving(),
             "addresses": {n: int(p.data_ptr()) for n, p in self.model.named_parameters()},
         }
 
