@@ -110,10 +110,11 @@ def _save_llama(path: Path, dtype: torch.dtype, seed: int) -> Path:
     return path
 
 
-def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool) -> Any:
+def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool, **kwargs: Any) -> Any:
+    """A `vllm.LLM` on `model_dir` (`kwargs`: further `LLM` arguments, as the MLA tests'
+    `compilation_config`)."""
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
     if backend:
         from weight_transfer.vllm import BACKEND
 
@@ -318,10 +319,14 @@ def _trainer(
         mesh = init_device_mesh("cpu", (world,))
         cls = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
         model = cls.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
-        moe = hasattr(model.config, "num_experts")
+        moe = hasattr(model.config, "num_experts") or hasattr(model.config, "n_routed_experts")
+        persistent = set(model.state_dict())
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        # Persistent buffers are weights too (DeepSeek-V3 / GLM-4.5's float32 router bias):
+        # updated below outside the optimizer, as aux-loss-free load balancing does.
+        buffers = {n: b for n, b in model.named_buffers() if n in persistent}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         info = TrainerInitInfo(
             rank=rank,
@@ -340,11 +345,15 @@ def _trainer(
             model(input_ids=tokens, labels=tokens).loss.backward()
             opt.step()
             opt.zero_grad()
+            with torch.no_grad():
+                for b in buffers.values():  # the same values on every rank (same generator)
+                    b.add_((torch.randn(b.shape, generator=g) * 0.01).to(b.dtype))
             stats = updater.update(step)
             with torch.no_grad():
                 full = {
                     n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()
                 }
+                full.update({n: b.detach().clone() for n, b in buffers.items()})
             if rank == 0:
                 d = Path(ckpt_root) / f"step{step}"
                 d.mkdir(parents=True)
@@ -548,7 +557,7 @@ def _check(
 
 
 def _check_fresh(
-    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float
+    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float, **llm_kwargs: Any
 ) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
 
@@ -559,7 +568,7 @@ def _check_fresh(
     reload's known defect is pinned (its tokens change; re-running the skipped prepack restores
     them).
     """
-    fresh = _start_llm(ckpt, dtype, tp, backend=False)
+    fresh = _start_llm(ckpt, dtype, tp, backend=False, **llm_kwargs)
     try:
         ours = llm.collective_rpc(_probe_state, args=(step,))
         theirs = fresh.collective_rpc(_probe_state, args=(step,))

@@ -24,6 +24,12 @@ written parameter then takes one of three paths, logged once:
   and re-runs vLLM's processing for exactly that layer (the buffer itself is never
   reallocated; vLLM builds its packed copy from it as it does at load).
 
+Derived tensors (`DERIVED_MLA`): vLLM's MLA attention derives ``W_UK_T``/``W_UV`` from
+``kv_b_proj`` after loading and registers them as parameters. No recipe writes them; the check
+accepts them as derived from their ``kv_b_proj`` (which a recipe must write), and the refresh
+re-runs vLLM's own ``MLAAttention.process_weights_after_loading`` after the layers' processing,
+which recomputes them from the new ``kv_b_proj`` (copies on GPUs, views on the CPU backend).
+
 `init_transfer_engine` joins the control plane (a `WeightReceiver`); `receive_weights` announces
 readiness and waits, bounded, for the update's version word; the writes land while the worker's
 thread is inside that call, so no forward pass reads a partial update.
@@ -52,8 +58,7 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
-from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes
-from weight_transfer.planner.recipes import engine_tensor_specs
+from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_layout
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.vllm import (
     BACKEND,
@@ -75,9 +80,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
-"""vLLM model classes whose parameters the vLLM preset describes and whose update was verified
-(or shares its layers with one that was)."""
+"""vLLM model classes whose parameters the vLLM presets describe and whose update was verified
+(or shares its layers with one that was). `DeepseekV3ForCausalLM` is also Kimi-K2's class."""
+
+DERIVED_MLA = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T_dcp_qrep")
+"""Parameters vLLM's `MLAAttention.process_weights_after_loading` derives from its `kv_b_proj`
+(which of them exist depends on the backend: `W_UK_T`/`W_UV` here)."""
 
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
 """The routed experts' stacked weights (vLLM's `UnquantizedFusedMoEMethod.create_weights`)."""
@@ -98,6 +109,65 @@ class ParamPath:
     """The module owning the parameter (re-processed for the two *reprocess* paths)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DerivedFrom:
+    """A parameter vLLM derives after loading, and what it derives it from."""
+
+    name: str
+    module: str
+    """The module whose `process_weights_after_loading(act_dtype)` derives it (MLA attention)."""
+    source: str
+    """The written parameter it is derived from (``...self_attn.kv_b_proj.weight``)."""
+
+
+def _derived_params(model: nn.Module) -> dict[str, DerivedFrom]:
+    """The parameters vLLM's MLA attention layers derive from their `kv_b_proj` (`DERIVED_MLA`).
+
+    Raises:
+        ConfigurationError: an MLA layer whose `kv_b_proj` is not a module of the model.
+    """
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, DerivedFrom] = {}
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, MLAAttention):
+            continue
+        kv_b = names.get(id(getattr(module, "kv_b_proj", None)))
+        if kv_b is None:
+            raise ConfigurationError(
+                f"weight_transfer: MLA layer {mod_name!r} has no kv_b_proj in the model; not "
+                "covered; nothing was registered"
+            )
+        for pname, _ in module.named_parameters(recurse=False):
+            if pname in DERIVED_MLA:
+                name = f"{mod_name}.{pname}"
+                out[name] = DerivedFrom(name=name, module=mod_name, source=f"{kv_b}.weight")
+    return out
+
+
+def _check_no_draft(vllm_config: Any) -> None:
+    """Refuse an engine that runs a speculative-decoding draft model (an MTP layer included).
+
+    The plug-in updates the target model only (`supports_draft_weight_update = False`); a
+    draft's weights (DeepSeek-V3's MTP layer is served as the draft `DeepSeekMTP`) would keep
+    the old values while the target moved on. Without a draft, vLLM's target model holds no MTP
+    layer: it skips `model.layers.{num_hidden_layers + k}` when loading.
+
+    Raises:
+        ConfigurationError: a draft model is configured.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "draft_model_config", None) is not None:
+        method = getattr(spec, "method", None)
+        raise ConfigurationError(
+            f"weight_transfer: the engine runs a speculative-decoding draft model (method "
+            f"{method!r}; an MTP layer is one); the plug-in updates the target model only, so "
+            "the draft would keep stale weights; start vLLM without speculative_config; "
+            "nothing was registered"
+        )
+
+
 def _check_model(vllm_config: Any, model: nn.Module) -> None:
     arch = type(model).__name__
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -112,6 +182,7 @@ def _check_model(vllm_config: Any, model: nn.Module) -> None:
             "(FP8 recipes are checked against vLLM's FP8 layers but an FP8 update into a running "
             "vLLM has not run); nothing was registered"
         )
+    _check_no_draft(vllm_config)
 
 
 def _relayouts_experts(module: nn.Module) -> bool:
@@ -139,9 +210,12 @@ def _relayouts_experts(module: nn.Module) -> bool:
 
 
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
+    """Where routed experts live inside a layer, from the first MoE layer (dense layers may
+    come first: DeepSeek-V3, GLM-4.5-MoE)."""
     for name in params:
-        if name.startswith("model.layers.0.") and name.endswith(".w13_weight"):
-            return name[len("model.layers.0.") : -len(".w13_weight")]
+        if name.startswith("model.layers.") and name.endswith(".w13_weight"):
+            layer = name.split(".", 3)[3]
+            return layer[: -len(".w13_weight")]
     return DEFAULT_MOE_PREFIX
 
 
@@ -187,11 +261,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
         dtype = dtype_name(vllm_config.model_config.dtype)
         self._shape, self._moe_prefix = shape, _moe_prefix(params)
-        self.recipes = vllm_recipes(shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix)
-        specs = engine_tensor_specs(self.recipes, param_dtype=dtype)
+        try:
+            layout = vllm_layout(shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix)
+        except ValueError as exc:
+            raise ConfigurationError(f"weight_transfer: {exc}; nothing was registered") from None
+        self.recipes = layout.recipes
+        specs = layout.specs(dtype)
         self.paths: dict[str, ParamPath] = {}
         self._targets: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self.derived = _derived_params(model)
         plan = self._check(specs, params)
         for name, (path, module, view) in plan.items():
             self.paths[name] = ParamPath(name=name, path=path, module=module)
@@ -205,19 +284,21 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 assert view is not None
                 self._targets[name] = view
         self._reprocess = sorted({p.module for p in self.paths.values() if p.path != IN_PLACE})
+        self._rederive = sorted({d.module for d in self.derived.values()})
         self.extra_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         counts = {
             k: sum(p.path == k for p in self.paths.values())
             for k in (IN_PLACE, IN_PLACE_REPROCESS, BUFFER_REPROCESS)
         }
         log.info(
-            "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed per update; "
-            "%d extra bytes of checkpoint-layout buffers",
+            "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed and %d derived "
+            "tensors re-derived per update; %d extra bytes of checkpoint-layout buffers",
             self.global_rank,
             self.tp_rank,
             self.tp_size,
             counts,
             len(self._reprocess),
+            len(self.derived),
             self.extra_bytes,
         )
         for p in self.paths.values():
@@ -248,8 +329,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
 
         written = {s.name for s in specs}
         for name in params:
-            if name not in written:
+            if name not in written and name not in self.derived:
                 raise refuse(f"live parameter {name!r} is written by no recipe")
+        for d in self.derived.values():
+            if d.source not in written:
+                raise refuse(f"{d.name!r} is derived from {d.source!r}, which no recipe writes")
         out: dict[str, tuple[str, str, torch.Tensor | None]] = {}
         for spec in specs:
             name, want_shape, want_dtype = spec.name, tuple(spec.shape), torch_dtype(spec.dtype)
@@ -320,15 +404,15 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 wrong address); the engine keeps serving its current weights.
         """
         self.shutdown()
-        if self._shape.is_moe:
+        if self._shape.num_experts:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
-            self.recipes = vllm_recipes(
+            self.recipes = vllm_layout(
                 self._shape,
                 self.tp_rank,
                 self.tp_size,
                 moe_prefix=self._moe_prefix,
                 hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
-            )
+            ).recipes
         engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
         control = init_info.control()
         self.receiver = WeightReceiver(
@@ -416,6 +500,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # re-lays out the experts (CPU: cpu_prepack_moe_weight). Run it as at load: it
                 # builds a new packed copy from the buffers and leaves them unchanged.
                 module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        self._rederive_mla()
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
@@ -425,6 +510,25 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                     f"weight_transfer: vLLM's processing moved {name!r}; its registration is stale"
                 )
         self.last_refresh_s = time.perf_counter() - t0
+
+    def _rederive_mla(self) -> None:
+        """Re-run vLLM's MLA derivation (`W_UK_T`/`W_UV` from `kv_b_proj`), as at load: after
+        every layer's own processing (vLLM's loader runs attention layers last, so it reads
+        `kv_b_proj` as processed).
+
+        Raises:
+            WeightTransferError: a derived tensor is missing afterwards.
+        """
+        act_dtype = self.vllm_config.model_config.dtype
+        for mod_name in self._rederive:
+            module: Any = self.model.get_submodule(mod_name)
+            module.process_weights_after_loading(act_dtype)
+        live = dict(self.model.named_parameters())
+        for name in self.derived:
+            if name not in live:
+                raise WeightTransferError(
+                    f"weight_transfer: vLLM's MLA processing no longer provides {name!r}"
+                )
 
     def finish_weight_update(self) -> None:
         """Record the version of the update `receive_weights` completed."""
@@ -449,6 +553,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
+            "derived": {n: d.source for n, d in self.derived.items()},
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
