@@ -9,6 +9,11 @@ per 128x128 block). Only the choice of a matmul kernel is stubbed (it refuses wi
 is not used: nothing is computed). With every fused part and tensor-parallel cut on a block
 boundary, what vLLM's loader places must equal what this project's FP8 recipes write, bit for
 bit, weight and scales, at tp=1 and tp=2.
+
+For DeepSeek-V3 / Kimi-K2 the whole FP8 model is built (vLLM's `DeepseekV3ForCausalLM`) and
+filled by its own `load_weights`; then vLLM's MLA derivation turns `kv_b_proj`'s FP8 weight and
+scales into `W_UK_T`/`W_UV`, checked against a dequantization written here, before and after an
+in-place write of new FP8 bytes.
 """
 
 from __future__ import annotations
