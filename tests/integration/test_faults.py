@@ -435,14 +435,14 @@ def gather_trainer_proc(
     )
     kinds = [t.kind for t in sender.schedule.tasks]
     out.put(("tasks", rank, kinds.count("gather")))
-    gather = sender._executor.gather
+    gather = sender._executor.prepare.gather
 
     def dying_gather(t: torch.Tensor) -> torch.Tensor:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return gather(t)
 
-    sender._executor.gather = dying_gather
+    sender._executor.prepare.gather = dying_gather
     t0 = time.monotonic()
     try:
         sender.update(1)
@@ -579,7 +579,7 @@ def raising_trainer_proc(
     )
     ex = sender._executor
     out.put(("tasks", rank, [t.kind for t in sender.schedule.tasks].count("gather")))
-    real_quantize = ex.quantize
+    real_quantize = ex.prepare.quantize
     armed = [rank == 1]
 
     def quantize(*args: Any) -> None:
@@ -587,7 +587,7 @@ def raising_trainer_proc(
             raise KeyError("injected in rank 1's quantizer")
         real_quantize(*args)
 
-    ex.quantize = quantize
+    ex.prepare.quantize = quantize
     results = []
     for step in (1, 2):
         t0 = time.monotonic()
