@@ -563,8 +563,6 @@ def _check_fresh(
     dtype: str,
     tp: int,
     seconds: float,
-    *,
-    warm: bool = False,
     **llm_kwargs: Any,
 ) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
@@ -578,10 +576,6 @@ def _check_fresh(
     """
     fresh = _start_llm(ckpt, dtype, tp, backend=False, **llm_kwargs)
     try:
-        if warm:
-            # The engine under test has served requests before; give the fresh one the same
-            # kind of history (one generation) before anything is compared (`warm`: MLA).
-            _generate(fresh)
         ours = llm.collective_rpc(_probe_state, args=(step,))
         theirs = fresh.collective_rpc(_probe_state, args=(step,))
         got, want = _generate(llm), _generate(fresh)

@@ -229,9 +229,7 @@ class _EngineCase:
         before = _tokens(_generate(llm))
 
         def check(step: int, path: Path, seconds: float) -> dict[str, Any]:
-            c = _check_fresh(
-                llm, step, path, self.DTYPE, self.TP, seconds, warm=True, **self.LLM_KWARGS
-            )
+            c = _check_fresh(llm, step, path, self.DTYPE, self.TP, seconds, **self.LLM_KWARGS)
             self.between_updates(llm, step)
             return c
 
