@@ -89,6 +89,12 @@ class EmulateConfig:
     probed single-process rates are multiplied by it before the simulator sees them. The
     emulated hosts share this machine's cores, while the simulator gives every host its own
     CPU; None: cores / trainer ranks (at most 1), 1.0: each host has a core of its own."""
+    delta_density: float = 0.0
+    """Delta updates (docs/delta.md): each update flips the lowest bit of this fraction of every
+    trainer tensor's elements, the sender runs in delta mode (the first, untimed, update is
+    full), the engines apply their patches, and the simulator predicts a delta at this density
+    (BF16 presets: the density of an FP8 engine's bytes is not this one). 0: full updates of
+    new random weights."""
     dump_dir: str = ""
     """If set, every engine writes the raw bytes of each tensor after the last of our updates
     to ``<dump_dir>/<engine index>/<tensor name>.bin`` (for checks outside this module)."""
@@ -109,6 +115,15 @@ class EmulateConfig:
             reason = baseline_unsupported(self.preset)
             if reason:
                 raise ValueError(reason)
+        if not 0.0 <= self.delta_density <= 1.0:
+            raise ValueError(f"delta_density must be in [0, 1], got {self.delta_density}")
+        if self.delta_density and self.preset.engine.fp8:
+            raise ValueError(
+                f"preset {self.preset.name!r}: delta emulation runs BF16 engines (the FP8 "
+                "bytes' density differs from the trainer's; use emu-dense or emu-moe)"
+            )
+        if self.delta_density and self.warmups < 1:
+            raise ValueError("delta emulation needs warmups >= 1 (the first update is full)")
 
     @property
     def num_trainers(self) -> int:
@@ -150,6 +165,23 @@ def _param(
     """The seeded global value of trainer parameter `name` at update `step`."""
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 20) ^ (seed * 1_000_003 + step))
     return torch.randn(tuple(shape), generator=g).to(dtype)
+
+
+def _value(
+    cfg: EmulateConfig, name: str, shape: Sequence[int], dtype: torch.dtype, step: int
+) -> torch.Tensor:
+    """Trainer parameter `name` at update `step`: new random values each update, or in delta
+    mode the step-0 values with the lowest bit of `delta_density` of the elements flipped at
+    every step up to `step` (seeded per name and step, so every process computes the same)."""
+    if not cfg.delta_density:
+        return _param(name, shape, dtype, cfg.seed, step)
+    t = _param(name, shape, dtype, cfg.seed, 0)
+    ints = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    for s in range(1, step + 1):
+        g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ (7919 * s + cfg.seed))
+        mask = torch.rand(tuple(shape), generator=g) < cfg.delta_density
+        ints[mask] ^= 1
+    return t
 
 
 def _transport(backend: str, ip: str) -> Any:
@@ -252,9 +284,10 @@ def _trainer(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from weight_transfer.config import ControllerConfig, SenderConfig
+    from weight_transfer.config import ControllerConfig, DeltaConfig, SenderConfig
     from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.delta import DeltaDensity
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.planner.reference import materialize
     from weight_transfer.planner.simulate import rates_from_mapping, simulate
@@ -292,12 +325,12 @@ def _trainer(
             for local, st in locals_.values():
                 box = st.local_box
                 assert box is not None
-                full = _param(st.name, st.shape, local.dtype, cfg.seed, step)
+                full = _value(cfg, st.name, st.shape, local.dtype, step)
                 local.copy_(full[tuple(slice(a, b) for a, b in box)])
 
         def expected(step: int) -> dict[str, dict[str, torch.Tensor]]:
             full = {
-                t.name: _param(t.name, t.shape, torch_dtype(t.dtype), cfg.seed, step)
+                t.name: _value(cfg, t.name, t.shape, torch_dtype(t.dtype), step)
                 for m0 in source_manifests(cfg.preset)
                 for t in m0.tensors
             }
@@ -326,6 +359,11 @@ def _trainer(
             config=SenderConfig(
                 memory_budget_bytes=cfg.memory_budget_bytes,
                 update_timeout_s=min(cfg.timeout_s, 300.0),
+                delta=DeltaConfig(
+                    enabled=cfg.delta_density > 0,
+                    max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                    apply_timeout_s=min(cfg.timeout_s, 300.0),
+                ),
             ),
         )
         if controller is not None:
@@ -356,6 +394,24 @@ def _trainer(
                 links="fair",
             )
             tasks = [t for rs in sched.ranks for t in rs.tasks]
+            delta_sim: dict[str, Any] = {}
+            if cfg.delta_density:
+                d = simulate(
+                    sched,
+                    sources,
+                    engine_hosts,
+                    rt,
+                    memory_budget_bytes=cfg.memory_budget_bytes,
+                    links="fair",
+                    delta=DeltaDensity(other=cfg.delta_density, fp8=cfg.delta_density),
+                )
+                delta_sim = {
+                    "predicted_delta_s": d.predicted_s,
+                    "delta_write_bytes": d.total_write_bytes,
+                    "delta_apply_s": d.apply_s,
+                    "delta_bottleneck": d.bottleneck,
+                    "delta_stage_bound_s": d.stage_bound_s,
+                }
             out.put(
                 (
                     "sim",
@@ -378,6 +434,7 @@ def _trainer(
                         "fingerprint": sched.fingerprint[:16],
                         "gather_probe_s": gather_s,
                         "rates": rates,
+                        **delta_sim,
                     },
                 )
             )
@@ -389,7 +446,9 @@ def _trainer(
             stats = sender.update(step)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
             stages = _stage_seconds(stats.records)
-            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu, stages))
+            ds = sender.delta_stats
+            delta = (ds.mode, ds.wire_bytes, ds.full_bytes, ds.encode_s) if ds else None
+            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu, stages, delta))
             if controller is not None:
                 bad = controller.verify(step, expected(step), cfg.timeout_s)
                 out.put(("verified", "ours", step, bad))
@@ -521,6 +580,7 @@ def engine_main(
 
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
+    from weight_transfer.config import ReceiverConfig
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.receiver import WeightReceiver
@@ -530,18 +590,23 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
     tensors = {
         t.name: torch.randn(t.shape, generator=g).to(torch_dtype(t.dtype)) for t in dm.tensors
     }  # random, never zeros: an unwritten byte shows
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     rx = WeightReceiver(
         tensors,
         dm.recipes,
         engine=dm.engine,
         transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),
         control=_control(ips[0], token, cfg.timeout_s),
+        config=ReceiverConfig(
+            patch_region_bytes=nbytes // 2 + (1 << 20) if cfg.delta_density else 0
+        ),
     )
     try:
         steps = cfg.warmups + cfg.repeats
         c0, t0 = _cpu_s(), time.perf_counter()
         for step in range(1, steps + 1):
-            rx.wait_for_version(step, cfg.timeout_s)
+            # Waits for the commit; in delta mode also applies the patches (the engine's work).
+            rx.apply_delta(step, cfg.timeout_s)
             c1, t1 = _cpu_s(), time.perf_counter()
             out.put(("engine_update", f"engine{index}", step, t1 - t0, c1 - c0))
             rx.publish_digests(step)
@@ -693,8 +758,11 @@ def _probe_sender(host: str, ip: str, nbytes: int, out: Any) -> None:
         raise
 
 
-def cpu_rates(repeats: int = 5) -> dict[str, float]:
-    """This machine's copy (BF16 cast-free) and FP8 block-quantize rates, medians, GB/s."""
+def cpu_rates(repeats: int = 5, delta_density: float = 0.0) -> dict[str, float]:
+    """This machine's copy (BF16 cast-free) and FP8 block-quantize rates, medians, GB/s; with
+    a density, also the delta kernels' (`diff_gb_per_s`: bytes compared per second,
+    `apply_gb_per_s`: patch bytes applied per second), on the CPU path the runtime uses."""
+    from weight_transfer.kernels.delta import apply_changes, diff_encode, int_view, num_chunks
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
     torch.set_num_threads(1)
@@ -709,10 +777,29 @@ def cpu_rates(repeats: int = 5) -> dict[str, float]:
         t = time.perf_counter()
         q, _s = quantize_fp8_blockwise(src, (128, 128))
         quant.append(q.numel() / (time.perf_counter() - t) / 1e9)
-    return {
+    out = {
         "prepare_gb_per_s": statistics.median(copy),
         "quantize_gb_per_s": statistics.median(quant),
     }
+    if delta_density:
+        new = src.clone().view(-1)
+        a, b = int_view(new), int_view(src.view(-1))
+        a[torch.rand(a.numel(), generator=g) < delta_density] ^= 1
+        index = torch.empty(a.numel(), dtype=torch.int16)
+        values = torch.empty(a.numel(), dtype=torch.int16)
+        offsets = torch.empty(num_chunks(a.numel()) + 1, dtype=torch.int64)
+        diff, apply = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+            diff.append(a.numel() * 2 / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter()
+            apply_changes(dst.view(-1).view(torch.int16), offsets, index, values)
+            patch = 8 * offsets.numel() + 4 * total
+            apply.append(patch / (time.perf_counter() - t) / 1e9)
+        out["diff_gb_per_s"] = statistics.median(diff)
+        out["apply_gb_per_s"] = statistics.median(apply)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -793,7 +880,8 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         # 1. Ceiling: a plain socket transfer through two shaped links (trainer 0 -> engine 0).
         nbytes = cfg.ceiling_bytes or int(3 * cfg.rate_mbyte_per_s * 1e6)
         say(
-            f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} MB/s "
+            f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} "
+            "MB/s "
             "tbf"
         )
         inbox = ReportInbox(ctx)
@@ -820,7 +908,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             raise RuntimeError(f"ceiling probe failed: {errors or 'no report'}")
         _, got, secs, rtt = probe["msg"]
         ceiling = got / secs
-        cpu = cpu_rates()
+        cpu = cpu_rates(delta_density=cfg.delta_density)
         share = cfg.cpu_share
         if share is None:
             share = min(1.0, (os.cpu_count() or 1) / n)
@@ -833,6 +921,9 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             "write_latency_s": rtt / 2,
             "barrier_s": rtt,
         }
+        if cfg.delta_density:
+            rates["diff_gb_per_s"] = cpu["diff_gb_per_s"] * share
+            rates["apply_gb_per_s"] = cpu["apply_gb_per_s"] * share
         say(
             f"ceiling {ceiling / 1e6:.2f} MB/s, rtt {rtt * 1e3:.3f} ms, copy "
             f"{cpu['prepare_gb_per_s']:.2f} GB/s, quantize {cpu['quantize_gb_per_s']:.3f} GB/s "
@@ -940,6 +1031,22 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         "qdisc": qdisc,
         "wall_s": time.monotonic() - t_start,
     }
+    if cfg.delta_density:
+        timed = [x for x in msgs if x[0] == "update" and x[1] == "trainer0" and x[2] >= first]
+        modes = [x[7][0] if x[7] else "full" for x in timed]
+        wire = [x[7][1] / x[7][2] for x in timed if x[7] and x[7][0] == "delta"]
+        pred = sim.get("predicted_delta_s") if sim else None
+        result["delta"] = {
+            "density": cfg.delta_density,
+            "modes": modes,
+            "wire_fraction": _spread(wire),
+            "encode_s": _spread([x[7][3] for x in timed if x[7]]),
+            "predicted_delta_s": pred,
+            "predicted_full_s": sim["predicted_s"] if sim else None,
+            "ratio_measured_over_predicted_delta": statistics.median(ours) / pred
+            if ours and pred
+            else None,
+        }
     if cfg.baseline:
         fun = [x[3] for x in msgs if x[0] == "funnel" and x[1] == "trainer0" and x[2] >= 1]
         fcpu: dict[str, dict[str, float]] = {}

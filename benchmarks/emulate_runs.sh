@@ -34,3 +34,7 @@ for r in 20 10 5; do
   run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --rate-mb $r --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_${r}mb_shared.json"
 done
 run weight-transfer emulate --preset emu-dense-fp8 --repeats 5 --rate-mb 20 --cpu-share 0.1667 --json "$OUT/${P}_s2_fp8_8x2tp2_tcp_20mb_share012.json"
+# Delta updates (issue 24; benchmarks/results/emulate_delta_cpu-2core_202612.md): the measured
+# median densities of BF16 weights per RL step at lr 1e-6 and 1e-5.
+run weight-transfer emulate --preset emu-dense --delta-density 0.0078 --repeats 5 --json "$OUT/emulate_delta_cpu-2core_202612_lo.json"
+run weight-transfer emulate --preset emu-dense --delta-density 0.054 --repeats 5 --json "$OUT/emulate_delta_cpu-2core_202612_hi.json"

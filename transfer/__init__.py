@@ -20,6 +20,7 @@ from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import (
     ControllerConfig,
     ControlPlaneConfig,
+    DeltaConfig,
     ReceiverConfig,
     SenderConfig,
     TransferConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "ControlPlaneConfig",
     "Controller",
     "ControllerConfig",
+    "DeltaConfig",
     "ModelShape",
     "PeerLostError",
     "PlanMismatchError",

@@ -100,6 +100,53 @@ class ControlPlaneConfig:
             raise ValueError("session must be non-empty and contain no '/'")
 
 
+SNAPSHOT_MEMORY = ("auto", "device", "host")
+"""Where a delta sender keeps its snapshot (`DeltaConfig.snapshot_memory`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaConfig:
+    """Delta updates (docs/delta.md): send only the engine bytes that changed.
+
+    The engines must have registered a patch region (`ReceiverConfig.patch_region_bytes`);
+    a trainer rank whose engines have none sends full updates.
+    """
+
+    enabled: bool = False
+    """Send deltas after the first full update (off: every update is full)."""
+    anchor_every_updates: int = 0
+    """Send a full update every this many updates (0: only when needed)."""
+    max_wire_fraction: float = 0.5
+    """Send a full update next when the last delta put more than this fraction of a full
+    update's bytes on the wire (a delta that dense is not faster)."""
+    snapshot_memory: str = "auto"
+    """Where the snapshot of the bytes last sent lives: "device" (the rank's GPU), "host"
+    (pinned host memory), or "auto" (the GPU when it fits `snapshot_device_budget_bytes`)."""
+    snapshot_device_budget_bytes: int = 0
+    """Largest snapshot "auto" keeps on the GPU (0: always host)."""
+    apply_timeout_s: float = 300.0
+    """Longest an update waits for the engines to apply the previous delta before it writes."""
+    verify: bool = False
+    """After every update (delta or full) compare each engine's bytes with what the trainer
+    ranks sent, by keyed position digests (one read of every written byte on both sides); the
+    next update raises on a mismatch, naming the engines, and the one after it is full."""
+
+    def __post_init__(self) -> None:
+        if self.anchor_every_updates < 0:
+            raise ValueError("delta.anchor_every_updates must be >= 0")
+        if not 0.0 < self.max_wire_fraction <= 1.0:
+            raise ValueError("delta.max_wire_fraction must be in (0, 1]")
+        if self.snapshot_memory not in SNAPSHOT_MEMORY:
+            raise ValueError(
+                f"delta.snapshot_memory must be one of {SNAPSHOT_MEMORY}, "
+                f"got {self.snapshot_memory!r}"
+            )
+        if self.snapshot_device_budget_bytes < 0:
+            raise ValueError("delta.snapshot_device_budget_bytes must be >= 0")
+        if self.apply_timeout_s <= 0:
+            raise ValueError("delta.apply_timeout_s must be positive")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SenderConfig:
     """Settings of a trainer rank's `WeightSender`."""
@@ -110,6 +157,8 @@ class SenderConfig:
     """Longest one update may take on this rank before it fails."""
     record_trace: bool = True
     """Record per-task stage times (cheap) for `WeightSender.trace_events`."""
+    delta: DeltaConfig = dataclasses.field(default_factory=DeltaConfig)
+    """Delta updates (`[sender.delta]` in TOML)."""
     table_quantize: bool = True
     """On CUDA, FP8 graph groups quantize through one table-kernel launch per block shape and
     dtype; False captures one kernel per quantize call instead (the benchmarks' comparison)."""
@@ -127,9 +176,13 @@ class ReceiverConfig:
 
     allow_unwritten: bool = False
     """If False, every tensor handed to the receiver must be written by some recipe."""
+    patch_region_bytes: int = 0
+    """Delta updates: bytes of the patch region registered once beside the weights (0: none;
+    the trainers then send full updates). Split evenly over the trainer ranks' slots."""
 
     def __post_init__(self) -> None:
-        pass
+        if self.patch_region_bytes < 0:
+            raise ValueError("patch_region_bytes must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,9 +26,25 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.delta import (
+    ApplyStats,
+    PatchError,
+    applied_key,
+    apply_patch_region,
+    engine_digest_key,
+    verify_key_key,
+)
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
+from weight_transfer.planner.types import (
+    DestManifest,
+    DestRegion,
+    DestTensor,
+    Recipe,
+    dtype_size,
+    numel,
+)
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.verify import name_key, position_digest, region_position
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +103,9 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
+        self._applied = 0  # newest update whose patches this engine applied (delta mode)
+        self._last_ack = 0
+        self._last_digest = 0
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
         first, _ = self._control.claim(
             f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
@@ -234,6 +253,16 @@ class WeightReceiver:
         # The transport may have moved it into shared memory: keep the registered view.
         self._version_view = vregion.tensor.view(torch.int64)
         self._regions.append(vregion)
+        version_region = len(self._regions) - 1
+        self._patch: torch.Tensor | None = None
+        if self.config.patch_region_bytes > 0:
+            # Delta updates: the patch region comes right after the version word (the trainers
+            # find it there, docs/delta.md), on the device of the weights.
+            device = tensors[0].device if tensors else torch.device("cpu")
+            buf = torch.zeros(self.config.patch_region_bytes, dtype=torch.uint8, device=device)
+            pregion = self._transport.register(buf, role=RegionRole.TARGET)
+            self._patch = pregion.tensor
+            self._regions.append(pregion)
         regions = tuple(
             DestRegion(index=i, nbytes=r.nbytes, descriptor=r.descriptor.to_bytes())
             for i, r in enumerate(self._regions)
@@ -245,7 +274,7 @@ class WeightReceiver:
             regions=regions,
             tensors=tuple(dests),
             recipes=self.recipes,
-            version_region=len(self._regions) - 1,
+            version_region=version_region,
         )
 
     # -- what the engine calls ---------------------------------------------------------------
@@ -326,6 +355,84 @@ class WeightReceiver:
                         f"engine {self.engine!r}: update {step} failed and was not applied "
                         f"(version stays {self.version}): {decision.error}"
                     )
+
+    @property
+    def applied_version(self) -> int:
+        """The last update whose patch (if any) `apply_delta` applied; equals `version` once
+        the engine ran its per-update work."""
+        return self._applied
+
+    def apply_delta(self, step: int, timeout_s: float) -> ApplyStats:
+        """The one piece of per-update engine work in delta mode: wait until update `step` is
+        complete (as `wait_for_version`), then apply the patches the trainer ranks wrote into
+        this engine's patch region, in place, in the engine's own memory format (a scatter,
+        `weight_transfer.kernels.delta`), and tell the trainers it did.
+
+        Call it once per update, inside the update window (no forward pass may read the
+        weights between `wait_for_version` and its return). A full update leaves no patch:
+        then it only records the version. Without a patch region it is `wait_for_version`.
+
+        Raises:
+            TransportTimeoutError / WeightTransferError: as `wait_for_version` (nothing applied).
+            PatchError: the patch region holds no valid patch of `step` against the version
+                this engine holds; nothing was written, the trainers are told (their next
+                update is full for this engine) and this engine must not serve until then.
+        """
+        self.wait_for_version(step, timeout_s)
+        if self._patch is None:
+            self._applied = step
+            return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+        targets = [r.tensor for r in self._regions]
+        try:
+            stats = apply_patch_region(self._patch, targets, step, base_step=self._applied)
+        except PatchError as exc:
+            self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
+            raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
+        if self._patch.is_cuda:
+            torch.cuda.synchronize(self._patch.device)
+        self._applied = step
+        self._publish_position_digest(step)
+        self._ack(step, ok=True, error="")
+        return stats
+
+    def _publish_position_digest(self, step: int) -> None:
+        """Delta verification (`DeltaConfig.verify`): when the trainers asked for it, publish
+        one position digest of every byte the recipes write, for them to check against the
+        digests of what they sent (`weight_transfer.verify.position_digest`)."""
+        key_name = verify_key_key(step)
+        if not self._control.exists(key_name):
+            return
+        key = int(dict(self._control.get(key_name, Digests).digests)["key"]) ^ name_key(self.engine)
+        total = 0
+        for t in self._manifest.tensors:
+            nbytes = numel(t.shape) * dtype_size(t.dtype)
+            data = self._regions[t.region].tensor[t.offset_bytes : t.offset_bytes + nbytes]
+            total += position_digest(data, region_position(t.region, t.offset_bytes), key)
+        if self._last_digest:
+            try:
+                self._control.delete(engine_digest_key(self._last_digest, self.engine))
+            except WeightTransferError as exc:  # only costs store memory
+                log.debug("engine %r: could not delete an old digest: %s", self.engine, exc)
+        self._last_digest = step
+        self._control.put(
+            engine_digest_key(step, self.engine),
+            Digests(
+                engine=self.engine,
+                step=step,
+                version=self.version,
+                digests=(("sum", str(total & ((1 << 64) - 1))),),
+            ),
+        )
+
+    def _ack(self, step: int, *, ok: bool, error: str) -> None:
+        """Tell the trainers this engine applied (or could not apply) update `step`."""
+        self._control.put(applied_key(step, self.engine), Decision(step=step, ok=ok, error=error))
+        if self._last_ack:
+            try:
+                self._control.delete(applied_key(self._last_ack, self.engine))
+            except WeightTransferError as exc:  # only costs store memory
+                log.debug("engine %r: could not delete an old ack: %s", self.engine, exc)
+        self._last_ack = step
 
     def tensor(self, name: str) -> torch.Tensor:
         """The live engine tensor `name`."""

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, SenderConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -152,6 +154,11 @@ class WeightSender:
         self.fingerprint = rp.fingerprint
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
+        self._delta: DeltaSession | None = None
+        self._patch_bytes = 0
+        self.delta_stats: DeltaStats | None = None
+        """What delta mode did in the last update (mode, why, bytes), or None when off; the
+        same as that update's `UpdateStats.delta`."""
         try:
             self._executor = self._build(rp)
         except BaseException:
@@ -200,6 +207,9 @@ class WeightSender:
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
+            self._delta = None
         for region in self._source_regions:
             self._transport.deregister(region)
         self._source_regions = []
@@ -238,10 +248,32 @@ class WeightSender:
         descriptors = {
             e.name: [RegionDescriptor.from_bytes(b) for b in e.descriptors] for e in rp.engines
         }
+        transport: Transport = self._transport
+        if self.config.delta.enabled:
+            # A new plan starts from a full update: the snapshot is made anew.
+            self._delta = DeltaSession(
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config.delta,
+                schedule=self.schedule,
+                transport=self._transport,
+                descriptors=descriptors,
+                version_regions={e.name: e.version_region for e in rp.engines},
+                control=self._control,
+                device=self.device,
+                writers=None
+                if self.controller is None or self.controller.schedule is None
+                else {
+                    e: [r.rank for r in self.controller.schedule.ranks if e in r.peers]
+                    for e in self.controller.schedule.engines
+                },
+            )
+            # The pipeline is unchanged; its writes pass through the delta layer.
+            transport = typing.cast(Transport, DeltaTransport(self._transport, self._delta))
         return Executor(
             rank=self.rank,
             schedule=self.schedule,
-            transport=self._transport,
+            transport=transport,
             sources=bindings,
             descriptors=descriptors,
             version_regions={e.name: e.version_region for e in rp.engines},
@@ -252,6 +284,8 @@ class WeightSender:
                 f"group/{self._current_step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
+            # Kernels writing straight into mapped engine memory would bypass the delta layer.
+            mapped_writes=not self.config.delta.enabled,
         )
 
     _current_step = 0
@@ -292,6 +326,8 @@ class WeightSender:
         decision = self._decide(step, Phase.DONE, done, timeout)
         if not decision.ok:
             self._last_step = step
+            if self._delta is not None:
+                self._delta.failed()
             raise WeightTransferError(
                 f"update {step} failed, no engine advanced: {decision.error}"
             ) from ran.cause
@@ -310,15 +346,22 @@ class WeightSender:
         result = self._decide(step, Phase.COMMITTED, committed, timeout)
         self._last_step = step
         if not result.ok:
+            if self._delta is not None:
+                self._delta.failed()
             self._roll_back(step, timeout)
             raise WeightTransferError(
                 f"update {step}: version words not all written: {result.error}"
             ) from written.cause
         self._committed_step = step
         assert ran.stats is not None
+        delta_stats = None
+        if self._delta is not None:
+            delta_stats = self.delta_stats = self._delta.stats(self._patch_bytes)
+            self._delta.committed(step, self._patch_bytes)
         t_end = time.perf_counter()
         stats = dataclasses.replace(
             ran.stats,
+            delta=delta_stats,
             phases=UpdatePhases(
                 go_s=t0 - t_go,
                 done_s=t_done - t_exec,
@@ -342,7 +385,11 @@ class WeightSender:
         """This rank's writes of the update (the executor); any failure is caught, logged and
         returned, since every rank must hear of it before anyone raises."""
         cp = self._control
+        self._patch_bytes = 0
         try:
+            if self._delta is not None:
+                # Mode of this update; waits until the engines applied the last delta.
+                self._delta.begin(step, time.monotonic() + timeout_s)
             stats = self._executor.run(
                 step,
                 timeout_s,
@@ -352,6 +399,8 @@ class WeightSender:
                     f"abort/{step}", Failure(message=self._describe(exc))
                 ),
             )
+            if self._delta is not None:
+                self._patch_bytes = self._delta.post_patches(step, time.monotonic() + timeout_s)
         except Exception as exc:  # any stage, any exception: every rank must hear of it
             if isinstance(exc, UpdateAbortedError):
                 log.info("trainer rank %d: %s", self.rank, exc)
@@ -440,6 +489,8 @@ class WeightSender:
     def close(self) -> None:
         """Release registrations and connections."""
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
         self._transport.close()
 
     def __enter__(self) -> WeightSender:

@@ -36,7 +36,12 @@ import torch
 from torch import nn
 
 from weight_transfer.backends.base import TransportConfig
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    DeltaConfig,
+    SenderConfig,
+)
 from weight_transfer.controller import Controller
 from weight_transfer.errors import ConfigurationError, TransportTimeoutError, WeightTransferError
 from weight_transfer.pipeline import UpdateStats
@@ -92,8 +97,13 @@ class EngineInitInfo:
     hf_moe_layout: str = "per_expert"
     """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
     (transformers >= 5 modules); see `planner.presets.models`."""
+    patch_region_bytes: int = 0
+    """Delta updates: bytes of the patch region each worker registers (0: none; full updates
+    only). `update_weights` applies the patches (docs/delta.md)."""
 
     def __post_init__(self) -> None:
+        if self.patch_region_bytes < 0:
+            raise ValueError("patch_region_bytes must be >= 0")
         # Lists arrive from JSON: normalise to the frozen form.
         object.__setattr__(
             self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
@@ -185,6 +195,12 @@ class TrainerInitInfo:
     """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
     hf_moe_layout: str = "per_expert"
     """How this trainer holds MoE experts (`EngineInitInfo.hf_moe_layout`)."""
+    delta_enabled: bool = False
+    """Delta updates (`DeltaConfig.enabled`); needs `patch_region_bytes` > 0."""
+    delta_anchor_every_updates: int = 0
+    """A full update every this many updates (`DeltaConfig.anchor_every_updates`)."""
+    patch_region_bytes: int = 0
+    """Patch region each vLLM worker registers (`EngineInitInfo.patch_region_bytes`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -213,6 +229,7 @@ class TrainerInitInfo:
             engine_prefix=self.engine_prefix,
             publish_digests=self.publish_digests,
             hf_moe_layout=self.hf_moe_layout,
+            patch_region_bytes=self.patch_region_bytes,
         )
 
 
@@ -363,6 +380,11 @@ class OneSidedUpdater:
             config=SenderConfig(
                 memory_budget_bytes=init_info.memory_budget_bytes,
                 update_timeout_s=init_info.update_timeout_s,
+                delta=DeltaConfig(
+                    enabled=init_info.delta_enabled,
+                    anchor_every_updates=init_info.delta_anchor_every_updates,
+                    apply_timeout_s=init_info.update_timeout_s,
+                ),
             ),
         )
         self.last_step = 0

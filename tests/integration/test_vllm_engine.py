@@ -794,6 +794,60 @@ class TestTP1:
                     seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
                 assert seq[len(p) :] == list(o.outputs[0].token_ids)
 
+    def test_delta_updates_equal_vllms_own_loader(self, engines: Any, tmp_path: Path) -> None:
+        """Delta mode through the plug-in: the first update is full, then each update changes
+        a few percent of the weights and only the patch travels; `update_weights` applies it
+        inside vLLM's update window. After every update the engine equals vLLM's own loader
+        reading a checkpoint of the trainer's weights (and transformers' greedy tokens)."""
+        from safetensors.torch import save_file
+
+        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
+
+        d, llm, oracle = engines
+        params = {n: t.clone() for n, t in _hf_state(d).items()}
+        updater = OneSidedUpdater(
+            TrainerInitInfo(
+                rank=0,
+                world_size=1,
+                num_engines=1,
+                port=_free_port(),
+                token=secrets.token_hex(16),
+                delta_enabled=True,
+                patch_region_bytes=4 << 20,
+            ),
+            params,
+            LLMWeightSyncClient(llm),
+        )
+        g = torch.Generator().manual_seed(5)
+        modes, entries = [], []
+        t_start = time.monotonic()
+        try:
+            for step in range(301, 305):
+                with torch.no_grad():
+                    for t in params.values():
+                        mask = torch.rand(t.shape, generator=g) < 0.02
+                        t[mask] += 1e-3 * torch.randn(int(mask.sum()), generator=g)
+                stats = updater.update(step)
+                assert updater.sender.delta_stats is not None
+                modes.append(updater.sender.delta_stats.mode)
+                ckpt = tmp_path / f"step{step}"
+                ckpt.mkdir()
+                save_file(
+                    {n: t.contiguous() for n, t in params.items()}, str(ckpt / "model.safetensors")
+                )
+                shutil.copy(d / "config.json", ckpt / "config.json")
+                c = _check(llm, oracle, step, ckpt, "float32", stats.seconds)
+                assert c["bad"] == [], f"step {step}: {c['bad'][:5]}"
+                entries.append(c["stats"][0]["last_apply_entries"])
+        finally:
+            updater.close()
+        print(
+            f"\ndelta test: modes {modes}, applied entries {entries}, "
+            f"{time.monotonic() - t_start:.1f} s (start-ups shared with the class)"
+        )
+        assert modes == ["full", "delta", "delta", "delta"], modes
+        assert entries[0] == 0 and all(n > 0 for n in entries[1:]), entries
+
     def test_recipe_mismatch_is_refused_before_registering(self, engines: Any) -> None:
         _, llm, _ = engines
         (msg,) = llm.collective_rpc(_construct_mismatched)

@@ -56,7 +56,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
+from weight_transfer.config import ReceiverConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
@@ -314,6 +316,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     update_info_cls = EngineUpdateInfo
     supports_draft_weight_update = False
 
+    _delta = False
+    """Delta updates on (a patch region registered): derived values must not overwrite targets."""
+    _target_ptrs: frozenset[int] = frozenset()
+    """Addresses of the registered targets (for that check)."""
+
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module
     ) -> None:
@@ -409,6 +416,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.weight_version = 0
         self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
+        self.last_apply: ApplyStats | None = None
         self._pending = 0
 
     # -- construction checks ------------------------------------------------------------------
@@ -530,7 +538,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             engine=engine,
             transport=init_info.transport_config(),
             control=control,
+            config=ReceiverConfig(patch_region_bytes=init_info.patch_region_bytes),
         )
+        self._delta = init_info.patch_region_bytes > 0
+        self._target_ptrs = frozenset(t.data_ptr() for t in self._targets.values())
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
         self._publish_digests = init_info.publish_digests
@@ -564,8 +575,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         k = update_info.version
         self._signal.put(ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name))
         t0 = time.perf_counter()
-        self.receiver.wait_for_version(k, update_info.timeout_s)
+        # Waits until update k committed, then applies the patches of a delta update in place
+        # (nothing in a full one): the one piece of per-update work delta mode asks of the
+        # engine, here inside vLLM's update window.
+        applied = self.receiver.apply_delta(k, update_info.timeout_s)
         self.last_receive_s = time.perf_counter() - t0
+        self.last_apply = applied
         # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
         self._refresh()
         self._pending = k
@@ -662,6 +677,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 )
             if (new.shape, new.dtype, new.stride()) == (orig.shape, orig.dtype, orig.stride()):
                 if new.data_ptr() != orig.data_ptr():
+                    if self._delta and orig.data_ptr() in self._target_ptrs:
+                        # Delta mode patches these bytes against what the trainer last sent;
+                        # a derived value written over them would be patched as if it were
+                        # the trainer's (docs/delta.md).
+                        if not torch.equal(new.data, orig.data):
+                            raise WeightTransferError(
+                                f"weight_transfer: vLLM's processing of {mod_name!r} rewrote "
+                                f"the registered {pname!r}; delta updates cannot patch it "
+                                "(run this model with full updates: patch_region_bytes=0)"
+                            )
                     orig.data.copy_(new.data)
                 setattr(module, pname, orig)
             elif new.data_ptr() != orig.data_ptr() and new.is_cuda:
@@ -715,6 +740,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
+            "last_apply_entries": self.last_apply.num_entries if self.last_apply else 0,
+            "last_apply_patch_bytes": self.last_apply.patch_bytes if self.last_apply else 0,
             "weight_version": self.weight_version,
             "addresses": {n: int(p.data_ptr()) for n, p in self.model.named_parameters()},
         }
