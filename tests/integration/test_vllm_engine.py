@@ -448,11 +448,22 @@ def _run_trainers(
 
 
 def _generate(llm: Any) -> list[Any]:
+    """Greedy generation of `PROMPTS`, one request per `generate` call.
+
+    vLLM's engine core (its own process) starts a step as soon as the first request of a
+    `generate` call arrives, so which requests share a step depends on timing, and on the CPU
+    backend a request's logprobs can depend by an ulp on the rest of its batch. Measured on the
+    tiny DeepSeek-V3 of test_vllm_mla.py, one vanilla engine, weights untouched: two `generate`
+    calls of the 3 prompts ran first steps of [5, 8] and [8] tokens and one sampled logprob
+    differed by one float32 ulp. With one request in the engine at a time every step's batch is
+    the same in every engine, so two engines can be compared bit for bit (docs/vllm.md)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0)
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    return [
+        llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in PROMPTS
+    ]
 
 
 def _prompt_logprobs(out: Any) -> list[float]:
