@@ -547,9 +547,9 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
 
 def _big_trainer(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Llama-3.1-8B-shaped random weights (HF names), filled on the device."""
-    from weight_transfer.planner.presets.models import from_hf_config, hf_parameter_shapes
+    from weight_transfer.planner.presets.models import dense_from_hf_config, hf_parameter_shapes
 
-    shapes = hf_parameter_shapes(from_hf_config(_hf_config("llama", LLAMA_8B)))
+    shapes = hf_parameter_shapes(dense_from_hf_config(_hf_config("llama", LLAMA_8B)))
     g = torch.Generator(device=device).manual_seed(1)
     out = {}
     for name, shape in shapes.items():

@@ -397,27 +397,43 @@ def moe_w13_fused(
     tp_rank: int,
     tp_size: int,
     bounds: Sequence[Range] | None = None,
+    experts: Range | None = None,
 ) -> Recipe:
     """Stacked expert w13 ``[E, 2 * I_r, H]`` from a stacked ``gate_up [E, 2 * I, H]``
-    (gate rows first, up rows second per expert, as transformers >= 5 holds them)."""
+    (gate rows first, up rows second per expert, as transformers >= 5 holds them).
+
+    Args:
+        experts: only experts ``[start, stop)`` of the source (expert parallelism: the engine
+            rank holds those whole); default all `num_experts`.
+    """
     a, b = _rank_range(intermediate_size, tp_rank, tp_size, bounds, f"experts of {dest!r}")
-    n, h, e, i = b - a, hidden_size, num_experts, intermediate_size
+    e0, e1 = _expert_range(dest, num_experts, experts)
+    n, h, e, i = b - a, hidden_size, e1 - e0, intermediate_size
     return Recipe(
         dest=dest,
         parts=(
             Part(
                 source=gate_up,
-                source_box=((0, e), (a, b), (0, h)),
+                source_box=((e0, e1), (a, b), (0, h)),
                 dest_box=((0, e), (0, n), (0, h)),
             ),
             Part(
                 source=gate_up,
-                source_box=((0, e), (i + a, i + b), (0, h)),
+                source_box=((e0, e1), (i + a, i + b), (0, h)),
                 dest_box=((0, e), (n, 2 * n), (0, h)),
             ),
         ),
         sources=_specs(dest, [(gate_up, (e, 2 * i, h))]),
     )
+
+
+def _expert_range(dest: str, num_experts: int, experts: Range | None) -> Range:
+    if experts is None:
+        return (0, num_experts)
+    e0, e1 = int(experts[0]), int(experts[1])
+    if not 0 <= e0 < e1 <= num_experts:
+        raise ValueError(f"{dest!r}: experts [{e0}, {e1}) are empty or outside [0, {num_experts})")
+    return (e0, e1)
 
 
 def moe_w2(
@@ -457,16 +473,25 @@ def moe_w2_fused(
     tp_rank: int,
     tp_size: int,
     bounds: Sequence[Range] | None = None,
+    experts: Range | None = None,
 ) -> Recipe:
-    """Stacked expert w2 ``[E, H, I_r]`` from a stacked ``down [E, H, I]``."""
-    return shard(
-        dest,
-        down,
-        (num_experts, hidden_size, intermediate_size),
-        dim=2,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        bounds=bounds,
+    """Stacked expert w2 ``[E, H, I_r]`` from a stacked ``down [E, H, I]``.
+
+    Args:
+        experts: as `moe_w13_fused`.
+    """
+    a, b = _rank_range(intermediate_size, tp_rank, tp_size, bounds, f"experts of {dest!r}")
+    e0, e1 = _expert_range(dest, num_experts, experts)
+    h = hidden_size
+    return Recipe(
+        dest=dest,
+        parts=(
+            Part(
+                source=down,
+                source_box=((e0, e1), (0, h), (a, b)),
+                dest_box=((0, e1 - e0), (0, h), (0, b - a)),
+            ),
+        ),
     )
 
 

@@ -31,14 +31,30 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def named_tensors(
+    obj: nn.Module | Mapping[str, torch.Tensor], *, persistent_buffers: bool = False
+) -> dict[str, torch.Tensor]:
     """Parameters of a module (by name), or a copy of a name->tensor mapping.
+
+    Args:
+        persistent_buffers: also a module's persistent buffers, which its checkpoint holds
+            beside the parameters (the trainer side): the float32 router bias
+            ``mlp.gate.e_score_correction_bias`` of DeepSeek-V3 / GLM-4.5-MoE is one in
+            transformers (trainers update it outside the optimizer). Non-persistent buffers
+            (rotary tables) are not weights and are never included.
 
     Raises:
         TypeError: anything else, or a non-tensor value (named).
     """
     if isinstance(obj, nn.Module):
-        return dict(obj.named_parameters(remove_duplicate=False))
+        out: dict[str, torch.Tensor] = dict(obj.named_parameters(remove_duplicate=False))
+        if not persistent_buffers:
+            return out
+        for mod_name, mod in obj.named_modules(remove_duplicate=False):
+            for name, buf in mod._buffers.items():
+                if buf is not None and name not in mod._non_persistent_buffers_set:
+                    out.setdefault(f"{mod_name}.{name}" if mod_name else name, buf)
+        return out
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():

@@ -176,7 +176,9 @@ class WeightSender:
         """Join, plan (rank hosting the controller), and connect.
 
         Args:
-            params: the trainer's parameters (FSDP2 module with DTensor params, or a mapping).
+            params: the trainer's parameters (FSDP2 module with DTensor params, or a mapping);
+                a module's persistent buffers are sources too (the float32 router bias of
+                DeepSeek-V3 / GLM-4.5-MoE is one in transformers).
             rank, world_size: this rank in the trainer world (DTensor meshes use these ranks).
             transport: backend selection.
             control: control plane address and token.
@@ -193,7 +195,7 @@ class WeightSender:
         self.world_size = world_size
         self.config = config or SenderConfig()
         self.controller = controller
-        self._params = named_tensors(params)
+        self._params = named_tensors(params, persistent_buffers=True)
         if device is None:
             first = next(iter(self._params.values()), None)
             device = first.device if first is not None else torch.device("cpu")

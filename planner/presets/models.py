@@ -3,9 +3,11 @@
 A `ModelShape` is all the planner and the presets need to know about a model: no weights, no
 code. `hf_parameter_shapes` lists the parameters a Hugging Face trainer holds for that shape
 (names and global shapes), which is what trainer manifests and benchmarks are built from.
+MLA models (DeepSeek-V2/V3, Kimi-K2, Moonlight) have their own shape,
+`planner.presets.deepseek.MlaShape`; `from_hf_config` returns whichever describes the config.
 
-Naming follows the HF Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE models. MoE experts come in
-two trainer layouts:
+Naming follows the HF Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / GLM-4.5-MoE models. MoE
+experts come in two trainer layouts:
 
 * ``"per_expert"`` (HF checkpoints, transformers < 5):
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from weight_transfer.planner.presets.deepseek import MlaShape
 
 MoeLayout = Literal["per_expert", "fused"]
 """How a trainer holds MoE expert weights (see the module docstring)."""
@@ -28,10 +33,13 @@ MOE_LAYOUTS: tuple[str, ...] = ("per_expert", "fused")
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelShape:
-    """Dimensions of a decoder-only transformer (Llama/Qwen family).
+    """Dimensions of a decoder-only transformer (Llama/Qwen/GLM family).
 
-    When `num_experts` > 0 every layer's MLP is a mixture of experts (no dense layers), with
-    an optional shared expert (Qwen2-MoE style) when `shared_expert_intermediate_size` > 0.
+    When `num_experts` > 0 the MLP of every layer from `first_k_dense` on is a mixture of
+    experts (the first `first_k_dense` layers are dense, GLM-4.5 style), with an optional shared
+    expert: Qwen2-MoE style (``mlp.shared_expert`` and its ``mlp.shared_expert_gate``) when
+    `shared_expert_intermediate_size` > 0, or DeepSeek/GLM style (``mlp.shared_experts`` of
+    width ``num_shared_experts * moe_intermediate_size``, no gate) when `num_shared_experts` > 0.
     """
 
     vocab_size: int
@@ -60,6 +68,15 @@ class ModelShape:
     """q/k/v projections carry a bias (Qwen2); o_proj never does."""
     qk_norm: bool = False
     """Per-head RMSNorm on queries and keys (Qwen3): `self_attn.{q,k}_norm.weight` [head_dim]."""
+    first_k_dense: int = 0
+    """Leading layers with a dense MLP in a MoE model (GLM-4.5 `first_k_dense_replace`)."""
+    num_shared_experts: int = 0
+    """DeepSeek/GLM-style shared experts (``mlp.shared_experts``, no gate); 0 for none."""
+    router_bias: bool = False
+    """MoE layers have ``mlp.gate.e_score_correction_bias [E]`` (float32; ``noaux_tc`` routing)."""
+    router_dtype: str | None = None
+    """Engine dtype of the router ``mlp.gate.weight`` where vLLM does not hold it in the model's
+    dtype (vLLM's GLM-4.5-MoE builds it in float32); None: the model's dtype."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -79,6 +96,8 @@ class ModelShape:
             "num_experts",
             "moe_intermediate_size",
             "shared_expert_intermediate_size",
+            "first_k_dense",
+            "num_shared_experts",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -94,13 +113,35 @@ class ModelShape:
             )
         if self.num_experts == 0 and self.intermediate_size <= 0:
             raise ValueError("ModelShape: a dense model needs intermediate_size > 0")
-        if self.num_experts == 0 and self.shared_expert_intermediate_size > 0:
-            raise ValueError("ModelShape: a shared expert needs num_experts > 0")
+        if self.num_experts == 0 and (
+            self.shared_expert_intermediate_size
+            or self.num_shared_experts
+            or self.first_k_dense
+            or self.router_bias
+        ):
+            raise ValueError(
+                "ModelShape: shared experts, first_k_dense and router_bias need num_experts > 0"
+            )
+        if self.shared_expert_intermediate_size and self.num_shared_experts:
+            raise ValueError(
+                "ModelShape: set shared_expert_intermediate_size (Qwen2-MoE style) or "
+                "num_shared_experts (DeepSeek/GLM style), not both"
+            )
+        if self.first_k_dense and self.intermediate_size <= 0:
+            raise ValueError("ModelShape: first_k_dense dense layers need intermediate_size > 0")
+        if self.first_k_dense > self.num_layers:
+            raise ValueError("ModelShape: first_k_dense exceeds num_layers")
+        if self.router_dtype is not None and self.router_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ModelShape.router_dtype {self.router_dtype!r} is not supported")
 
     @property
     def is_moe(self) -> bool:
         """True when the MLPs are mixtures of experts."""
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True for layers whose MLP is a mixture of experts."""
+        return self.is_moe and layer >= self.first_k_dense
 
     @property
     def q_size(self) -> int:
@@ -121,22 +162,45 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def from_hf_config(cfg: Any) -> ModelShape:
-    """Build a `ModelShape` from a transformers config object or its dict (``config.json``).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+"""HF `model_type`s of MLA models (described by `planner.presets.deepseek.MlaShape`)."""
 
-    Understands Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE configs (and others with the same
-    keys). Missing `tie_word_embeddings` reads as False; missing `head_dim` as
-    hidden_size // num_attention_heads; missing `num_key_value_heads` as num_attention_heads.
+
+def from_hf_config(cfg: Any) -> ModelShape | MlaShape:
+    """Build the shape of a transformers config object or its dict (``config.json``).
+
+    Understands Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and GLM-4.5-MoE configs (and
+    others with the same keys), which give a `ModelShape`, and the MLA models (`MLA_MODEL_TYPES`:
+    DeepSeek-V2/V3, Kimi-K2, Moonlight), which give a `planner.presets.deepseek.MlaShape`
+    (`planner.presets.deepseek.mla_from_hf_config`). Missing `tie_word_embeddings` reads as
+    False; missing `head_dim` as hidden_size // num_attention_heads; missing
+    `num_key_value_heads` as num_attention_heads. A multi-token-prediction layer
+    (`num_nextn_predict_layers`) is not part of the shape: vLLM's model does not hold it (only
+    a speculative-decoding draft model does).
 
     Raises:
-        ValueError: a required key is missing, or the config describes something this shape
-            cannot (dense layers mixed with MoE layers, an o_proj bias).
+        ValueError: a required key is missing, or the config describes something the shape
+            cannot (dense layers interleaved with MoE layers, an o_proj bias).
+    """
+    if str(_get(cfg, "model_type", "")) in MLA_MODEL_TYPES:
+        from weight_transfer.planner.presets.deepseek import mla_from_hf_config
+
+        return mla_from_hf_config(cfg)
+    return dense_from_hf_config(cfg)
+
+
+def dense_from_hf_config(cfg: Any) -> ModelShape:
+    """`from_hf_config` for the non-MLA families (always a `ModelShape`).
+
+    Raises:
+        ValueError: as `from_hf_config`.
     """
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if _get(cfg, k) is None]
     if missing:
         raise ValueError(f"HF config lacks required keys {missing}")
     model_type = str(_get(cfg, "model_type", ""))
+    what = model_type or "unknown model_type"
     num_heads = int(_get(cfg, "num_attention_heads"))
     hidden = int(_get(cfg, "hidden_size"))
     num_experts = int(
@@ -144,21 +208,26 @@ def from_hf_config(cfg: Any) -> ModelShape:
         or _get(cfg, "num_local_experts", 0)
         or _get(cfg, "n_routed_experts", 0)
     )
+    first_dense = int(_get(cfg, "first_k_dense_replace", 0)) if num_experts else 0
     if num_experts:
         mlp_only = list(_get(cfg, "mlp_only_layers", []) or [])
         step = int(_get(cfg, "decoder_sparse_step", 1))
-        first_dense = int(_get(cfg, "first_k_dense_replace", 0))
-        if mlp_only or step != 1 or first_dense:
+        freq = int(_get(cfg, "moe_layer_freq", 1))
+        if mlp_only or step != 1 or freq != 1:
             raise ValueError(
-                f"HF config ({model_type or 'unknown model_type'}) mixes dense and MoE layers "
+                f"HF config ({what}) interleaves dense and MoE layers "
                 f"(mlp_only_layers={mlp_only}, decoder_sparse_step={step}, "
-                f"first_k_dense_replace={first_dense}); ModelShape supports all-MoE models only"
+                f"moe_layer_freq={freq}); ModelShape supports MoE models whose dense layers, if "
+                "any, come first (first_k_dense_replace)"
             )
-    if _get(cfg, "attention_bias", False):
+    glm = model_type == "glm4_moe"
+    attention_bias = bool(_get(cfg, "attention_bias", False))
+    if attention_bias and not glm:
         raise ValueError(
-            f"HF config ({model_type or 'unknown model_type'}) has attention_bias=True (an "
-            "o_proj bias); ModelShape supports q/k/v biases only (Qwen2 style)"
+            f"HF config ({what}) has attention_bias=True (an o_proj bias); ModelShape supports "
+            "q/k/v biases only (Qwen2 style; GLM-4.5's attention_bias is q/k/v only)"
         )
+    shared = int(_get(cfg, "n_shared_experts", 0)) if num_experts else 0
     return ModelShape(
         vocab_size=int(_get(cfg, "vocab_size")),
         hidden_size=hidden,
@@ -173,8 +242,13 @@ def from_hf_config(cfg: Any) -> ModelShape:
         shared_expert_intermediate_size=(
             int(_get(cfg, "shared_expert_intermediate_size", 0)) if num_experts else 0
         ),
-        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or (glm and attention_bias),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or (glm and bool(_get(cfg, "use_qk_norm"))),
+        first_k_dense=first_dense,
+        num_shared_experts=shared,
+        # GLM-4.5-MoE always routes with the bias (vLLM's Glm4MoE and transformers both hold it).
+        router_bias=glm and num_experts > 0,
+        router_dtype="float32" if glm and num_experts else None,
     )
 
 
@@ -207,8 +281,11 @@ def hf_parameter_shapes(
         if shape.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (shape.head_dim,)
             out[p + "self_attn.k_norm.weight"] = (shape.head_dim,)
-        if shape.is_moe:
+        if shape.is_moe_layer(i):
             e, i_moe = shape.num_experts, shape.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (e, h)
+            if shape.router_bias:
+                out[p + "mlp.gate.e_score_correction_bias"] = (e,)
             if moe_layout == "fused":
                 out[p + "mlp.experts.gate_up_proj"] = (e, 2 * i_moe, h)
                 out[p + "mlp.experts.down_proj"] = (e, h, i_moe)
@@ -217,13 +294,17 @@ def hf_parameter_shapes(
                     out[p + f"mlp.experts.{x}.gate_proj.weight"] = (i_moe, h)
                     out[p + f"mlp.experts.{x}.up_proj.weight"] = (i_moe, h)
                     out[p + f"mlp.experts.{x}.down_proj.weight"] = (h, i_moe)
-            out[p + "mlp.gate.weight"] = (e, h)
             if shape.shared_expert_intermediate_size:
                 i_sh = shape.shared_expert_intermediate_size
                 out[p + "mlp.shared_expert.gate_proj.weight"] = (i_sh, h)
                 out[p + "mlp.shared_expert.up_proj.weight"] = (i_sh, h)
                 out[p + "mlp.shared_expert.down_proj.weight"] = (h, i_sh)
                 out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+            if shape.num_shared_experts:
+                i_sh = shape.num_shared_experts * i_moe
+                out[p + "mlp.shared_experts.gate_proj.weight"] = (i_sh, h)
+                out[p + "mlp.shared_experts.up_proj.weight"] = (i_sh, h)
+                out[p + "mlp.shared_experts.down_proj.weight"] = (h, i_sh)
         else:
             i_d = shape.intermediate_size
             out[p + "mlp.gate_proj.weight"] = (i_d, h)

@@ -15,7 +15,12 @@ tp 1/2/4/8 and a MoE layer at tp 1/2:
   `moe_prefix` defaults to ``mlp.experts.routed_experts`` as in the oracle. Expert
   parallelism is not modelled (every rank holds every expert's tensor-parallel slice).
 * Shared expert (Qwen2-MoE): ``mlp.shared_expert.{gate_up,down}_proj.weight`` like a dense MLP,
-  ``mlp.shared_expert_gate.weight`` replicated (not covered by the oracle).
+  ``mlp.shared_expert_gate.weight`` replicated (not covered by the oracle). GLM-4.5-MoE:
+  ``mlp.shared_experts.{gate_up,down}_proj.weight`` (no gate), the float32 router bias
+  ``mlp.gate.e_score_correction_bias`` replicated, and the first ``first_k_dense`` layers
+  dense; vLLM holds GLM's router ``mlp.gate.weight`` in float32 (`vllm_engine_dtypes`).
+* MLA models (DeepSeek-V2/V3, Kimi-K2): `planner.presets.deepseek.mla_recipes`;
+  `vllm_layout` picks the builder that describes a shape.
 * Norms (``input_layernorm``, ``post_attention_layernorm``, ``q_norm``/``k_norm``,
   ``model.norm``) are replicated.
 * Embedding and lm_head (`VocabParallelEmbedding` / `ParallelLMHead`): vLLM pads the vocabulary
@@ -45,6 +50,7 @@ pre-quantized checkpoints refuses such partitions.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from weight_transfer.errors import ConfigurationError
 from weight_transfer.planner.presets.models import MOE_LAYOUTS, ModelShape, MoeLayout
@@ -67,12 +73,18 @@ from weight_transfer.planner.recipes import (
 )
 from weight_transfer.planner.types import Range, Recipe
 
+if TYPE_CHECKING:
+    from weight_transfer.planner.presets.deepseek import MlaShape
+
 VLLM_VERSION = "0.33.0"
 """The vLLM release whose conventions this preset reproduces."""
 VOCAB_PADDING = 64
 """vLLM's DEFAULT_VOCAB_PADDING_SIZE."""
 DEFAULT_MOE_PREFIX = "mlp.experts.routed_experts"
-"""Where vLLM 0.33.0 keeps routed-expert parameters inside a layer (per the oracle)."""
+"""Where vLLM 0.33.0 keeps routed-expert parameters inside a layer (per the oracle; 0.32's
+DeepSeek-V3 and GLM-4.5-MoE models too)."""
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
+"""Per-layer float32 router bias of ``noaux_tc`` routing (DeepSeek-V3, Kimi-K2, GLM-4.5-MoE)."""
 
 
 def vocab_rows(vocab_size: int, tp_rank: int, tp_size: int) -> Range:
@@ -146,7 +158,7 @@ def vllm_recipes(
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
         out.extend(rank.attention(p + "self_attn."))
-        if shape.is_moe:
+        if shape.is_moe_layer(i):
             out.extend(rank.moe(p))
         else:
             out.extend(rank.dense_mlp(p + "mlp.", shape.intermediate_size))
@@ -311,6 +323,10 @@ class _Rank:
             self.quant(w2),
             identity(p + "mlp.gate.weight", p + "mlp.gate.weight", (e, h)),
         ]
+        if shape.router_bias:
+            out.append(identity(p + ROUTER_BIAS, p + ROUTER_BIAS, (e,)))
+        if shape.num_shared_experts:
+            out.extend(self.dense_mlp(p + "mlp.shared_experts.", shape.num_shared_experts * inter))
         if shape.shared_expert_intermediate_size:
             out.extend(
                 self.dense_mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size)
@@ -321,6 +337,81 @@ class _Rank:
                 )
             )
         return out
+
+
+def vllm_engine_dtypes(shape: ModelShape) -> dict[str, str]:
+    """Engine tensors vLLM does not hold in the model's dtype: the float32 router biases, and
+    the routers where vLLM builds them in another dtype (`ModelShape.router_dtype`)."""
+    out: dict[str, str] = {}
+    for i in range(shape.num_layers):
+        if not shape.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}."
+        if shape.router_bias:
+            out[p + ROUTER_BIAS] = "float32"
+        if shape.router_dtype is not None:
+            out[p + "mlp.gate.weight"] = shape.router_dtype
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VllmLayout:
+    """What one vLLM tensor-parallel rank holds of a model: its recipes, and the dtypes of the
+    tensors that are not in the model's dtype."""
+
+    recipes: tuple[Recipe, ...]
+    dtypes: dict[str, str]
+    """Engine tensor name -> dtype, where it is not the model's dtype."""
+
+    def specs(self, param_dtype: str) -> tuple[TensorSpec, ...]:
+        """The tensors to allocate (or check against the live model) for `param_dtype`."""
+        return engine_tensor_specs(self.recipes, param_dtype=param_dtype, dtypes=self.dtypes)
+
+
+def vllm_layout(
+    shape: ModelShape | MlaShape,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    fp8: bool = False,
+    moe_prefix: str = DEFAULT_MOE_PREFIX,
+    hf_moe_layout: MoeLayout = "per_expert",
+    fp8_block: tuple[int, int] = (128, 128),
+) -> VllmLayout:
+    """The layout of vLLM rank `tp_rank` of `tp_size` for any shape `from_hf_config` returns:
+    `vllm_recipes` for a `ModelShape`, `planner.presets.deepseek.mla_recipes` (no expert
+    parallelism) for an `MlaShape`.
+
+    Raises:
+        ConfigurationError: as the builder of that shape.
+    """
+    from weight_transfer.planner.presets.deepseek import MlaShape, mla_engine_dtypes, mla_recipes
+
+    if isinstance(shape, MlaShape):
+        return VllmLayout(
+            recipes=mla_recipes(
+                shape,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                fp8=fp8,
+                fp8_block=fp8_block,
+                moe_prefix=moe_prefix,
+                hf_moe_layout=hf_moe_layout,
+            ),
+            dtypes=mla_engine_dtypes(shape),
+        )
+    return VllmLayout(
+        recipes=vllm_recipes(
+            shape,
+            tp_rank,
+            tp_size,
+            fp8=fp8,
+            moe_prefix=moe_prefix,
+            hf_moe_layout=hf_moe_layout,
+            fp8_block=fp8_block,
+        ),
+        dtypes=vllm_engine_dtypes(shape),
+    )
 
 
 def vllm_tensor_specs(
@@ -350,4 +441,5 @@ def vllm_tensor_specs(
             fp8_block=fp8_block,
         ),
         param_dtype=param_dtype,
+        dtypes=vllm_engine_dtypes(shape),
     )

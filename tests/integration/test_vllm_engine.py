@@ -122,10 +122,11 @@ def _save_llama(path: Path, dtype: torch.dtype, seed: int) -> Path:
     return path
 
 
-def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool) -> Any:
+def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool, **kwargs: Any) -> Any:
+    """A `vllm.LLM` on `model_dir` (`kwargs`: further `LLM` arguments, as the MLA tests'
+    `compilation_config`)."""
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
     if backend:
         from weight_transfer.vllm import BACKEND
 
@@ -362,10 +363,14 @@ def _trainer(
         mesh = init_device_mesh("cpu", (world,))
         cls = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
         model = cls.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
-        moe = hasattr(model.config, "num_experts")
+        moe = hasattr(model.config, "num_experts") or hasattr(model.config, "n_routed_experts")
+        persistent = set(model.state_dict())
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        # Persistent buffers are weights too (DeepSeek-V3 / GLM-4.5's float32 router bias):
+        # updated below outside the optimizer, as aux-loss-free load balancing does.
+        buffers = {n: b for n, b in model.named_buffers() if n in persistent}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         info = TrainerInitInfo(
             rank=rank,
@@ -384,11 +389,15 @@ def _trainer(
             model(input_ids=tokens, labels=tokens).loss.backward()
             opt.step()
             opt.zero_grad()
+            with torch.no_grad():
+                for b in buffers.values():  # the same values on every rank (same generator)
+                    b.add_((torch.randn(b.shape, generator=g) * 0.01).to(b.dtype))
             stats = updater.update(step)
             with torch.no_grad():
                 full = {
                     n: p.full_tensor().detach().contiguous() for n, p in model.named_parameters()
                 }
+                full.update({n: b.detach().clone() for n, b in buffers.items()})
             if rank == 0:
                 d = Path(ckpt_root) / f"step{step}"
                 d.mkdir(parents=True)
@@ -458,11 +467,22 @@ def _run_trainers(
 
 
 def _generate(llm: Any) -> list[Any]:
+    """Greedy generation of `PROMPTS`, one request per `generate` call.
+
+    vLLM's engine core (its own process) starts a step as soon as the first request of a
+    `generate` call arrives, so which requests share a step depends on timing, and on the CPU
+    backend a request's logprobs can depend by an ulp on the rest of its batch. Measured on the
+    tiny DeepSeek-V3 of test_vllm_mla.py, one vanilla engine, weights untouched: two `generate`
+    calls of the 3 prompts ran first steps of [5, 8] and [8] tokens and one sampled logprob
+    differed by one float32 ulp. With one request in the engine at a time every step's batch is
+    the same in every engine, so two engines can be compared bit for bit (docs/vllm.md)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0)
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    return [
+        llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in PROMPTS
+    ]
 
 
 def _prompt_logprobs(out: Any) -> list[float]:
@@ -567,7 +587,14 @@ def _check(
 
 
 def _check_fresh(
-    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float, moe: bool = True
+    llm: Any,
+    step: int,
+    ckpt: Path,
+    dtype: str,
+    tp: int,
+    seconds: float,
+    moe: bool = True,
+    **llm_kwargs: Any,
 ) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
 
@@ -578,7 +605,7 @@ def _check_fresh(
     reload's known defect is pinned (its tokens change; re-running the skipped prepack restores
     them) unless `moe` is False.
     """
-    fresh = _start_llm(ckpt, dtype, tp, backend=False)
+    fresh = _start_llm(ckpt, dtype, tp, backend=False, **llm_kwargs)
     try:
         ours = llm.collective_rpc(_probe_state, args=(step,))
         theirs = fresh.collective_rpc(_probe_state, args=(step,))

@@ -69,9 +69,9 @@ def test_mla_recipe_shapes() -> None:
     assert specs[p + "self_attn.q_b_proj.weight"].shape == (8 * 192, 1536)
     assert specs[p + "self_attn.kv_b_proj.weight"].shape == (8 * 256, 512)
     assert specs[p + "self_attn.o_proj.weight"].shape == (7168, 8 * 128)
-    assert specs[p + "mlp.experts.w13_weight"].shape == (12, 4096, 7168)
-    assert specs[p + "mlp.experts.w13_weight_scale_inv"].shape == (12, 32, 56)
-    assert specs[p + "mlp.experts.w2_weight"].dtype == "float8_e4m3fn"
+    assert specs[p + "mlp.experts.routed_experts.w13_weight"].shape == (12, 4096, 7168)
+    assert specs[p + "mlp.experts.routed_experts.w13_weight_scale_inv"].shape == (12, 32, 56)
+    assert specs[p + "mlp.experts.routed_experts.w2_weight"].dtype == "float8_e4m3fn"
     assert "model.layers.0.mlp.gate_up_proj.weight" in specs  # first dense layer
     assert specs[p + "mlp.gate.e_score_correction_bias"].shape == (384,)
     assert local_experts(384, 3, 32) == (36, 48)

@@ -449,7 +449,9 @@ def test_from_hf_config_dict_and_errors() -> None:
     assert from_hf_config({**_SMALL, "num_key_value_heads": None}).num_kv_heads == 4
     with pytest.raises(ValueError, match="lacks required keys \\['hidden_size'\\]"):
         from_hf_config({k: v for k, v in _SMALL.items() if k != "hidden_size"})
-    with pytest.raises(ValueError, match="mixes dense and MoE layers.*mlp_only_layers=\\[0\\]"):
+    with pytest.raises(
+        ValueError, match="interleaves dense and MoE layers.*mlp_only_layers=\\[0\\]"
+    ):
         from_hf_config(
             {**_SMALL, "num_experts": 8, "moe_intermediate_size": 32, "mlp_only_layers": [0]}
         )

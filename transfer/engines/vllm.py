@@ -30,6 +30,12 @@ one tensor, ``model.embed_tokens.weight``, and the preset has no ``lm_head`` rec
 trainer's tied ``lm_head.weight`` is an alias of its embedding (one source). The LM head module
 derives its logits GEMM state from the shared weight, so it is re-processed with the embedding.
 
+Derived tensors (`DERIVED_MLA`): vLLM's MLA attention derives ``W_UK_T``/``W_UV`` from
+``kv_b_proj`` after loading and registers them as parameters. No recipe writes them; the check
+accepts them as derived from their ``kv_b_proj`` (which a recipe must write), and the refresh
+re-runs vLLM's own ``MLAAttention.process_weights_after_loading`` after the layers' processing,
+which recomputes them from the new ``kv_b_proj`` (copies on GPUs, views on the CPU backend).
+
 `init_transfer_engine` joins the control plane (a `WeightReceiver`); `receive_weights` announces
 readiness and waits, bounded, for the update's version word; the writes land while the worker's
 thread is inside that call, so no forward pass reads a partial update.
@@ -62,8 +68,7 @@ from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
-from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_recipes
-from weight_transfer.planner.recipes import engine_tensor_specs
+from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_layout
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.vllm import (
     BACKEND,
@@ -85,9 +90,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
-"""vLLM model classes whose parameters the vLLM preset describes and whose update was verified
-(or shares its layers with one that was)."""
+"""vLLM model classes whose parameters the vLLM presets describe and whose update was verified
+(or shares its layers with one that was). `DeepseekV3ForCausalLM` is also Kimi-K2's class."""
+
+DERIVED_MLA = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T_dcp_qrep")
+"""Parameters vLLM's `MLAAttention.process_weights_after_loading` derives from its `kv_b_proj`
+(which of them exist depends on the backend: `W_UK_T`/`W_UV` here)."""
 
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
 """The routed experts' stacked weights (vLLM's `UnquantizedFusedMoEMethod.create_weights`)."""
@@ -196,6 +207,65 @@ def _fp8_block(vllm_config: Any) -> tuple[int, int] | None:
     return FP8_BLOCK
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DerivedFrom:
+    """A parameter vLLM derives after loading, and what it derives it from."""
+
+    name: str
+    module: str
+    """The module whose `process_weights_after_loading(act_dtype)` derives it (MLA attention)."""
+    source: str
+    """The written parameter it is derived from (``...self_attn.kv_b_proj.weight``)."""
+
+
+def _derived_params(model: nn.Module) -> dict[str, DerivedFrom]:
+    """The parameters vLLM's MLA attention layers derive from their `kv_b_proj` (`DERIVED_MLA`).
+
+    Raises:
+        ConfigurationError: an MLA layer whose `kv_b_proj` is not a module of the model.
+    """
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, DerivedFrom] = {}
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, MLAAttention):
+            continue
+        kv_b = names.get(id(getattr(module, "kv_b_proj", None)))
+        if kv_b is None:
+            raise ConfigurationError(
+                f"weight_transfer: MLA layer {mod_name!r} has no kv_b_proj in the model; not "
+                "covered; nothing was registered"
+            )
+        for pname, _ in module.named_parameters(recurse=False):
+            if pname in DERIVED_MLA:
+                name = f"{mod_name}.{pname}"
+                out[name] = DerivedFrom(name=name, module=mod_name, source=f"{kv_b}.weight")
+    return out
+
+
+def _check_no_draft(vllm_config: Any) -> None:
+    """Refuse an engine that runs a speculative-decoding draft model (an MTP layer included).
+
+    The plug-in updates the target model only (`supports_draft_weight_update = False`); a
+    draft's weights (DeepSeek-V3's MTP layer is served as the draft `DeepSeekMTP`) would keep
+    the old values while the target moved on. Without a draft, vLLM's target model holds no MTP
+    layer: it skips `model.layers.{num_hidden_layers + k}` when loading.
+
+    Raises:
+        ConfigurationError: a draft model is configured.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "draft_model_config", None) is not None:
+        method = getattr(spec, "method", None)
+        raise ConfigurationError(
+            f"weight_transfer: the engine runs a speculative-decoding draft model (method "
+            f"{method!r}; an MTP layer is one); the plug-in updates the target model only, so "
+            "the draft would keep stale weights; start vLLM without speculative_config; "
+            "nothing was registered"
+        )
+
+
 def _check_model(vllm_config: Any, model: nn.Module) -> None:
     arch = type(model).__name__
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -204,6 +274,7 @@ def _check_model(vllm_config: Any, model: nn.Module) -> None:
             f"(covered: {', '.join(SUPPORTED_ARCHITECTURES)}); nothing was registered"
         )
     _fp8_block(vllm_config)
+    _check_no_draft(vllm_config)
 
 
 def _relayouts_experts(module: nn.Module) -> bool:
@@ -231,9 +302,12 @@ def _relayouts_experts(module: nn.Module) -> bool:
 
 
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
+    """Where routed experts live inside a layer, from the first MoE layer (dense layers may
+    come first: DeepSeek-V3, GLM-4.5-MoE)."""
     for name in params:
-        if name.startswith("model.layers.0.") and name.endswith(".w13_weight"):
-            return name[len("model.layers.0.") : -len(".w13_weight")]
+        if name.startswith("model.layers.") and name.endswith(".w13_weight"):
+            layer = name.split(".", 3)[3]
+            return layer[: -len(".w13_weight")]
     return DEFAULT_MOE_PREFIX
 
 
@@ -292,13 +366,18 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 "the refresh re-derives what vLLM's FP8 kernel re-lays out and fails the update "
                 "if a tensor would move"
             )
-        self.recipes = vllm_recipes(
-            shape, self.tp_rank, self.tp_size, fp8=self._fp8, moe_prefix=self._moe_prefix
-        )
-        specs = engine_tensor_specs(self.recipes, param_dtype=dtype)
+        try:
+            layout = vllm_layout(
+                shape, self.tp_rank, self.tp_size, fp8=self._fp8, moe_prefix=self._moe_prefix
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"weight_transfer: {exc}; nothing was registered") from None
+        self.recipes = layout.recipes
+        specs = layout.specs(dtype)
         self.paths: dict[str, ParamPath] = {}
         self._targets: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self.derived = _derived_params(model)
         plan = self._check(specs, params)
         for name, (path, module, view) in plan.items():
             self.paths[name] = ParamPath(name=name, path=path, module=module)
@@ -315,6 +394,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             {p.module for p in self.paths.values() if p.path != IN_PLACE}
             | self._tied_holders(params)
         )
+        self._rederive = sorted({d.module for d in self.derived.values()})
         # The parameter objects of every re-processed layer as loaded: their storage is what
         # vLLM's kernels (and captured CUDA graphs) read, so a refresh writes its results back
         # into them (`_restore_captured`).
@@ -328,13 +408,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             for k in (IN_PLACE, IN_PLACE_REPROCESS, BUFFER_REPROCESS)
         }
         log.info(
-            "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed per update; "
-            "%d extra bytes of checkpoint-layout buffers",
+            "weight_transfer: rank %d (tp %d/%d): %s; %d modules re-processed and %d derived "
+            "tensors re-derived per update; %d extra bytes of checkpoint-layout buffers",
             self.global_rank,
             self.tp_rank,
             self.tp_size,
             counts,
             len(self._reprocess),
+            len(self.derived),
             self.extra_bytes,
         )
         for p in self.paths.values():
@@ -384,8 +465,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
 
         written = {s.name for s in specs}
         for name in params:
-            if name not in written:
+            if name not in written and name not in self.derived:
                 raise refuse(f"live parameter {name!r} is written by no recipe")
+        for d in self.derived.values():
+            if d.source not in written:
+                raise refuse(f"{d.name!r} is derived from {d.source!r}, which no recipe writes")
         out: dict[str, tuple[str, str, torch.Tensor | None]] = {}
         for spec in specs:
             name, want_shape, want_dtype = spec.name, tuple(spec.shape), torch_dtype(spec.dtype)
@@ -465,16 +549,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """
         previous = self.receiver.serving if self.receiver is not None else None
         self.shutdown()
-        if self._shape.is_moe:
+        if self._shape.num_experts:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
-            self.recipes = vllm_recipes(
+            self.recipes = vllm_layout(
                 self._shape,
                 self.tp_rank,
                 self.tp_size,
                 fp8=self._fp8,
                 moe_prefix=self._moe_prefix,
                 hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
-            )
+            ).recipes
         engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
         control = init_info.control()
         self.receiver = WeightReceiver(
@@ -594,6 +678,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # builds a new packed copy from the buffers and leaves them unchanged.
                 module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
             self._restore_captured(mod_name, module)
+        self._rederive_mla()
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
@@ -603,6 +688,25 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                     f"weight_transfer: vLLM's processing moved {name!r}; its registration is stale"
                 )
         self.last_refresh_s = time.perf_counter() - t0
+
+    def _rederive_mla(self) -> None:
+        """Re-run vLLM's MLA derivation (`W_UK_T`/`W_UV` from `kv_b_proj`), as at load: after
+        every layer's own processing (vLLM's loader runs attention layers last, so it reads
+        `kv_b_proj` as processed).
+
+        Raises:
+            WeightTransferError: a derived tensor is missing afterwards.
+        """
+        act_dtype = self.vllm_config.model_config.dtype
+        for mod_name in self._rederive:
+            module: Any = self.model.get_submodule(mod_name)
+            module.process_weights_after_loading(act_dtype)
+        live = dict(self.model.named_parameters())
+        for name in self.derived:
+            if name not in live:
+                raise WeightTransferError(
+                    f"weight_transfer: vLLM's MLA processing no longer provides {name!r}"
+                )
 
     def _restore_captured(self, mod_name: str, module: nn.Module) -> None:
         """Put the values vLLM's processing derived into the storage the layer was loaded with.
@@ -700,6 +804,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
             "reprocessed": list(self._reprocess),
+            "derived": {n: d.source for n, d in self.derived.items()},
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
