@@ -203,6 +203,21 @@ def _n_engines(cfg: BenchUpdateConfig) -> int:
     return 2 if cfg.layout == "colocated" else 1
 
 
+def _transfer_config(cfg: BenchUpdateConfig, control: Any) -> Any:
+    """The run's `TransferConfig`: its backend and options, the one memory budget."""
+    from weight_transfer.config import SenderConfig, TransferConfig
+    from weight_transfer.planner.plan import PlannerConfig
+
+    return TransferConfig(
+        transport=cfg.backend,
+        transport_options=cfg.transport_options,
+        num_engines=_n_engines(cfg),
+        control=control,
+        sender=SenderConfig(update_timeout_s=cfg.timeout_s),
+        planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
+    )
+
+
 def _trainer_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
     return rank
 
@@ -256,8 +271,7 @@ def trainer_main(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+    from weight_transfer.config import ControlPlaneConfig
     from weight_transfer.controller import Controller
     from weight_transfer.sender import WeightSender
 
@@ -295,32 +309,12 @@ def trainer_main(
         base_mem = torch.cuda.memory_allocated(dev)
         nbytes_model = sum(p.numel() * p.element_size() for p in model.parameters())
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
-        controller = None
-        if rank == 0:
-            from weight_transfer.planner.plan import PlannerConfig
-
-            controller = Controller(
-                ControllerConfig(
-                    num_trainer_ranks=world,
-                    num_engines=_n_engines(cfg),
-                    planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
-                ),
-                control,
-            )
+        config = _transfer_config(cfg, control)
+        # Made here, not by the sender: the harness reads its schedule.
+        controller = Controller(config.controller_config(world), control) if rank == 0 else None
         torch.cuda.reset_peak_memory_stats(dev)
         sender = WeightSender(
-            model,
-            rank=rank,
-            world_size=world,
-            transport=TransportConfig(
-                name=cfg.backend, device_index=gpu, options=cfg.transport_options
-            ),
-            control=control,
-            controller=controller,
-            device=dev,
-            config=SenderConfig(
-                memory_budget_bytes=cfg.memory_budget_bytes, update_timeout_s=cfg.timeout_s
-            ),
+            model, config, rank=rank, world_size=world, controller=controller, device=dev
         )
         if controller is not None:
             assert controller.schedule is not None
@@ -563,7 +557,6 @@ def engine_main(
 ) -> None:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
-    from weight_transfer.backends.base import TransportConfig
     from weight_transfer.config import ControlPlaneConfig
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.protocol import Digests
@@ -588,14 +581,13 @@ def engine_main(
             tensors[s.name] = t
         torch.cuda.synchronize()
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
+        config = _transfer_config(cfg, control)
         rx = WeightReceiver(
             tensors,
             recipes,
+            config,
             engine=f"engine{rank}",
-            transport=TransportConfig(
-                name=cfg.backend, device_index=gpu, options=cfg.transport_options
-            ),
-            control=control,
+            transport=config.transport_config(device_index=gpu),
         )
         for step in range(1, cfg.warmups + cfg.repeats + 1):
             # Every update is checked: digest every tensor under the key the trainer draws
@@ -956,7 +948,7 @@ def check_runnable(cfg: BenchUpdateConfig) -> str | None:
             f"(torch {torch.__version__})"
         )
     if cfg.plot_path and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'weight-transfer[plot]'"
+        return "--plot needs matplotlib: pip install 'matplotlib>=3.7'"
     return None
 
 

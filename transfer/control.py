@@ -354,6 +354,12 @@ class ControlPlane:
         full = self._prefix + key
         return bool(self._call(f"checking {key!r}", lambda: self._store.check([full])))
 
+    def all_exist(self, keys: list[str]) -> bool:
+        """True if every key has been published (one store round trip; never waits, so it
+        serves polling loops, where a store wait that times out makes torch log warnings)."""
+        full = [self._prefix + k for k in keys]
+        return bool(self._call(f"checking {keys}", lambda: self._store.check(full)))
+
     def claim(self, key: str, message: object) -> tuple[bool, bytes]:
         """Atomically claim `key` with a sealed `message`; (True, b"") for the first claimant,
         else (False, the first claimant's authenticated payload).

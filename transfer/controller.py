@@ -174,27 +174,33 @@ class Controller:
         return schedule
 
     def _wait_for_engines(self, m: int) -> None:
-        """Wait for `m` engine joins; fail at once if a member was refused for its token."""
+        """Wait for `m` engine joins; fail at once if a member was refused for its token.
+
+        Polls (one store check per `_JOIN_POLL_S`) rather than slicing a blocking store wait:
+        each store wait that times out makes torch log two warnings ("timed out after 500ms"),
+        and engines routinely take seconds to start.
+        """
         cp = self.control
         keys = [f"engine_slot/{i}" for i in range(m)]
         deadline = time.monotonic() + cp.config.timeout_s
-        while True:
-            try:
-                cp.wait(keys, min(_JOIN_SLICE_S, max(0.001, deadline - time.monotonic())))
-                return
-            except TransportTimeoutError as exc:
+        next_auth_check = time.monotonic()
+        while not cp.all_exist(keys):
+            now = time.monotonic()
+            if now >= next_auth_check:
+                next_auth_check = now + _JOIN_SLICE_S
                 refused = cp.auth_failures()
-                joined = sum(cp.exists(k) for k in keys)
                 if refused:
+                    joined = sum(cp.exists(k) for k in keys)
                     raise ControlPlaneAuthError(
                         f"controller: {refused} member(s) tried to join with another token; "
                         f"{joined} of {m} engines joined (every member needs this run's token)"
-                    ) from exc
-                if time.monotonic() >= deadline:
-                    raise TransportTimeoutError(
-                        f"controller: {joined} of {m} engines joined within "
-                        f"{cp.config.timeout_s:.0f} s"
-                    ) from exc
+                    )
+            if now >= deadline:
+                joined = sum(cp.exists(k) for k in keys)
+                raise TransportTimeoutError(
+                    f"controller: {joined} of {m} engines joined within {cp.config.timeout_s:.0f} s"
+                )
+            time.sleep(_JOIN_POLL_S)
 
     def _read_slots(self, upto: int) -> None:
         """Read join slots [`_slots_read`, upto); a later join of a name supersedes earlier ones."""

@@ -24,8 +24,10 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
+from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.errors import UpdateFailedError
+from weight_transfer.layouts import Layout
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
 from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
@@ -57,32 +59,39 @@ class WeightReceiver:
     def __init__(
         self,
         tensors: nn.Module | Mapping[str, torch.Tensor],
-        recipes: Sequence[Recipe],
+        layout: Layout | Sequence[Recipe],
+        config: TransferConfig,
         *,
         engine: str,
-        transport: TransportConfig,
-        control: ControlPlaneConfig,
-        config: ReceiverConfig | None = None,
         rejoin: bool = False,
+        transport: TransportConfig | None = None,
     ) -> None:
         """Register and publish.
 
         Args:
             tensors: the engine's live parameters (module) or a name -> tensor mapping.
-            recipes: how each engine tensor is built (a layout preset or the engine's own).
+            layout: how each engine tensor is built: a layout (`VllmLayout`, or anything with
+                `recipes`) or the recipes themselves (the engine's own).
+            config: the transfer's configuration (control plane, transport, receiver settings).
             engine: unique name of this engine rank ("engine0", "replica1/tp3").
-            transport: backend selection and options.
-            control: where the control plane is, and its token.
             rejoin: this engine restarted (new memory, new registrations) under a name that
                 joined before; the trainers use it after their next `WeightSender.replan`.
+            transport: this process's `TransportConfig`, for settings the config file does
+                not carry per process (a listen address of its own); default:
+                `config.transport_config()`.
 
         Raises:
             ConfigurationError: a recipe names a missing tensor, a tensor is not contiguous, a
                 tensor no recipe writes (unless allowed), the engine name is taken (or, with
                 `rejoin`, was never registered).
         """
+        recipes = layout.recipes if isinstance(layout, Layout) else layout
+        control = config.control
+        if transport is None:
+            transport = config.transport_config()
         self.engine = engine
-        self.config = config or ReceiverConfig()
+        self.config: ReceiverConfig = config.receiver
+        """This receiver's own settings (`config.receiver`)."""
         self.recipes = tuple(recipes)
         self._tensors = named_tensors(tensors)
         self._check_tensors()
@@ -272,8 +281,8 @@ class WeightReceiver:
 
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
-            WeightTransferError: the controller aborted update `step` (this engine's version
-                did not advance).
+            UpdateFailedError: the controller aborted update `step` (this engine's version
+                did not advance; the trainers may retry with a later step).
             PeerLostError: the controller is gone.
         """
         if timeout_s <= 0:
@@ -304,9 +313,10 @@ class WeightReceiver:
             return False
         decision = self._control.get(f"result/{v}", Decision)
         if not decision.ok:
-            raise WeightTransferError(
+            raise UpdateFailedError(
                 f"engine {self.engine!r}: update {v} failed while its version words were "
-                f"written and is rolled back (waiting for {step}): {decision.error}"
+                f"written and is rolled back (waiting for {step}): {decision.error}",
+                step=v,
             )
         self._known_complete = v
         try:
@@ -322,9 +332,10 @@ class WeightReceiver:
             if self._control.exists(key):
                 decision = self._control.get(key, Decision)
                 if not decision.ok:
-                    raise WeightTransferError(
+                    raise UpdateFailedError(
                         f"engine {self.engine!r}: update {step} failed and was not applied "
-                        f"(version stays {self.version}): {decision.error}"
+                        f"(version stays {self.version}): {decision.error}",
+                        step=step,
                     )
 
     def tensor(self, name: str) -> torch.Tensor:

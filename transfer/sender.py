@@ -22,9 +22,10 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.config import ControlPlaneConfig, SenderConfig
+from weight_transfer.config import SenderConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
+from weight_transfer.errors import ConfigurationError, UpdateFailedError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
 from weight_transfer.planner.types import SliceWrite
@@ -65,10 +66,19 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
     return local if device is None else local.to(device, non_blocking=True)
 
 
+def _process_group_rank() -> tuple[int, int]:
+    """(rank, world size) in the default torch.distributed process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class WeightSender:
     """One trainer rank's sender. Every trainer rank makes one; `update` is collective.
 
-    Construction publishes the source manifest, (on the rank that hosts the `Controller`)
+    Construction publishes the source manifest, (on rank 0, which hosts the `Controller`)
     plans, fetches this rank's schedule, registers staging memory and the local shards that are
     sent without copies, and connects to the engines it writes to.
     """
@@ -76,44 +86,73 @@ class WeightSender:
     def __init__(
         self,
         params: nn.Module | Mapping[str, torch.Tensor],
+        config: TransferConfig,
         *,
-        rank: int,
-        world_size: int,
-        transport: TransportConfig,
-        control: ControlPlaneConfig,
-        config: SenderConfig | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
         controller: Controller | None = None,
         device: torch.device | str | None = None,
+        transport: TransportConfig | None = None,
     ) -> None:
-        """Join, plan (rank hosting the controller), and connect.
+        """Join, plan (rank 0), and connect.
 
         Args:
             params: the trainer's parameters (FSDP2 module with DTensor params, or a mapping).
-            rank, world_size: this rank in the trainer world (DTensor meshes use these ranks).
-            transport: backend selection.
-            control: control plane address and token.
-            controller: the `Controller`, on exactly one rank (it hosts the control plane).
+            config: the transfer's configuration (control plane, transport, planner with the
+                memory budget, sender settings; `num_engines` on rank 0).
+            rank, world_size: this rank in the trainer world (DTensor meshes use these ranks);
+                default: the default torch.distributed process group's, or 0 and 1 without one.
+            controller: a `Controller` made by hand, on exactly one rank. Default: rank 0
+                hosts one itself (from `config.controller_config`), and closes it in `close`.
             device: where this rank computes ("cuda:0" or "cpu"); default: the params' device.
+            transport: this process's `TransportConfig`, for settings the config file does
+                not carry per process (a listen address of its own); default:
+                `config.transport_config()` on this rank's device.
 
         Raises:
+            ConfigurationError: a bad rank, or `config.num_engines` unset on rank 0.
             PlanMismatchError: the plan failed (the same message on every rank).
             TransportTimeoutError: a peer or the control plane did not answer in time.
         """
+        if rank is None or world_size is None:
+            group_rank, group_world = _process_group_rank()
+            rank = group_rank if rank is None else rank
+            world_size = group_world if world_size is None else world_size
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            raise ConfigurationError(f"rank {rank} is outside world_size {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self.config = config or SenderConfig()
-        self.controller = controller
+        self.transfer_config = config
+        """The configuration this sender was built with."""
+        self.config: SenderConfig = config.sender
+        """This sender's own settings (`config.sender`)."""
         self._params = named_tensors(params)
         if device is None:
             first = next(iter(self._params.values()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self._owns_controller = controller is None and rank == 0
+        if self._owns_controller:
+            controller = Controller(config.controller_config(world_size), config.control)
+        self.controller = controller
+        try:
+            self._join(config, controller, transport)
+        except BaseException:
+            if self._owns_controller and controller is not None:
+                controller.close(linger_s=0)
+            raise
+
+    def _join(
+        self,
+        config: TransferConfig,
+        controller: Controller | None,
+        transport: TransportConfig | None,
+    ) -> None:
+        rank, world_size = self.rank, self.world_size
         self._control = (
             controller.control
             if controller
-            else ControlPlane(control, server=False, member=f"trainer rank {rank}")
+            else ControlPlane(config.control, server=False, member=f"trainer rank {rank}")
         )
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
@@ -132,6 +171,11 @@ class WeightSender:
         rp = self._fetch_plan(0, self._control.config.timeout_s)
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
+        if transport is None:
+            index = self.device.index if self.device.type == "cuda" else None
+            if self.device.type == "cuda" and index is None:
+                index = torch.cuda.current_device()
+            transport = config.transport_config(device_index=index)
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
         try:
@@ -228,7 +272,8 @@ class WeightSender:
             descriptors=descriptors,
             version_regions=dict(rp.version_regions),
             device=self.device,
-            memory_budget_bytes=self.config.memory_budget_bytes,
+            # The budget the plan was made for: planner and executor cannot disagree.
+            memory_budget_bytes=self.schedule.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
             barrier=lambda g: self._control.barrier(
                 f"group/{self._current_step}/{g}", self.world_size, self.rank
@@ -248,8 +293,9 @@ class WeightSender:
 
         Raises:
             ValueError: `step` is not larger than the previous one.
-            WeightTransferError: this or another rank failed (message names them).
-            TransportTimeoutError: a wait ran past `config.update_timeout_s`.
+            UpdateFailedError: this or another rank failed (message names them); no engine
+                advanced, and a later `update` may retry.
+            TransportTimeoutError: a wait for the controller ran past `config.update_timeout_s`.
         """
         if step <= self._last_step:
             raise ValueError(
@@ -304,8 +350,8 @@ class WeightSender:
             decision = cp.get(f"commit/{step}", Decision, timeout)
         if not decision.ok:
             self._last_step = step
-            raise WeightTransferError(
-                f"update {step} failed, no engine advanced: {decision.error}"
+            raise UpdateFailedError(
+                f"update {step} failed, no engine advanced: {decision.error}", step=step
             ) from cause
         error = ""
         t_done = time.perf_counter()
@@ -342,8 +388,8 @@ class WeightSender:
                     step,
                     exc,
                 )
-            raise WeightTransferError(
-                f"update {step}: version words not all written: {result.error}"
+            raise UpdateFailedError(
+                f"update {step}: version words not all written: {result.error}", step=step
             ) from cause
         self._committed_step = step
         assert stats is not None
@@ -392,9 +438,14 @@ class WeightSender:
         Path(path).write_text(json.dumps({"traceEvents": self.trace_events()}))
 
     def close(self) -> None:
-        """Release registrations and connections."""
-        self._executor.close()
-        self._transport.close()
+        """Release registrations and connections (and the controller this rank hosts, if it
+        made it: it lingers, bounded, until the engines saw the last update)."""
+        try:
+            self._executor.close()
+            self._transport.close()
+        finally:
+            if self._owns_controller and self.controller is not None:
+                self.controller.close()
 
     def __enter__(self) -> WeightSender:
         return self

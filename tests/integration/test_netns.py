@@ -73,10 +73,16 @@ def _recipes() -> tuple[Any, ...]:
     return tuple(identity(n, n, tuple(_src(0)[n].shape)) for n in NAMES)
 
 
-def _control(host: str, port: int, token: str) -> Any:
-    from weight_transfer.config import ControlPlaneConfig
+def _config(host: str, port: int, token: str) -> Any:
+    from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
+    from weight_transfer.planner.plan import PlannerConfig
 
-    return ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
+    return TransferConfig(
+        num_engines=1,
+        control=ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S),
+        sender=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S),
+        planner=PlannerConfig(memory_budget_bytes=1 << 24),
+    )
 
 
 def _transport(backend: str, host: str, dev: str) -> Any:
@@ -104,25 +110,13 @@ def trainer_proc(
 ) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
     from weight_transfer.receiver import tensor_digest
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _src(1)
-    ctrl = Controller(
-        ControllerConfig(num_trainer_ranks=1, num_engines=1), _control(host, port, token)
-    )
-    tx = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=_transport(backend, host, dev),
-        control=_control(host, port, token),
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S),
-    )
+    # Rank 0 of 1 hosts the controller; the transport listens in this namespace.
+    tx = WeightSender(src, _config(host, port, token), transport=_transport(backend, host, dev))
     transport = tx._transport
     post, post_prepared = transport.post_writes, transport.post_prepared
     pause_next = [False]
@@ -178,9 +172,9 @@ def engine_proc(
     rx = WeightReceiver(
         tensors,
         _recipes(),
+        _config(ctrl_host, port, token),
         engine="e0",
-        transport=_transport(backend, host, dev),
-        control=_control(ctrl_host, port, token),
+        transport=_transport(backend, host, dev),  # its own namespace's address
     )
     try:
         for step in (1, 2, 3):

@@ -29,7 +29,7 @@ readiness and waits, bounded, for the update's version word; the writes land whi
 thread is inside that call, so no forward pass reads a partial update.
 
 Trainer side: `OneSidedTrainerWeightTransferEngine`, vLLM's `TrainerWeightTransferEngine` over
-`vllm_protocol.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
+`weight_transfer.vllm.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
 weight_transfer` never does.
 """
 
@@ -320,6 +320,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 wrong address); the engine keeps serving its current weights.
         """
         self.shutdown()
+        config = init_info.transfer_config()
         if self._shape.is_moe:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
             self.recipes = vllm_recipes(
@@ -327,27 +328,21 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 self.tp_rank,
                 self.tp_size,
                 moe_prefix=self._moe_prefix,
-                hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
+                hf_moe_layout=config.vllm.hf_moe_layout,  # type: ignore[arg-type]
             )
-        engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
-        control = init_info.control()
-        self.receiver = WeightReceiver(
-            self._targets,
-            self.recipes,
-            engine=engine,
-            transport=init_info.transport_config(),
-            control=control,
-        )
+        engine = f"{config.vllm.engine_prefix}/rank{self.global_rank}"
+        control = config.control
+        self.receiver = WeightReceiver(self._targets, self.recipes, config, engine=engine)
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
-        self._publish_digests = init_info.publish_digests
+        self._publish_digests = config.vllm.publish_digests
         log.info(
             "weight_transfer: %s joined %s:%d session %r over %s",
             engine,
             control.host,
             control.port,
             control.session,
-            init_info.transport,
+            config.transport,
         )
 
     def start_weight_update(self) -> None:
@@ -364,7 +359,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
 
         Raises:
             TransportTimeoutError: not complete within `update_info.timeout_s`.
-            WeightTransferError: the trainer aborted the update (version stays).
+            UpdateFailedError: the trainer aborted the update (version stays).
         """
         if self.receiver is None or self._signal is None:
             raise WeightTransferError("weight_transfer: update_weights before init")
