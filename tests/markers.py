@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from weight_transfer.backends.base import BACKENDS
+from weight_transfer.backends.base import BACKENDS, EXTRAS
 
 __all__ = [
     "available_backends",
@@ -59,8 +59,8 @@ def requires_module(name: str) -> pytest.MarkDecorator:
 
 
 _BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
-    "ucx": ("libucx", "pip install 'weight-transfer[ucx]'"),
-    "nixl": ("nixl_cu13", "pip install 'weight-transfer[nixl]'"),
+    "ucx": ("libucx", EXTRAS["ucx"]),
+    "nixl": ("nixl_cu13", EXTRAS["nixl"]),
     "ibverbs": ("pyverbs", "apt-get install python3-pyverbs"),
 }
 """Backend -> (the module it cannot run without, how to install it)."""

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
+from weight_transfer.backends.base import (
+    BACKENDS,
+    EXTRAS,
+    MemoryKind,
+    TransportConfig,
+    load_backend,
+)
 from weight_transfer.cli.command import Command
 
 _PACKAGES: dict[str, tuple[str, ...]] = {
@@ -115,9 +121,7 @@ def _status(name: str, num_gpus: int, ib_info: dict[str, Any]) -> BackendStatus:
     missing = [d for d, v in packages.items() if v is None]
     host_reason: str | None
     if missing:
-        host_reason = (
-            f"package missing: {', '.join(missing)} (pip install 'weight-transfer[{name}]')"
-        )
+        host_reason = f"package missing: {', '.join(missing)} ({EXTRAS[name]})"
     elif name == "ibverbs" and not ib_info.get("pyverbs"):
         host_reason = "package missing: pyverbs (rdma-core's Python binding; see docs/ibverbs.md)"
         if not _rdma_devices():
