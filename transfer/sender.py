@@ -102,7 +102,7 @@ class WeightSender:
                 memory budget, sender settings; `num_engines` on rank 0).
             rank, world_size: this rank in the trainer world (DTensor meshes use these ranks);
                 default: the default torch.distributed process group's, or 0 and 1 without one.
-            controller: a `Controller` made by hand, on exactly one rank. Default: rank 0
+            controller: a `Controller` made by hand, passed on rank 0 only. Default: rank 0
                 hosts one itself (from `config.controller_config`), and closes it in `close`.
             device: where this rank computes ("cuda:0" or "cpu"); default: the params' device.
             transport: this process's `TransportConfig`, for settings the config file does

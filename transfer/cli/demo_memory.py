@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PROCESS_BASE_BYTES = 400 << 20
-"""Memory of one demo process before it holds any weights: a process that imported torch,
-transformers and this package measured 415 MB (Pss, /proc/self/smaps_rollup; 2026-12, the
-project's 2-core CPU machine, torch 2.13.0+cpu)."""
+PROCESS_BASE_BYTES = 500 << 20
+"""Memory of one demo process beside its weights and staging. Measured on the project's 2-core
+CPU machine (2026-12, torch 2.13.0+cpu, shared with other jobs): a process that imported torch,
+transformers and this package held 415 MB (Pss, /proc/self/smaps_rollup); a whole `weight-transfer
+demo` (tiny model) peaked at 3.22 GiB Pss over its process tree, the CLI process and the three
+128 MiB staging arenas included: about 0.49 GiB for each of its 5 processes."""
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
