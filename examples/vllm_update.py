@@ -45,12 +45,12 @@ def main() -> None:
     with socket.socket() as s:  # a free port for the control plane
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = TransferConfig(
+    transfer = TransferConfig(
         num_engines=1,  # vLLM worker processes (tensor parallel x data parallel)
         # One trainer process, which hands the token to vLLM itself: it may make its own.
         control=ControlPlaneConfig(port=port, token=secrets.token_hex(16)),
     )
-    updater = OneSidedUpdater(TrainerInitInfo(config=config), trainer, LLMWeightSyncClient(llm))
+    updater = OneSidedUpdater(TrainerInitInfo(config=transfer), trainer, LLMWeightSyncClient(llm))
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     for step in (1, 2, 3):
         tokens = torch.randint(0, config.vocab_size, (2, 16))

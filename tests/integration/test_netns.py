@@ -295,11 +295,11 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
         assert got == want, f"update {step}: engine digests differ from the trainer's"
     t_kind, t_msg, t_elapsed, _ = reports[("trainer", 2)]
     e_kind, e_msg, e_elapsed, version, _ = reports[("engine", 2)]
-    assert t_kind == "WeightTransferError" and "waiting on peer(s) ['e0']" in t_msg, t_msg
+    assert t_kind == "UpdateFailedError" and "waiting on peer(s) ['e0']" in t_msg, t_msg
     assert t_elapsed < UPDATE_TIMEOUT_S * 3 + SLACK_S, t_elapsed
     # The failure reached the engine without it ever holding update 2. Its version when it
     # reports is 1, or already 3: the cut also stops its control-plane reads, and once the link
     # is back the trainer's update 3 may land before the engine has read update 2's verdict.
-    assert e_kind == "WeightTransferError" and "'e0'" in e_msg and version in (1, 3), e_msg
+    assert e_kind == "UpdateFailedError" and "'e0'" in e_msg and version in (1, 3), e_msg
     assert "update 2 failed and was not applied" in e_msg, e_msg
     assert e_elapsed < CONTROL_TIMEOUT_S, e_elapsed
