@@ -481,7 +481,7 @@ class Transport(ABC):
         self._post_prepared(prepared, handle)
         return handle
 
-    def direct_view(
+    def mapped_view(
         self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
     ) -> torch.Tensor | None:
         """A uint8 tensor over `nbytes` of `target` at `offset` that kernels on `device` may
@@ -496,15 +496,15 @@ class Transport(ABC):
         self._check_open()
         self._check_peer(peer)
         if target.backend != self.name:
-            raise ValueError(f"direct view into {peer!r}: descriptor is for {target.backend!r}")
+            raise ValueError(f"mapped view into {peer!r}: descriptor is for {target.backend!r}")
         if offset < 0 or nbytes <= 0 or offset + nbytes > target.nbytes:
             raise ValueError(
-                f"direct view into {peer!r}: range [{offset}, {offset + nbytes}) is outside "
+                f"mapped view into {peer!r}: range [{offset}, {offset + nbytes}) is outside "
                 f"the remote region of {target.nbytes} bytes"
             )
-        return self._direct_view(peer, target, offset, nbytes, device)
+        return self._mapped_view(peer, target, offset, nbytes, device)
 
-    def _direct_view(
+    def _mapped_view(
         self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
     ) -> torch.Tensor | None:
         return None

@@ -19,6 +19,13 @@ Limits worth knowing:
 - Registering host memory reallocates its storage (once); raw pointers taken before that (for
   example CUDA graphs over CPU tensors, which do not exist in practice) go stale.
 - The GPU path cannot be exercised on CPU-only hosts; it is kept small on purpose.
+
+Options (`TransportConfig.options`), all for CUDA IPC writes:
+- `copy_kernel` (`auto`, default, or `off`): run batches of device copies as table-kernel
+  launches (`kernels/table_copy.py`) where triton imports, or always as one
+  `cudaMemcpyAsync` per copy.
+- `copy_chunk_bytes`, `copy_block_words`, `copy_num_warps` (powers of two): the kernels'
+  tuning (`table_copy.Tuning`; the defaults were measured on an H200).
 """
 
 from __future__ import annotations
@@ -236,6 +243,25 @@ class _PeerProcess:
             self.poller = None
 
 
+def _copy_tuning(config: TransportConfig) -> _table_copy.Tuning:
+    """The copy kernels' tuning from the `copy_*` options (defaults where not given)."""
+    given: dict[str, int] = {}
+    for key in ("copy_chunk_bytes", "copy_block_words", "copy_num_warps"):
+        value = config.option(key)
+        if value is None:
+            continue
+        try:
+            given[key.removeprefix("copy_")] = int(value)
+        except ValueError:
+            raise ConfigurationError(
+                f"loopback: option {key}={value!r}: expected an integer"
+            ) from None
+    try:
+        return _table_copy.Tuning(**given)
+    except ValueError as exc:
+        raise ConfigurationError(f"loopback: option copy_{exc}") from exc
+
+
 class LoopbackTransport(Transport):
     """Same-host, truly one-sided transport over POSIX shared memory and CUDA IPC.
 
@@ -245,6 +271,9 @@ class LoopbackTransport(Transport):
     """
 
     name = "loopback"
+    option_names = frozenset(
+        {"copy_kernel", "copy_chunk_bytes", "copy_block_words", "copy_num_warps"}
+    )
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
@@ -270,6 +299,7 @@ class LoopbackTransport(Transport):
                 f"loopback: option copy_kernel={mode!r}: expected 'auto' or 'off'"
             )
         self._copy_kernel = mode == "auto" and torch.cuda.is_available() and _table_copy.available()
+        self._tuning = _copy_tuning(config)
         kinds = {MemoryKind.HOST}
         if torch.cuda.is_available():
             kinds.add(MemoryKind.CUDA)
@@ -675,7 +705,7 @@ class LoopbackTransport(Transport):
         merged = _table_copy.coalesce(kernel)
         if len(merged) < min_copies:
             return None, plain + kernel
-        chunked = _table_copy.chunk_table(merged)
+        chunked = _table_copy.chunk_table(merged, self._tuning.chunk_bytes)
         assert not chunked.plain  # every merged copy is aligned
         return chunked, plain
 
@@ -703,7 +733,8 @@ class LoopbackTransport(Transport):
                     0,
                 )
             if table is not None:
-                _table_copy.launch(table)
+                t = self._tuning
+                _table_copy.launch(table, t.chunk_bytes, t.block_words, t.num_warps)
                 state.keepalive.append(table)
             handle = stream.cuda_stream
             for c in plain:
@@ -746,7 +777,7 @@ class LoopbackTransport(Transport):
             plan.per_device.append((device, table, tuple(plain)))
         prepared.state = plan
 
-    def _direct_view(
+    def _mapped_view(
         self, peer: str, target: RegionDescriptor, offset: int, nbytes: int, device: torch.device
     ) -> torch.Tensor | None:
         """The target bytes as a tensor on `device` when the peer's memory is on that very GPU

@@ -38,10 +38,22 @@ Options (`TransportConfig.options`):
   both) and `window` (default: no limit): see Writes above. Measured on 2 vCPUs with host
   memory, segment size hardly changes throughput (the copy is cma either way); on GPUs the old
   16 MiB segments started one per poll made 256 MiB writes 8x slower than 64 MiB ones.
-- keys starting with `UCX_` (for example `UCX_TLS`): set in this process's environment by the
-  constructor, before the agent exists, because NIXL's bundled UCX reads its configuration only
-  from there. They are process-wide and also affect other UCX users in the process. The library
-  never reads the environment.
+- keys starting with `UCX_` (for example `UCX_TLS`): UCX configuration of this transport's own
+  UCX context, passed as NIXL's UCX plugin parameter `engine_config` ("KEY=VALUE,...", the
+  `UCX_` prefix dropped), which NIXL 1.5.1 applies with `ucp_config_modify` after its own
+  defaults. Nothing else in the process sees them (vLLM's own NIXL or UCX users keep their
+  settings). Three consequences of how NIXL handles that parameter: a variable of the same name
+  already set in the process environment wins over the option (NIXL skips a key the
+  environment sets); UCX does not check the names, so a misspelt key is ignored silently; and
+  NIXL cuts the parameter at commas, so it cannot carry a list value (`UCX_TLS=rc,cuda_ipc`).
+  A value with a comma is therefore set in the process environment only while the constructor
+  creates the agent and its UCX context (when UCX reads its configuration), under a lock, and
+  the variable's previous value (or its absence) is restored right after: another thread that
+  reads the environment or creates a UCX context at that very moment sees it, nothing later
+  does. UCX's process-global options (`UCX_LOG_LEVEL` and the like) belong to no UCX context:
+  UCX reads them once, when NIXL first loads its UCX plugin in the process, so set those in the
+  process's environment instead. The library never reads the environment for its own
+  configuration.
 
 The agent runs without NIXL's progress thread (`enable_prog_thread=False`): the thread that
 polls drives progress, which suits the two-core machines this runs on.
@@ -81,13 +93,16 @@ use them where no peer dies mid-transfer, or where a crash on teardown is accept
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
@@ -180,6 +195,33 @@ def _positive_int_option(config: TransportConfig, key: str, default: int) -> int
     if value <= 0:
         raise ConfigurationError(f"nixl: option {key!r} must be a positive integer, got {raw!r}")
     return value
+
+
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _process_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set `values` in the process environment while NIXL creates an agent and its UCX context
+    (when UCX reads its configuration), then put back what was there before.
+
+    Only for `UCX_*` options whose value has a comma, which NIXL's `engine_config` cannot carry
+    (see the module docstring). The environment is read here only to be restored.
+    """
+    if not values:
+        yield
+        return
+    with _ENVIRONMENT_LOCK:
+        before = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
 
 
 def _has_cuda(config: TransportConfig) -> bool:
@@ -307,10 +349,14 @@ class NixlTransport(Transport):
         init: dict[str, str] = {"ucx_error_handling_mode": "none"}
         if _is_loopback(config.listen_host):
             init["ucx_devices"] = "lo"
+        engine_config: list[str] = []
+        ucx_environment: dict[str, str] = {}
         for key, value in config.options:
             if key.startswith("UCX_"):
-                # NIXL's bundled UCX reads its configuration from the environment only.
-                os.environ[key] = value
+                if "," in value:  # engine_config cuts at commas: see the module docstring
+                    ucx_environment[key] = value
+                else:
+                    engine_config.append(f"{key.removeprefix('UCX_')}={value}")
             elif key in _PLUGIN_OPTIONS:
                 init[key] = value
             elif key in _OWN_OPTIONS:
@@ -322,6 +368,8 @@ class NixlTransport(Transport):
         if self._lanes > 1:
             init["num_threads"] = str(self._lanes)
             init["split_batch_size"] = "1"
+        if engine_config:
+            init["engine_config"] = ",".join(engine_config)
         given = config.option("segment_bytes") is not None
         segment = _positive_int_option(config, "segment_bytes", 1)
         self._segment_bytes = {
@@ -334,11 +382,12 @@ class NixlTransport(Transport):
             torch.cuda.set_device(config.device_index)
         self._agent_name = f"wt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
-            self._agent = nixl.nixl_agent(
-                self._agent_name,
-                nixl.nixl_agent_config(enable_prog_thread=False, backends=[]),
-            )
-            self._agent.create_backend("UCX", init)
+            with _process_environment(ucx_environment):
+                self._agent = nixl.nixl_agent(
+                    self._agent_name,
+                    nixl.nixl_agent_config(enable_prog_thread=False, backends=[]),
+                )
+                self._agent.create_backend("UCX", init)
         except Exception as exc:  # nixl raises RuntimeError/nixlBind errors of several kinds
             raise TransportUnavailableError(
                 f"transport 'nixl' could not start its UCX plugin: {exc}"

@@ -98,6 +98,9 @@ class BenchUpdateConfig:
     """PNG timeline of that update ("" for none)."""
     transport_options: tuple[tuple[str, str], ...] = ()
     """Backend options."""
+    table_quantize: bool = True
+    """FP8 graph groups quantize through one table-kernel launch per block shape
+    (`SenderConfig.table_quantize`); False: one kernel per call, for comparison."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -213,7 +216,7 @@ def _transfer_config(cfg: BenchUpdateConfig, control: Any) -> Any:
         transport_options=cfg.transport_options,
         num_engines=_n_engines(cfg),
         control=control,
-        sender=SenderConfig(update_timeout_s=cfg.timeout_s),
+        sender=SenderConfig(update_timeout_s=cfg.timeout_s, table_quantize=cfg.table_quantize),
         planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
     )
 
@@ -427,7 +430,7 @@ def _host_cost(stats: Any) -> dict[str, float]:
         "per_write_us": total / max(1, stats.num_writes) * 1e6,
         "num_tasks": stats.num_tasks,
         "num_writes": stats.num_writes,
-        **{f"{name}_s": sec for name, sec in stats.phases},
+        **(dataclasses.asdict(stats.phases) if stats.phases is not None else {}),
     }
 
 
@@ -922,6 +925,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--trace", default="", help="Perfetto trace of the last timed update")
     p.add_argument("--plot", default="", help="PNG timeline of that update (needs matplotlib)")
     p.add_argument(
+        "--no-table-quant",
+        action="store_true",
+        help="FP8 graph groups: one quantize kernel per call instead of one table launch",
+    )
+    p.add_argument(
         "--option",
         action="append",
         default=[],
@@ -978,6 +986,7 @@ def main(ns: argparse.Namespace) -> int:
             trace_path=ns.trace,
             plot_path=ns.plot,
             transport_options=tuple(options),
+            table_quantize=not ns.no_table_quant,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

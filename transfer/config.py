@@ -124,6 +124,9 @@ class SenderConfig:
     """Longest one update may take on this rank before it fails."""
     record_trace: bool = True
     """Record per-task stage times (cheap) for `WeightSender.trace_events`."""
+    table_quantize: bool = True
+    """On CUDA, FP8 graph groups quantize through one table-kernel launch per block shape and
+    dtype; False captures one kernel per quantize call instead (the benchmarks' comparison)."""
 
     def __post_init__(self) -> None:
         if self.update_timeout_s <= 0:

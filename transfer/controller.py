@@ -39,6 +39,7 @@ from weight_transfer.protocol import (
     Digests,
     Done,
     EngineJoin,
+    EnginePeer,
     Failure,
     Go,
     RankPlan,
@@ -303,10 +304,14 @@ class Controller:
                 RankPlan(
                     fingerprint=schedule.fingerprint,
                     schedule=rs,
-                    endpoints=tuple((e, self.joins[e].endpoint) for e in rs.peers),
-                    descriptors=tuple((e, descriptors[e]) for e in rs.peers),
-                    version_regions=tuple(
-                        (e, self.joins[e].manifest.version_region) for e in rs.peers
+                    engines=tuple(
+                        EnginePeer(
+                            name=e,
+                            endpoint=self.joins[e].endpoint,
+                            descriptors=descriptors[e],
+                            version_region=self.joins[e].manifest.version_region,
+                        )
+                        for e in rs.peers
                     ),
                 ),
             )

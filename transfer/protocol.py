@@ -71,16 +71,41 @@ class EngineJoin:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EnginePeer:
+    """What a trainer rank needs to write into one engine."""
+
+    name: str
+    endpoint: bytes
+    """The engine's transport endpoint (`Transport.connect`)."""
+    descriptors: tuple[bytes, ...]
+    """Its region descriptors (`RegionDescriptor.to_bytes`), indexed by region index."""
+    version_region: int
+    """Index of its version-word region among `descriptors`."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.version_region < len(self.descriptors):
+            raise ValueError(
+                f"engine {self.name!r}: version region {self.version_region} is not one of its "
+                f"{len(self.descriptors)} regions"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RankPlan:
-    """A trainer rank's part of the schedule plus the endpoints it connects to."""
+    """A trainer rank's part of the schedule plus the engines it connects to."""
 
     fingerprint: str
     schedule: RankSchedule
-    endpoints: tuple[tuple[str, bytes], ...]
-    descriptors: tuple[tuple[str, tuple[bytes, ...]], ...]
-    """Per engine, the region descriptors indexed by region index."""
-    version_regions: tuple[tuple[str, int], ...]
-    """Per engine, the index of its version-word region."""
+    engines: tuple[EnginePeer, ...]
+    """One per engine of `schedule.peers`, in that order."""
+
+    def __post_init__(self) -> None:
+        names = tuple(e.name for e in self.engines)
+        if names != self.schedule.peers:
+            raise ValueError(
+                f"trainer rank {self.schedule.rank}: the plan's engines {list(names)} are not "
+                f"its schedule's peers {list(self.schedule.peers)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

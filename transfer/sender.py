@@ -27,7 +27,13 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key
 from weight_transfer.errors import ConfigurationError, UpdateFailedError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
-from weight_transfer.pipeline import Executor, SourceBinding, UpdateStats, trace_events
+from weight_transfer.pipeline import (
+    Executor,
+    SourceBinding,
+    UpdatePhases,
+    UpdateStats,
+    trace_events,
+)
 from weight_transfer.planner.types import SliceWrite
 from weight_transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
 
@@ -64,6 +70,16 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
         return t.full_tensor()
     local = local_part(t)
     return local if device is None else local.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Outcome:
+    """How one step of an update went on this rank."""
+
+    stats: UpdateStats | None = None
+    error: str = ""
+    """One line naming this rank and what failed ("" if nothing did)."""
+    cause: BaseException | None = None
 
 
 def _process_group_rank() -> tuple[int, int]:
@@ -259,10 +275,10 @@ class WeightSender:
                 region=region,
                 storage_ptr=local.untyped_storage().data_ptr(),
             )
-        for engine, endpoint in rp.endpoints:
-            self._transport.connect(engine, endpoint)
+        for engine in rp.engines:
+            self._transport.connect(engine.name, engine.endpoint)
         descriptors = {
-            e: [RegionDescriptor.from_bytes(b) for b in descs] for e, descs in rp.descriptors
+            e.name: [RegionDescriptor.from_bytes(b) for b in e.descriptors] for e in rp.engines
         }
         return Executor(
             rank=self.rank,
@@ -270,7 +286,7 @@ class WeightSender:
             transport=self._transport,
             sources=bindings,
             descriptors=descriptors,
-            version_regions=dict(rp.version_regions),
+            version_regions={e.name: e.version_region for e in rp.engines},
             device=self.device,
             # The budget the plan was made for: planner and executor cannot disagree.
             memory_budget_bytes=self.schedule.memory_budget_bytes,
@@ -278,6 +294,7 @@ class WeightSender:
             barrier=lambda g: self._control.barrier(
                 f"group/{self._current_step}/{g}", self.world_size, self.rank
             ),
+            table_quantize=self.config.table_quantize,
         )
 
     _current_step = 0
@@ -303,20 +320,76 @@ class WeightSender:
             )
         self._current_step = step
         timeout = self.config.update_timeout_s
-        cp = self._control
         t_go = time.perf_counter()
+        self._go(step, timeout)
+        t0 = time.perf_counter()
+        ran = self._run(step, timeout)
+        t_exec = time.perf_counter()
+        done = Done(
+            rank=self.rank,
+            step=step,
+            ok=not ran.error,
+            error=ran.error,
+            nbytes=ran.stats.nbytes if ran.stats else 0,
+            seconds=time.perf_counter() - t0,
+        )
+        decision = self._decide(step, Phase.DONE, done, timeout)
+        if not decision.ok:
+            self._last_step = step
+            raise UpdateFailedError(
+                f"update {step} failed, no engine advanced: {decision.error}", step=step
+            ) from ran.cause
+        # A commit verdict needs every rank's success, this one's too: `ran` holds no error.
+        t_done = time.perf_counter()
+        written = self._commit_versions(step, timeout)
+        t_versions = time.perf_counter()
+        committed = Done(
+            rank=self.rank,
+            step=step,
+            ok=not written.error,
+            error=written.error,
+            nbytes=0,
+            seconds=0.0,
+        )
+        result = self._decide(step, Phase.COMMITTED, committed, timeout)
+        self._last_step = step
+        if not result.ok:
+            self._roll_back(step, timeout)
+            raise UpdateFailedError(
+                f"update {step}: version words not all written: {result.error}", step=step
+            ) from written.cause
+        self._committed_step = step
+        assert ran.stats is not None
+        t_end = time.perf_counter()
+        stats = dataclasses.replace(
+            ran.stats,
+            phases=UpdatePhases(
+                go_s=t0 - t_go,
+                done_s=t_done - t_exec,
+                versions_s=t_versions - t_done,
+                result_s=t_end - t_versions,
+            ),
+        )
+        self._record(step, t0, stats)
+        return stats
+
+    # -- the steps of one update -----------------------------------------------------------
+
+    def _go(self, step: int, timeout_s: float) -> None:
+        """Start update `step`: the rank hosting the controller says go, the others wait."""
         if self.controller is not None:
             self.controller.go(step)
         else:
-            cp.get(f"go/{step}", Go, timeout)
-        stats: UpdateStats | None = None
-        error = ""
-        cause: BaseException | None = None
-        t0 = time.perf_counter()
+            self._control.get(f"go/{step}", Go, timeout_s)
+
+    def _run(self, step: int, timeout_s: float) -> _Outcome:
+        """This rank's writes of the update (the executor); any failure is caught, logged and
+        returned, since every rank must hear of it before anyone raises."""
+        cp = self._control
         try:
             stats = self._executor.run(
                 step,
-                timeout,
+                timeout_s,
                 # Only another trainer rank can abort an update midway.
                 cancelled=self._peer_failure(step) if self.world_size > 1 else None,
                 on_failure=lambda exc: cp.put(
@@ -324,41 +397,32 @@ class WeightSender:
                 ),
             )
         except Exception as exc:  # any stage, any exception: every rank must hear of it
-            cause = exc
-            error = self._describe(exc)
             if isinstance(exc, UpdateAbortedError):
                 log.info("trainer rank %d: %s", self.rank, exc)
             elif isinstance(exc, WeightTransferError):
                 log.error("trainer rank %d: update %d failed: %s", self.rank, step, exc)
             else:
                 log.exception("trainer rank %d: update %d failed", self.rank, step)
-        t_exec = time.perf_counter()
-        done = Done(
-            rank=self.rank,
-            step=step,
-            ok=not error,
-            error=error,
-            nbytes=stats.nbytes if stats else 0,
-            seconds=time.perf_counter() - t0,
-        )
-        # The rank hosting the controller hands its reports over in memory: with one trainer
-        # rank an update's control plane is then a single store write (the result).
+            return _Outcome(error=self._describe(exc), cause=exc)
+        return _Outcome(stats=stats)
+
+    def _decide(self, step: int, phase: Phase, own: Done, timeout_s: float) -> Decision:
+        """Report this rank's outcome of a phase and get the verdict every rank acts on.
+
+        The rank hosting the controller hands its report over in memory: with one trainer rank
+        an update's control plane is then a single store write (the result).
+        """
         if self.controller is not None:
-            decision = self.controller.decide(step, Phase.DONE, timeout, own=done)
-        else:
-            cp.put(f"done/{step}/{self.rank}", done)
-            decision = cp.get(f"commit/{step}", Decision, timeout)
-        if not decision.ok:
-            self._last_step = step
-            raise UpdateFailedError(
-                f"update {step} failed, no engine advanced: {decision.error}", step=step
-            ) from cause
-        error = ""
-        t_done = time.perf_counter()
+            return self.controller.decide(step, phase, timeout_s, own=own)
+        self._control.put(f"{phase.value}/{step}/{self.rank}", own)
+        return self._control.get(f"{phase.verdict_key}/{step}", Decision, timeout_s)
+
+    def _commit_versions(self, step: int, timeout_s: float) -> _Outcome:
+        """Write `step` into the version words this rank commits; a failure is returned (it is
+        reported like any other, then raised on every rank)."""
         try:
-            self._executor.write_versions(step, timeout)
-        except Exception as exc:  # reported like any other failure, then raised on every rank
-            cause = exc
+            self._executor.write_versions(step, timeout_s)
+        except Exception as exc:
             error = self._describe(exc)
             log.error(
                 "trainer rank %d: writing version words of update %d failed: %s",
@@ -366,47 +430,27 @@ class WeightSender:
                 step,
                 error,
             )
-        t_versions = time.perf_counter()
-        committed = Done(
-            rank=self.rank, step=step, ok=not error, error=error, nbytes=0, seconds=0.0
-        )
-        if self.controller is not None:
-            result = self.controller.decide(step, Phase.COMMITTED, timeout, own=committed)
-        else:
-            cp.put(f"committed/{step}/{self.rank}", committed)
-            result = cp.get(f"result/{step}", Decision, timeout)
-        self._last_step = step
-        if not result.ok:
-            # Some words may read `step` already: set every word this rank wrote back to the
-            # last complete update, so no engine (no rank of a replica) shows a partial one.
-            try:
-                self._executor.write_versions(self._committed_step, timeout)
-            except Exception as exc:  # an engine that is gone keeps what it had
-                log.warning(
-                    "trainer rank %d: rolling back version words of update %d: %s",
-                    self.rank,
-                    step,
-                    exc,
-                )
-            raise UpdateFailedError(
-                f"update {step}: version words not all written: {result.error}", step=step
-            ) from cause
-        self._committed_step = step
-        assert stats is not None
-        t_end = time.perf_counter()
-        stats = dataclasses.replace(
-            stats,
-            phases=(
-                ("go", t0 - t_go),
-                ("done", t_done - t_exec),
-                ("versions", t_versions - t_done),
-                ("result", t_end - t_versions),
-            ),
-        )
+            return _Outcome(error=error, cause=exc)
+        return _Outcome()
+
+    def _roll_back(self, step: int, timeout_s: float) -> None:
+        """Some words may read `step` already: set every word this rank wrote back to the
+        last complete update, so no engine (no rank of a replica) shows a partial one."""
+        try:
+            self._executor.write_versions(self._committed_step, timeout_s)
+        except Exception as exc:  # an engine that is gone keeps what it had
+            log.warning(
+                "trainer rank %d: rolling back version words of update %d: %s",
+                self.rank,
+                step,
+                exc,
+            )
+
+    def _record(self, step: int, t0: float, stats: UpdateStats) -> None:
+        """Keep the task records of the recent updates for `trace_events`."""
         if self.config.record_trace:
             self._records.append((step, t0 - self._t_created, stats.records))
             del self._records[:-16]
-        return stats
 
     def _describe(self, exc: BaseException) -> str:
         """One line naming this rank and the exception (its type unless it is one of ours)."""

@@ -218,11 +218,16 @@ class LLMWeightSyncClient:
     flight stay queued, no step runs) and resumed after `finish_weight_update`, which also
     resets vLLM's prefix cache (cached KV blocks were computed with the old weights) and sets the
     engine's weight version. Not thread-safe: one phase at a time.
+
+    vLLM 0.26 has no weight version on its engine and no `shutdown_weight_transfer_engine` on
+    its workers: there the version is kept by this client, and leaving the transfer happens when
+    the engine shuts down (its workers shut their weight-transfer engine down then).
     """
 
     def __init__(self, llm: Any) -> None:
         """Args: llm: a `vllm.LLM` started with `weight_transfer_config={"backend": BACKEND}`."""
         self.llm = llm
+        self._version = "0"
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every worker joins (vLLM worker method `init_weight_transfer_engine`)."""
@@ -247,7 +252,10 @@ class LLMWeightSyncClient:
             self.llm.collective_rpc("finish_weight_update")
             self.llm.reset_prefix_cache()
             if weight_version is not None:
-                self.llm.llm_engine.set_weight_version(weight_version)
+                self._version = weight_version
+                set_version = getattr(self.llm.llm_engine, "set_weight_version", None)
+                if set_version is not None:  # vLLM 0.27 and later
+                    set_version(weight_version)
         finally:
             self.llm.wake_up(tags=["scheduling"])
 
@@ -256,12 +264,27 @@ class LLMWeightSyncClient:
         self.llm.wake_up(tags=["scheduling"])
 
     def shutdown_weight_transfer_engine(self) -> None:
-        """Every worker leaves the transfer (inference goes on)."""
-        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+        """Every worker leaves the transfer (inference goes on); on vLLM 0.26, which has no such
+        worker method, nothing happens until the engine shuts down."""
+        if _workers_can_shut_down_transfer():
+            self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
     def get_weight_version(self) -> str:
-        """The engine's weight version."""
-        return str(self.llm.llm_engine.get_weight_version())
+        """The engine's weight version (on vLLM 0.26: the last one this client finished)."""
+        get_version = getattr(self.llm.llm_engine, "get_weight_version", None)
+        return str(get_version()) if get_version is not None else self._version
+
+
+def _workers_can_shut_down_transfer() -> bool:
+    """Whether vLLM's workers have `shutdown_weight_transfer_engine` (0.27 and later).
+
+    Only called beside an in-process `vllm.LLM`, so vLLM is importable; its worker classes
+    derive from the GPU worker, which is what is asked.
+    """
+    import importlib
+
+    worker = importlib.import_module("vllm.v1.worker.gpu_worker").Worker
+    return hasattr(worker, "shutdown_weight_transfer_engine")
 
 
 class OneSidedUpdater:

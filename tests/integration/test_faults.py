@@ -423,14 +423,14 @@ def gather_trainer_proc(
     sender = WeightSender(params, _config(port, token, update_timeout_s=UPDATE_TIMEOUT_S * 3))
     kinds = [t.kind for t in sender.schedule.tasks]
     out.put(("tasks", rank, kinds.count("gather")))
-    gather = sender._executor.gather
+    gather = sender._executor.prepare.gather
 
     def dying_gather(t: torch.Tensor) -> torch.Tensor:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return gather(t)
 
-    sender._executor.gather = dying_gather
+    sender._executor.prepare.gather = dying_gather
     t0 = time.monotonic()
     try:
         sender.update(1)
@@ -548,7 +548,7 @@ def raising_trainer_proc(
     sender = WeightSender(params, _config(port, token, update_timeout_s=CONTROL_TIMEOUT_S))
     ex = sender._executor
     out.put(("tasks", rank, [t.kind for t in sender.schedule.tasks].count("gather")))
-    real_quantize = ex.quantize
+    real_quantize = ex.prepare.quantize
     armed = [rank == 1]
 
     def quantize(*args: Any) -> None:
@@ -556,7 +556,7 @@ def raising_trainer_proc(
             raise KeyError("injected in rank 1's quantizer")
         real_quantize(*args)
 
-    ex.quantize = quantize
+    ex.prepare.quantize = quantize
     results = []
     for step in (1, 2):
         t0 = time.monotonic()

@@ -4,7 +4,7 @@ update (naming it) instead of the graph reading memory the parameter no longer u
 One process holds the trainer (CUDA parameters), the controller and the engine (CUDA tensors)
 over loopback. Expectations are the CPU reference quantizer applied to the parameters, written
 in the test. The addresses of every group's parameters are compared as one list per replay
-(`pipeline._PointerCheck`); this checks that in-place changes pass and a swap is caught.
+(`pipeline.sources.PointerCheck`); this checks that in-place changes pass and a swap is caught.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_fp8_graph_sources_moved_fail_the_update_naming_the_parameter() -> None:
     rx = WeightReceiver(tensors, recipes, cfg, engine="e0")
     sender = WeightSender(src, cfg, controller=ctrl, device=dev)
     try:
-        assert sender._executor._graphs, "the FP8 tasks were not captured as graphs"
+        assert sender._executor.graphs.groups, "the FP8 tasks were not captured as graphs"
         sender.update(1)
         _expect(tensors, src)
         for t in src.values():

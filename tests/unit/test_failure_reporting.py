@@ -43,14 +43,14 @@ def _inject(stage: str, armed: dict[str, bool]):
             return
         ex = s._executor
         if stage == "prepare":
-            real_q = ex.quantize
+            real_q = ex.prepare.quantize
 
             def quantize(*args):
                 if armed["on"]:
                     raise Boom("injected in the quantizer")
                 real_q(*args)
 
-            ex.quantize = quantize
+            ex.prepare.quantize = quantize
         elif stage == "write":
             tr = ex.transport
             real_post = tr.post_writes

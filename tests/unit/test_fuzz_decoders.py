@@ -33,7 +33,13 @@ from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import ControlPlaneConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.planner import codec
-from weight_transfer.planner.types import DestManifest, Recipe, Schedule, SourceManifest
+from weight_transfer.planner.types import (
+    DestManifest,
+    RankSchedule,
+    Recipe,
+    Schedule,
+    SourceManifest,
+)
 
 MESSAGES = [
     c
@@ -66,6 +72,7 @@ def test_every_message_class_is_fuzzed() -> None:
         "TrainerJoin",
         "EngineJoin",
         "RankPlan",
+        "EnginePeer",
         "Failure",
         "Go",
         "Done",
@@ -101,7 +108,19 @@ def test_codec_json_random_text(cls: type, text: str) -> None:
         pass
 
 
+_PLAN = protocol.RankPlan(
+    fingerprint="f" * 64,
+    schedule=RankSchedule(rank=1, tasks=(), peers=("e0", "e1"), version_engines=("e1",)),
+    engines=(
+        protocol.EnginePeer(
+            name="e0", endpoint=b"ep0", descriptors=(b"d0", b"v0"), version_region=1
+        ),
+        protocol.EnginePeer(name="e1", endpoint=b"ep1", descriptors=(b"v1",), version_region=0),
+    ),
+)
+
 _VALID = [
+    _PLAN,
     protocol.Done(rank=1, step=3, ok=False, error="x", nbytes=10, seconds=0.5),
     protocol.Decision(step=2, ok=True, error=""),
     protocol.Digests(engine="e0", step=1, version=1, digests=(("a", "00"),)),
@@ -121,6 +140,32 @@ def test_codec_bit_flipped_messages(index: int, flips: list[int]) -> None:
     except ValueError:
         return
     assert type(decoded) is type(good)
+
+
+def test_rank_plan_schema() -> None:
+    """A trainer rank's plan decodes to what was sent; each engine's part travels as one record,
+    and a plan whose parts disagree (or one in the old parallel-tuple layout) is refused."""
+    assert codec.from_msgpack(protocol.RankPlan, codec.to_msgpack(_PLAN)) == _PLAN
+    plain_plan = codec.to_plain(_PLAN)
+    bad = [
+        # the old layout: three tuples keyed by engine name
+        {
+            **{k: v for k, v in plain_plan.items() if k != "engines"},
+            "endpoints": [["e0", b"ep0"], ["e1", b"ep1"]],
+            "descriptors": [["e0", [b"d0", b"v0"]], ["e1", [b"v1"]]],
+            "version_regions": [["e0", 1], ["e1", 0]],
+        },
+        # a version region that is not one of the engine's regions
+        {**plain_plan, "engines": [{**plain_plan["engines"][0], "version_region": 2}]},
+        # engines other than the schedule's peers, or in another order
+        {**plain_plan, "engines": plain_plan["engines"][:1]},
+        {**plain_plan, "engines": plain_plan["engines"][::-1]},
+        # a field of the wrong type
+        {**plain_plan, "engines": [{**plain_plan["engines"][0], "endpoint": "ep0"}]},
+    ]
+    for data in bad:
+        with pytest.raises(ValueError):
+            codec.from_msgpack(protocol.RankPlan, msgpack.packb(data, use_bin_type=True))
 
 
 @FAST

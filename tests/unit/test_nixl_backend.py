@@ -1,10 +1,13 @@
-"""NIXL backend specifics: payload codec (msgpack, never NIXL's pickle serializer), options,
-segmenting, and reuse of prepared descriptor lists across repeated batches.
-Cross-process writes live in tests/conformance.
+"""NIXL backend specifics: payload codec (msgpack, never NIXL's pickle serializer), options
+(UCX ones through NIXL's `engine_config`, not the process environment), segmenting, and reuse
+of prepared descriptor lists across repeated batches. Cross-process writes live in
+tests/conformance.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import msgpack
@@ -19,7 +22,13 @@ from weight_transfer.backends.base import (
     TransportUnavailableError,
     WriteOp,
 )
-from weight_transfer.backends.nixl import NixlTransport, _decode_payload, _encode_payload, _Target
+from weight_transfer.backends.nixl import (
+    NixlTransport,
+    _decode_payload,
+    _encode_payload,
+    _process_environment,
+    _Target,
+)
 
 
 def test_payload_round_trip_and_garbage() -> None:
@@ -199,3 +208,80 @@ def test_laned_writes_are_bit_exact(lanes: int) -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def _write_once(tx: NixlTransport, rx: NixlTransport) -> bool:
+    """One write of seeded random bytes from `tx` into `rx`; whether they arrived exactly."""
+    gen = torch.Generator().manual_seed(23)
+    source = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+    target = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+    tx.connect("rx", rx.endpoint())
+    desc = rx.register(target, role=RegionRole.TARGET).descriptor
+    assert desc is not None
+    src = tx.register(source, role=RegionRole.SOURCE)
+    tx.wait(tx.post_writes("rx", [WriteOp(src, 0, desc, 0, source.numel())]), timeout_s=10)
+    return torch.equal(target, source)
+
+
+def test_process_environment_is_restored() -> None:
+    """What the window sets is gone afterwards, also after an error: a variable that was set
+    reads its old value, one that was not is absent again."""
+    os.environ["UCX_WT_TEST_SET"] = "old"
+    os.environ.pop("UCX_WT_TEST_UNSET", None)
+    try:
+        for fail in (False, True):
+            with contextlib.suppress(RuntimeError):
+                with _process_environment({"UCX_WT_TEST_SET": "a,b", "UCX_WT_TEST_UNSET": "c,d"}):
+                    assert os.environ["UCX_WT_TEST_SET"] == "a,b"
+                    assert os.environ["UCX_WT_TEST_UNSET"] == "c,d"
+                    if fail:
+                        raise RuntimeError("inside the window")
+            assert os.environ["UCX_WT_TEST_SET"] == "old"
+            assert "UCX_WT_TEST_UNSET" not in os.environ
+    finally:
+        os.environ.pop("UCX_WT_TEST_SET", None)
+
+
+@requires_module("nixl_cu13")
+def test_ucx_options_configure_this_agent_not_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `UCX_*` option reaches this agent's UCX context as NIXL's `engine_config`, not the
+    environment: a transport name UCX does not know fails the start, a real one moves bytes,
+    and the process environment never has the variable."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    with pytest.raises(TransportUnavailableError, match="could not start its UCX plugin"):
+        NixlTransport(TransportConfig(name="nixl", options=(("UCX_TLS", "no_such_tl"),)))
+    assert "UCX_TLS" not in os.environ
+    opts = (("UCX_TLS", "sm"),)
+    rx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    tx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    try:
+        assert tx._agent.get_backend_params("UCX")["engine_config"] == "TLS=sm"
+        assert "UCX_TLS" not in os.environ
+        assert _write_once(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@requires_module("nixl_cu13")
+def test_ucx_list_options_are_set_only_while_the_agent_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A value with a comma (which `engine_config` would cut) is in the environment only while
+    the agent and its UCX context start. With `UCX_TLS` naming a transport UCX does not know in
+    the environment, the option's list still starts and moves bytes (UCX read the option), and
+    the environment reads the old value afterwards. A comma-free option, by NIXL's rule, loses
+    to the environment (as the module docstring says)."""
+    monkeypatch.setenv("UCX_TLS", "no_such_tl")
+    opts = (("UCX_TLS", "sm,self"),)
+    rx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    tx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    try:
+        assert os.environ["UCX_TLS"] == "no_such_tl"
+        assert "engine_config" not in tx._agent.get_backend_params("UCX")
+        assert _write_once(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
+    with pytest.raises(TransportUnavailableError):
+        NixlTransport(TransportConfig(name="nixl", options=(("UCX_TLS", "sm"),)))

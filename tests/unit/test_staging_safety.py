@@ -25,11 +25,11 @@ from tests.unit.test_layouts import (
     make_engines,
     shards_for,
 )
-from weight_transfer import pipeline
 from weight_transfer.backends.base import WeightTransferError, WriteHandle
+from weight_transfer.pipeline import write as write_stage
 from weight_transfer.sender import WeightSender
 
-DELAY_S = pipeline._QUIESCE_S + 1.0
+DELAY_S = write_stage.QUIESCE_S + 1.0
 
 
 class Boom(Exception):
@@ -108,7 +108,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
 
     def wrap(s: WeightSender) -> None:
         state["slow"] = SlowFirstBatch(s)
-        real_q = s._executor.quantize
+        real_q = s._executor.prepare.quantize
         calls = [0]
 
         def quantize(*args):
@@ -117,7 +117,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
                 raise Boom("injected after the slow batch was posted")
             real_q(*args)
 
-        s._executor.quantize = quantize
+        s._executor.prepare.quantize = quantize
 
     with Cluster(
         monkeypatch,
@@ -133,7 +133,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
         assert isinstance(out.results[0], WeightTransferError), out.results
         assert "Boom: injected" in str(out.results[0])
         assert slow.slow and not slow.slow[0].done, "the slow batch must outlive the failure"
-        assert slow.ex._quarantine, "its staging must be quarantined, not freed"
+        assert slow.ex.writes.quarantine, "its staging must be quarantined, not freed"
         slow.armed = False
         ok = cluster.update(2)  # runs while update 1's write is still in flight
         assert not isinstance(ok.results[0], BaseException), ok.results
@@ -148,7 +148,7 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
         cluster.refresh_locals()
         ok = cluster.update(3)
         assert not isinstance(ok.results[0], BaseException), ok.results
-        assert not slow.ex._quarantine, "settled writes give their staging back"
+        assert not slow.ex.writes.quarantine, "settled writes give their staging back"
         for r, e in enumerate(engines):
             assert cluster.receivers[r].version == 3
             check_engine(
@@ -159,3 +159,29 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
                 fp8=True,
                 block=(128, 128),
             )
+
+
+def test_ring_slice_is_released_only_by_the_task_that_holds_it() -> None:
+    """A graph group's arena slice stays claimed until a prepared task that holds it (`ring`)
+    is released; releasing another prepared task with the same first task id (a static batch
+    with no task of its own names the schedule's first task) gives back only its own blocks."""
+    from weight_transfer.backends.base import TransportConfig, create_transport
+    from weight_transfer.pipeline.records import TaskRecord
+    from weight_transfer.pipeline.staging import Staging, StagingArena
+    from weight_transfer.pipeline.state import Prepared
+    from weight_transfer.planner.types import Task
+
+    def task(task_id: int) -> Task:
+        return Task(task_id, "direct", 0, (0,), (), (), 0, 0)
+
+    abort = threading.Event()
+    with create_transport(TransportConfig(name="loopback")) as tr:
+        staging = Staging(StagingArena(tr, 1 << 16, torch.device("cpu")), 1 << 16, rank=0)
+        group, other = task(7), task(8)
+        assert staging.claim_slice(group, 0, 4096, time.monotonic() + 5, abort)
+        staging.release(Prepared(group, TaskRecord(7, "direct", 0), {}, [], 0))
+        abort.set()  # the slice is still taken: a claim of an overlapping slice must wait
+        assert not staging.claim_slice(other, 1024, 2048, time.monotonic() + 5, abort)
+        abort.clear()
+        staging.release(Prepared(group, TaskRecord(7, "direct", 0), {}, [], 0, ring=True))
+        assert staging.claim_slice(other, 1024, 2048, time.monotonic() + 5, abort)

@@ -136,3 +136,32 @@ def test_prepared_writes_post_repeatedly_and_check_regions() -> None:
         a.deregister(rs)
         with pytest.raises(ValueError, match="deregistered since the batch was prepared"):
             a.post_prepared(prepared)
+
+
+def test_loopback_copy_kernel_options_are_checked_by_name() -> None:
+    """The kernels' tuning comes in as loopback options (the library reads no environment):
+    good values are taken, bad ones refused naming the option."""
+    from weight_transfer.backends.base import ConfigurationError, TransportConfig
+    from weight_transfer.backends.loopback import LoopbackTransport
+    from weight_transfer.kernels.table_copy import Tuning
+
+    def make(*options: tuple[str, str]) -> LoopbackTransport:
+        return LoopbackTransport(TransportConfig(name="loopback", options=options))
+
+    t = make(("copy_kernel", "off"), ("copy_chunk_bytes", "8192"), ("copy_num_warps", "4"))
+    try:
+        assert t._tuning == Tuning(chunk_bytes=8192, num_warps=4)
+        assert t._tuning.block_words == Tuning().block_words
+        assert not t._copy_kernel
+    finally:
+        t.close()
+    for options, name in [
+        ((("copy_chunk_bytes", "1000"),), "copy_chunk_bytes"),
+        ((("copy_chunk_bytes", "8"),), "copy_chunk_bytes"),
+        ((("copy_block_words", "0"),), "copy_block_words"),
+        ((("copy_num_warps", "four"),), "copy_num_warps"),
+        ((("copy_kernel", "on"),), "copy_kernel"),
+        ((("copy_chunk", "8192"),), "copy_chunk"),
+    ]:
+        with pytest.raises(ConfigurationError, match=name):
+            make(*options)

@@ -36,8 +36,10 @@ weight_transfer` never does.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
@@ -98,6 +100,94 @@ class ParamPath:
     """The module owning the parameter (re-processed for the two *reprocess* paths)."""
 
 
+SUPPORTED_VLLM = "0.26 through 0.33"
+"""The vLLM releases whose weight-transfer interface this plug-in adapts to (docs/vllm.md)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VllmInterface:
+    """What the installed vLLM's weight-transfer base classes look like, found by capability.
+
+    vLLM 0.26's worker engine declares an abstract static `trainer_send_weights` and its trainer
+    engine takes a `config` (`__init__(config, *, client, source, is_sender)`,
+    `trainer_init(config=..., init_info=..., client=..., source=...)`); 0.27 to 0.33 dropped
+    both (`trainer_init(init_info, *, client, source=None)`).
+    """
+
+    version: str
+    """`vllm.__version__` (for messages only; nothing is decided on it)."""
+    trainer_takes_config: bool
+    """The trainer engine's constructor and `trainer_init` take vLLM's `WeightTransferConfig`."""
+
+
+def vllm_interface() -> VllmInterface:
+    """The installed vLLM's weight-transfer interface.
+
+    Raises:
+        ConfigurationError: one line naming the supported versions, if the installed vLLM
+            lacks a piece this plug-in needs.
+    """
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    needed = {
+        WeightTransferEngine: (
+            "init_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "receive_weights",
+            "finish_weight_update",
+            "shutdown",
+            "parse_init_info",
+            "parse_update_info",
+        ),
+        TrainerWeightTransferEngine: ("trainer_init", "send_weights"),
+    }
+    missing = [
+        f"{cls.__name__}.{name}"
+        for cls, names in needed.items()
+        for name in names
+        if not hasattr(cls, name)
+    ]
+    init = inspect.signature(TrainerWeightTransferEngine.__init__).parameters
+    if not {"client", "source", "is_sender"} <= set(init):
+        missing.append("TrainerWeightTransferEngine.__init__(client, source, is_sender)")
+    if missing:
+        raise ConfigurationError(
+            f"weight_transfer supports vLLM {SUPPORTED_VLLM}; vLLM {version} lacks "
+            f"{', '.join(missing)}"
+        )
+    return VllmInterface(version=version, trainer_takes_config="config" in init)
+
+
+FP8_BLOCK = (128, 128)
+"""The block-FP8 layout the plug-in writes (DeepSeek-V3 / Kimi-K2 checkpoints)."""
+
+
+def _fp8_block(vllm_config: Any) -> tuple[int, int] | None:
+    """None for an unquantized engine, (128, 128) for block FP8; refuses anything else."""
+    quant = vllm_config.model_config.quantization
+    if quant is None:
+        return None
+    hf = getattr(vllm_config.model_config.hf_config, "quantization_config", None) or {}
+    if not isinstance(hf, dict):
+        hf = dict(vars(hf))
+    block = hf.get("weight_block_size")
+    if quant != "fp8" or block is None or tuple(block) != FP8_BLOCK:
+        raise ConfigurationError(
+            f"weight_transfer: quantization {quant!r} (weight_block_size {block}) is not "
+            f"supported; covered: unquantized and block FP8 {list(FP8_BLOCK)} "
+            '(quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}); '
+            "nothing was registered"
+        )
+    if hf.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigurationError(
+            "weight_transfer: block FP8 with static activation scales is not supported; "
+            "nothing was registered"
+        )
+    return FP8_BLOCK
+
+
 def _check_model(vllm_config: Any, model: nn.Module) -> None:
     arch = type(model).__name__
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -105,13 +195,7 @@ def _check_model(vllm_config: Any, model: nn.Module) -> None:
             f"weight_transfer: vLLM model class {arch} is not covered by the vLLM preset "
             f"(covered: {', '.join(SUPPORTED_ARCHITECTURES)}); nothing was registered"
         )
-    quant = vllm_config.model_config.quantization
-    if quant is not None:
-        raise ConfigurationError(
-            f"weight_transfer: quantization {quant!r} is not supported in a running vLLM yet "
-            "(FP8 recipes are checked against vLLM's FP8 layers but an FP8 update into a running "
-            "vLLM has not run); nothing was registered"
-        )
+    _fp8_block(vllm_config)
 
 
 def _relayouts_experts(module: nn.Module) -> bool:
@@ -187,7 +271,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
         dtype = dtype_name(vllm_config.model_config.dtype)
         self._shape, self._moe_prefix = shape, _moe_prefix(params)
-        self.recipes = vllm_recipes(shape, self.tp_rank, self.tp_size, moe_prefix=self._moe_prefix)
+        self._fp8 = _fp8_block(vllm_config) is not None
+        if self._fp8:
+            log.warning(
+                "weight_transfer: block-FP8 updates into a running vLLM have not run on a GPU "
+                "yet (docs/vllm.md, 'vLLM on a GPU'); the refresh re-derives what vLLM's FP8 "
+                "kernel re-lays out and fails the update if a tensor would move"
+            )
+        self.recipes = vllm_recipes(
+            shape, self.tp_rank, self.tp_size, fp8=self._fp8, moe_prefix=self._moe_prefix
+        )
         specs = engine_tensor_specs(self.recipes, param_dtype=dtype)
         self.paths: dict[str, ParamPath] = {}
         self._targets: dict[str, torch.Tensor] = {}
@@ -205,6 +298,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 assert view is not None
                 self._targets[name] = view
         self._reprocess = sorted({p.module for p in self.paths.values() if p.path != IN_PLACE})
+        # The parameter objects of every re-processed layer as loaded: their storage is what
+        # vLLM's kernels (and captured CUDA graphs) read, so a refresh writes its results back
+        # into them (`_restore_captured`).
+        self._captured: dict[str, dict[str, nn.Parameter]] = {
+            m: dict(self.model.get_submodule(m).named_parameters(recurse=False))
+            for m in self._reprocess
+        }
         self.extra_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         counts = {
             k: sum(p.path == k for p in self.paths.values())
@@ -282,6 +382,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                     )
                 out[name] = (BUFFER_REPROCESS, mod_name, None)
                 continue
+            relaid = tuple(live.shape) != want_shape or not live.is_contiguous()
+            if self._fp8 and relaid and name.endswith(".weight_scale_inv"):
+                # vLLM's processing re-laid the block scales out for its kernel (DeepGEMM on
+                # Hopper: TMA-aligned, MN-major): the writes go to a checkpoint-layout buffer
+                # and the refresh derives the live layout from it, in place
+                # (`_restore_captured`). Only scales: any other layout mismatch is refused.
+                out[name] = (BUFFER_REPROCESS, mod_name, None)
+                continue
             if not live.is_contiguous():
                 raise refuse(f"{name!r} is not contiguous")
             if name.rsplit(".", 1)[1] in MOE_WEIGHTS and _relayouts_experts(module):
@@ -327,6 +435,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 self._shape,
                 self.tp_rank,
                 self.tp_size,
+                fp8=self._fp8,
                 moe_prefix=self._moe_prefix,
                 hf_moe_layout=config.vllm.hf_moe_layout,  # type: ignore[arg-type]
             )
@@ -391,19 +500,17 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         t0 = time.perf_counter()
         for mod_name in self._reprocess:
             module: Any = self.model.get_submodule(mod_name)
-            wname = mod_name + ".weight"
-            if wname in self._buffers:
-                # vLLM's processing reads layer.weight: hand it the buffer (no copy).
-                module.weight = nn.Parameter(self._buffers[wname], requires_grad=False)
-            experts = [w for w in MOE_WEIGHTS if f"{mod_name}.{w}" in self._buffers]
-            for w in experts:
-                # The experts' processing reads w13_weight/w2_weight in the checkpoint layout:
-                # hand it the buffers (no copy), keeping vLLM's attributes (weight_loader).
-                old = getattr(module, w)
-                new = nn.Parameter(self._buffers[f"{mod_name}.{w}"], requires_grad=False)
+            for pname, old in self._captured[mod_name].items():
+                buf = self._buffers.get(f"{mod_name}.{pname}")
+                if buf is None:
+                    continue
+                # vLLM's processing reads the checkpoint layout from the layer's parameter:
+                # hand it the buffer (no copy), keeping vLLM's attributes (weight_loader).
+                new = nn.Parameter(buf, requires_grad=False)
                 for k, v in vars(old).items():
                     setattr(new, k, v)
-                setattr(module, w, new)
+                setattr(module, pname, new)
+            experts = [w for w in MOE_WEIGHTS if f"{mod_name}.{w}" in self._buffers]
             module.quant_method.process_weights_after_loading(module)
             if experts:
                 # vLLM's weight-update path (UnquantizedFusedMoEMethod._setup_kernel once
@@ -411,6 +518,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # re-lays out the experts (CPU: cpu_prepack_moe_weight). Run it as at load: it
                 # builds a new packed copy from the buffers and leaves them unchanged.
                 module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+            self._restore_captured(mod_name, module)
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
@@ -421,6 +529,39 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 )
         self.last_refresh_s = time.perf_counter() - t0
 
+    def _restore_captured(self, mod_name: str, module: nn.Module) -> None:
+        """Put the values vLLM's processing derived into the storage the layer was loaded with.
+
+        vLLM's processing makes new tensors for what it derives (`replace_parameter`), while its
+        kernels, and CUDA graphs captured at start-up, read the addresses of the tensors made at
+        load. A new tensor of the same shape, dtype and strides is copied into the loaded one,
+        and the loaded parameter object is put back; a view of the same storage is left as it
+        is. Anything else keeps vLLM's new tensor on the CPU (no graphs there) and fails the
+        update on a GPU, naming the parameter.
+
+        Raises:
+            WeightTransferError: a GPU parameter that vLLM's processing replaced by an
+                incompatible one, or dropped.
+        """
+        for pname, orig in self._captured[mod_name].items():
+            new = getattr(module, pname, None)
+            if new is orig:
+                continue
+            if not isinstance(new, torch.Tensor):
+                raise WeightTransferError(
+                    f"weight_transfer: vLLM's processing of {mod_name!r} dropped {pname!r}"
+                )
+            if (new.shape, new.dtype, new.stride()) == (orig.shape, orig.dtype, orig.stride()):
+                if new.data_ptr() != orig.data_ptr():
+                    orig.data.copy_(new.data)
+                setattr(module, pname, orig)
+            elif new.data_ptr() != orig.data_ptr() and new.is_cuda:
+                raise WeightTransferError(
+                    f"weight_transfer: vLLM's processing of {mod_name!r} made a new {pname!r} "
+                    f"{tuple(new.shape)}/{new.dtype} unlike the loaded "
+                    f"{tuple(orig.shape)}/{orig.dtype}; captured CUDA graphs read the old one"
+                )
+
     def finish_weight_update(self) -> None:
         """Record the version of the update `receive_weights` completed."""
         self.weight_version = self._pending
@@ -429,6 +570,23 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             self.weight_version,
             len(self._reprocess),
             self.last_refresh_s,
+        )
+
+    @staticmethod
+    def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
+        """vLLM 0.26's worker base class declares this (abstract); this backend has no such path.
+
+        Trainers send through `OneSidedTrainerWeightTransferEngine.send_weights` or
+        `weight_transfer.vllm.OneSidedUpdater.update`, which write shard to shard; there is no
+        iterator of whole tensors to hand over.
+
+        Raises:
+            ConfigurationError: always, naming what to call instead.
+        """
+        del iterator, trainer_args
+        raise ConfigurationError(
+            "weight_transfer: trainers send with OneSidedUpdater.update(step) (or the trainer "
+            "engine's send_weights), not trainer_send_weights"
         )
 
     def shutdown(self) -> None:
@@ -448,6 +606,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
             "weight_version": self.weight_version,
+            "addresses": {n: int(p.data_ptr()) for n, p in self.model.named_parameters()},
         }
 
 
@@ -460,31 +619,57 @@ class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type:
 
     init_info_cls = TrainerInitInfo
 
-    def __init__(self, *, client: Any, source: Any, is_sender: bool, updater: OneSidedUpdater):
-        super().__init__(client=client, source=source, is_sender=is_sender)
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        client: Any,
+        source: Any,
+        is_sender: bool,
+        updater: OneSidedUpdater,
+    ):
+        """Args: config: vLLM's `WeightTransferConfig` (vLLM 0.26 passes one; later: None)."""
+        base_init: Any = super().__init__  # its signature depends on the vLLM release
+        if vllm_interface().trainer_takes_config:
+            base_init(config, client=client, source=source, is_sender=is_sender)
+        else:
+            base_init(client=client, source=source, is_sender=is_sender)
         self.updater = updater
 
     @classmethod
     def trainer_init(
         cls,
-        init_info: TrainerInitInfo,
+        init_info: TrainerInitInfo | None = None,
         *,
         client: WeightSyncClient,
         source: WeightSource | None = None,
+        config: Any = None,
     ) -> Self:
         """Join and plan (collective over the trainer ranks).
 
+        vLLM 0.27 and later call `trainer_init(init_info, client=..., source=...)`; vLLM 0.26
+        calls `trainer_init(config=..., init_info=..., client=..., source=...)`.
+
         Args:
+            init_info: this rank and the deployment's settings.
             source: vLLM's `ModuleSource` over the trainer's (FSDP2) module; its parameters
                 are sent shard to shard, never gathered whole.
+            config: vLLM's `WeightTransferConfig` (vLLM 0.26 only; unused).
         """
+        if not isinstance(init_info, TrainerInitInfo):
+            raise ConfigurationError(
+                "weight_transfer: trainer_init needs a weight_transfer.vllm.TrainerInitInfo, "
+                f"got {type(init_info).__name__}"
+            )
         module = getattr(source, "_module", None)
         if not isinstance(module, nn.Module):
             raise ConfigurationError(
                 "weight_transfer: the trainer engine needs vllm's ModuleSource(model) as source"
             )
         updater = OneSidedUpdater(init_info, module, client if init_info.is_sender else None)
-        return cls(client=client, source=source, is_sender=init_info.is_sender, updater=updater)
+        return cls(
+            config, client=client, source=source, is_sender=init_info.is_sender, updater=updater
+        )
 
     def send_weights(self, step: int | None = None) -> None:
         """One update (default number: last + 1), all four vLLM phases. Collective."""
@@ -495,17 +680,43 @@ class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type:
         self.updater.close()
 
 
+class UnsupportedVllmEngine:
+    """Registered in place of both engines when the installed vLLM's interface is not one this
+    plug-in adapts to: choosing the backend then fails with one line naming the supported
+    versions, while engines that use other backends are unaffected."""
+
+    reason = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError(UnsupportedVllmEngine.reason)
+
+    @classmethod
+    def trainer_init(cls, *args: Any, **kwargs: Any) -> None:
+        """Refuses (the trainer factory's entry)."""
+        raise ConfigurationError(UnsupportedVllmEngine.reason)
+
+
 def register() -> None:
-    """The `vllm.general_plugins` entry point: register both engines (idempotent)."""
+    """The `vllm.general_plugins` entry point: register both engines (idempotent).
+
+    Never raises (vLLM runs plug-ins in every process, whichever backend is chosen): on a
+    vLLM whose weight-transfer interface this plug-in does not know, it logs one error line
+    and registers `UnsupportedVllmEngine`, which refuses with that line when chosen.
+    """
     from vllm.distributed.weight_transfer import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
 
-    for factory, cls_name in (
-        (WeightTransferEngineFactory, "OneSidedWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "OneSidedTrainerWeightTransferEngine"),
-    ):
+    names = ("OneSidedWeightTransferEngine", "OneSidedTrainerWeightTransferEngine")
+    try:
+        vllm_interface()
+    except ConfigurationError as exc:
+        log.error("%s", exc)
+        UnsupportedVllmEngine.reason = str(exc)
+        names = ("UnsupportedVllmEngine", "UnsupportedVllmEngine")
+    factories: tuple[Any, Any] = (WeightTransferEngineFactory, WeightTransferTrainerFactory)
+    for factory, cls_name in zip(factories, names, strict=True):
         try:
             factory.register_engine(BACKEND, __name__, cls_name)
         except ValueError:  # vLLM loads plug-ins once per process, but may call us again

