@@ -3,7 +3,7 @@
 Why not torch's own IPC path: `UntypedStorage._new_shared_cuda` opens a peer's IPC handle in the
 context of the *exporting* device, and every copy into such a mapping from another device, by
 copy engine or by SM kernel, ran at about 38 GB/s on a 2x H200 NVLink machine (370 GB/s for an
-in-process peer copy; benchmarks/gpu_ipc_probe.py measures both). Opening the handle in the
+in-process peer copy; benchmarks/probes/gpu_ipc_probe.py measures both). Opening the handle in the
 *writer's* device context with `cudaIpcMemLazyEnablePeerAccess`, as UCX's cuda_ipc transport does,
 maps the peer's memory over NVLink for that device, and `cudaMemcpyAsync` on the writer's stream
 then runs at the link's rate.

@@ -1017,6 +1017,14 @@ class CreditLedger:
         self._outstanding[qp] -= covered
         return covered
 
+    def retire(self, qp: int, wr_id: int) -> int:
+        """Like `on_completion`, for any completion (success, error or flush) of `wr_id`:
+        the credits it frees, 0 if `wr_id` is not a signalled request outstanding on `qp`
+        (a flushed unsignalled one, covered by the signalled request after it)."""
+        covered = self._covers[qp].pop(wr_id, 0)
+        self._outstanding[qp] -= covered
+        return covered
+
     def reset(self, qp: int) -> None:
         """Forget everything on `qp` (it went to the error state and was drained)."""
         self._outstanding[qp] = 0

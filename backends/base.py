@@ -12,6 +12,18 @@ one-sided writes to one peer and returns a `WriteHandle`; `poll` reports complet
 blocking, `wait` blocks with a timeout. There is no ordering between batches, nor between the
 writes of one batch; a batch is complete when every byte of it is in the target's memory.
 Methods are not thread-safe unless a backend says so: one thread drives one transport.
+
+Failure and memory (the rule every backend keeps): from `post_writes` until the batch is
+*settled* (`WriteHandle.settled`) the transport may read the batch's source memory and write
+its target bytes. A batch settles when it completed (`poll` returned True), or when it failed
+(`poll` raised) and has been *quiesced*: nothing the backend started for it is still running
+(its copy thread is done with it, its network requests completed or were cancelled, its DMA
+drained). A failure does not settle a batch by itself: after `poll` raised, later polls (or
+`quiesce`, which waits for it, bounded) set `WriteHandle.quiesced` once the backend knows that
+nothing reads the memory any more. Until then the caller must not reuse, free or deregister
+the batch's source memory; one that gives up waiting keeps that memory quarantined. A failure
+while posting is reported the same way: `post_writes` raises only before anything of the batch
+was started (a bad op, a peer already known lost); later failures come from `poll`.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import dataclasses
 import enum
 import importlib
 import itertools
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -54,6 +67,8 @@ __all__ = [
     "load_backend",
 ]
 
+
+log = logging.getLogger(__name__)
 
 # Errors: re-exported from the neutral module `weight_transfer.errors`.
 from weight_transfer.errors import (  # noqa: E402,F401
@@ -229,8 +244,17 @@ class WriteHandle:
     posted_at: float
     done: bool = False
     error: BaseException | None = None
+    quiesced: bool = False
+    """After a failure: True once the transport reads none of the batch's memory any more and
+    never will again (`Transport.poll` and `Transport.quiesce` set it)."""
     state: Any = None
     """Backend-private completion state."""
+
+    @property
+    def settled(self) -> bool:
+        """The batch completed, or failed and was quiesced: only then may the memory it reads
+        (its source ranges) be reused, freed or deregistered."""
+        return self.done or (self.error is not None and self.quiesced)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -258,7 +282,11 @@ class TransportConfig:
     connect_timeout_s: float = 30.0
     """How long `connect` waits for a peer."""
     listen_host: str = "127.0.0.1"
-    """Interface the backends that listen (tcp) bind to; loopback by default."""
+    """Address the backends that listen (tcp, ibverbs' bootstrap) bind; loopback by default.
+    Configs resolve it per member (`weight_transfer.addresses.member_address`)."""
+    advertise_host: str | None = None
+    """Address this endpoint tells peers to connect to; None: `listen_host` (for a wildcard
+    listen_host the tcp backend then advertises the host's name)."""
     options: tuple[tuple[str, str], ...] = ()
     """Backend-specific key/value strings (for example UCX transport lists)."""
 
@@ -551,10 +579,16 @@ class Transport(ABC):
     def poll(self, handle: WriteHandle) -> bool:
         """True once every write of the batch is complete. Never blocks.
 
+        A failed batch is not settled until it is quiesced (module docstring): every poll
+        after the failure raises the same error and first asks the backend, without
+        blocking, whether the batch still runs; `handle.quiesced` says when it no longer does.
+
         Raises:
             TransportError / PeerLostError: the batch failed (raised on every poll after that).
         """
         if handle.error is not None:
+            if not handle.quiesced and not self._closed:
+                handle.quiesced = self._check_quiesced(handle)
             raise handle.error
         if handle.done:
             return True
@@ -563,12 +597,42 @@ class Transport(ABC):
             handle.done = self._poll(handle)
         except WeightTransferError as exc:
             handle.error = exc
+            handle.quiesced = self._check_quiesced(handle)
             raise
         return handle.done
 
+    def quiesce(self, handle: WriteHandle, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, until the batch is settled (complete, or failed and no
+        longer reading its memory); returns `handle.settled`. Never raises the batch's own
+        error: this is the wait a caller makes after a failure, before reusing the memory.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.poll(handle):
+                    return True
+            except WeightTransferError:
+                if handle.settled:
+                    return True
+            if time.monotonic() >= deadline:
+                return handle.settled
+            event = self.completion_event(handle)
+            if event is not None:
+                event.wait(0.01)
+            elif not self.progress_driven:
+                time.sleep(1e-4)
+
+    def _check_quiesced(self, handle: WriteHandle) -> bool:
+        try:
+            return self._quiesce(handle)
+        except WeightTransferError as exc:  # it may still run: keep it unsettled
+            log.warning("%s: checking a failed batch to %r: %s", self.name, handle.peer, exc)
+            return False
+
     def completion_event(self, handle: WriteHandle) -> threading.Event | None:
         """An event a background thread sets when the batch finishes (then `poll` it), or None
-        when the batch is already settled or the backend completes it only inside `poll`.
+        when the batch already completed or failed, or the backend completes it only inside
+        `poll`.
 
         Lets a caller that juggles many batches (the pipeline) sleep instead of spinning.
         """
@@ -660,7 +724,11 @@ class Transport(ABC):
 
     @abstractmethod
     def _post_writes(self, peer: str, ops: list[WriteOp], handle: WriteHandle) -> None:
-        """Queue already-checked ops; keep completion state in `handle.state`."""
+        """Queue already-checked ops; keep completion state in `handle.state`.
+
+        Raise only before anything of the batch started; a failure after part of it was
+        handed to the backend's machinery is kept in `handle.state` and raised by `_poll`,
+        so that the caller can wait for the part that started (`_quiesce`)."""
 
     def _prepare_writes(self, prepared: PreparedWrites) -> None:
         """Precompute `prepared.state` for `_post_prepared` (default: nothing to keep)."""
@@ -676,6 +744,17 @@ class Transport(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        """After `handle`'s batch failed: True once nothing the backend started for it still
+        runs (so nothing reads its source memory or writes its target bytes any more). Never
+        blocks: it is asked again on every later poll. It may progress or cancel the batch's
+        outstanding work; it must not report True while any of it may still touch memory.
+
+        The default, True, is right only for a backend whose `_poll` raises solely after the
+        batch stopped (a backend with its own threads or outstanding requests overrides it).
+        """
+        return True
 
     def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
         """An event that is set once `handle`'s batch completed or failed, or None.

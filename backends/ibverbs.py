@@ -810,7 +810,7 @@ class IbverbsTransport(Transport):
             self._teardown()
             raise
         self._endpoint_bytes = plan.Endpoint(
-            host=self.opts.advertise_host or config.listen_host,
+            host=self.opts.advertise_host or config.advertise_host or config.listen_host,
             port=self._server.port,
             cookie=self._cookie,
             device=info.device,
@@ -1087,8 +1087,8 @@ class IbverbsTransport(Transport):
         if state is not None and batch.error is None:
             self._progress(state)
         if batch.error is not None:
-            if state is not None:
-                state.batches.pop(batch.handle_id, None)
+            # Kept in the peer's batches until its posted requests are accounted for
+            # (`_quiesce`): the other QPs of the peer may still be executing them.
             raise batch.error
         if batch.finished():
             assert state is not None
@@ -1096,14 +1096,34 @@ class IbverbsTransport(Transport):
             return True
         return False
 
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        # A peer's error stops posting, but requests already posted on its other QPs still
+        # execute (only the QP that hit the error is flushed), reading their source memory. A
+        # batch is quiet once the last request of every chain it posted (always signalled) has
+        # completed, with success, an error or a flush: RC completes in order on a QP. A peer
+        # that was disconnected had its QPs destroyed: nothing of it runs.
+        batch: _Batch = handle.state
+        state = self._peer_state.get(handle.peer)
+        if state is None:
+            return True
+        self._reap(state)
+        if batch.signaled_outstanding > 0:
+            return False
+        state.batches.pop(batch.handle_id, None)
+        return True
+
+    def _reap(self, state: _Peer) -> None:
+        """Poll the peer's CQ until it is empty, accounting every completion."""
+        completions = self._dev.poll(state.cq, 64)
+        while completions:
+            for wc in completions:
+                self._on_completion(state, wc)
+            completions = self._dev.poll(state.cq, 64)
+
     def _progress(self, state: _Peer) -> None:
         """Reap completions of one peer, then post whatever its credits allow."""
         if state.error is None:
-            completions = self._dev.poll(state.cq, 64)
-            while completions:
-                for wc in completions:
-                    self._on_completion(state, wc)
-                completions = self._dev.poll(state.cq, 64) if state.error is None else []
+            self._reap(state)
         if state.error is not None:
             for batch in state.batches.values():
                 batch.error = batch.error or state.error
@@ -1145,14 +1165,15 @@ class IbverbsTransport(Transport):
                     wc.status, peer=state.name, vendor_err=wc.vendor_err, qp_num=wc.qp_num
                 )
                 state.error_status = wc.status
-            return
         try:
             qp_index = state.qpns.index(wc.qp_num)
         except ValueError:
             logger.warning("ibverbs: completion for unknown QP %d from %r", wc.qp_num, state.name)
             return
-        state.ledger.on_completion(qp_index, wc.wr_id)
-        if batch is not None:
+        # A failed or flushed request completes too (and, flushed, even if it was posted
+        # unsignalled): only a signalled one retires its chain's credits and counts for its
+        # batch, whatever its status, so `_quiesce` knows when nothing of a batch runs.
+        if state.ledger.retire(qp_index, wc.wr_id) and batch is not None:
             batch.signaled_outstanding -= 1
 
     # -- teardown -------------------------------------------------------------------------

@@ -593,6 +593,20 @@ class LoopbackTransport(Transport):
         state: _BatchState = handle.state
         return None if state.events else state.host_done
 
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        # A failed batch (its copy failed, or its peer's process exited) may still be in the
+        # copy thread's queue or mid-copy, and its device copies may still run: it is quiet
+        # once the copy thread is done with it and every copy event has fired.
+        state: _BatchState | None = handle.state
+        if state is None:
+            return True
+        if not state.host_done.is_set():
+            return False
+        if state.events and not all(event.query() for event in state.events):
+            return False
+        state.keepalive.clear()
+        return True
+
     def _poll(self, handle: WriteHandle) -> bool:
         state: _BatchState = handle.state
         if state.error is not None:

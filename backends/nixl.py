@@ -320,6 +320,10 @@ class _Batch:
     """Segments not started yet, in order."""
     running: list[tuple[_Prepared, Any]]
     """Started segments and their transfer handles."""
+    failure: str | None = None
+    """Why the batch failed. Segments not started are dropped; started ones stay in `running`
+    until NIXL reports them no longer in progress (`_quiesce`): a transfer still in PROC may
+    be reading its memory, and releasing its handle does not wait for it."""
 
 
 class NixlTransport(Transport):
@@ -510,16 +514,24 @@ class NixlTransport(Transport):
                         self._prepared_for(peer, state.agent, src_type, dst_type, segment)
                     )
             self._start_some(batch, peer)
-        except TransportError:
-            self._abandon(batch.running)
-            raise
         except Exception as exc:  # nixlBind raises its own exception types
-            self._abandon(batch.running)
-            raise TransportError(f"nixl: posting writes to peer {peer!r} failed: {exc}") from exc
+            why = str(exc) if isinstance(exc, TransportError) else f"ERR ({exc})"
+            if not batch.running:  # nothing of the batch started: refuse it here
+                if isinstance(exc, TransportError):
+                    raise
+                raise TransportError(
+                    f"nixl: posting writes to peer {peer!r} failed: {why}"
+                ) from exc
+            # Segments already started may still be running: the handle fails on its first
+            # poll and settles once they stopped (`_quiesce`).
+            batch.todo.clear()
+            batch.failure = why
         handle.state = batch
 
     def _poll(self, handle: WriteHandle) -> bool:
         batch: _Batch = handle.state
+        if batch.failure is not None:
+            raise TransportError(f"nixl: writes to peer {handle.peer!r} failed: {batch.failure}")
         still: list[tuple[_Prepared, Any]] = []
         failure: str | None = None
         for prepared, xfer in batch.running:
@@ -547,11 +559,28 @@ class NixlTransport(Transport):
             except Exception as exc:  # nixlBind raises its own exception types
                 failure = f"ERR ({exc})"
         if failure is not None:
-            self._abandon(batch.running)
-            batch.running = []
             batch.todo.clear()
+            batch.failure = failure
             raise TransportError(f"nixl: writes to peer {handle.peer!r} failed: {failure}")
         return not batch.running and not batch.todo
+
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        # Release each started transfer of the failed batch once NIXL no longer reports it in
+        # progress (done or failed); one still in PROC keeps the batch unsettled.
+        batch: _Batch | None = handle.state
+        if batch is None:
+            return True
+        still: list[tuple[_Prepared, Any]] = []
+        stopped: list[tuple[_Prepared, Any]] = []
+        for prepared, xfer in batch.running:
+            try:
+                status = self._agent.check_xfer_state(xfer)
+            except Exception as exc:  # nixlBind raises its own exception types
+                status = f"ERR ({exc})"
+            (still if status == "PROC" else stopped).append((prepared, xfer))
+        self._abandon(stopped)
+        batch.running = still
+        return not still
 
     def _start_some(self, batch: _Batch, peer: str) -> None:
         """Start segments while the window allows and this call has run < _START_BUDGET_S.

@@ -1,9 +1,13 @@
 """TCP transport: a simulator of an RDMA NIC across hosts, for CI, laptops and clusters without
 RDMA.
 
-Every transport listens from construction. A passive receive thread per incoming connection
-plays the NIC: for each batch it reads the table of (region key, offset, length) first, checks
-every entry against the registered TARGET regions, and only then receives the payload straight
+Every transport listens from construction, on `TransportConfig.listen_host` at a port the kernel
+picks, or at the first free one of option ``port_range`` ("30000-30099": one port per member on
+a host, so a firewall between hosts can open exactly that range); its endpoint advertises
+`TransportConfig.advertise_host` (else the bound address). A passive receive thread per
+incoming connection plays the NIC: for each batch it reads the table of (region key, offset,
+length) first, checks every entry against the registered TARGET regions, and only then
+receives the payload straight
 into the registered memory (`recv_into`, or `recvmsg_into` over up to 512 host ranges at once,
 memoryviews over the addresses; ranges that continue one another are merged first; CUDA targets
 go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A
@@ -51,6 +55,7 @@ import torch
 
 from weight_transfer.backends._memory import host_view
 from weight_transfer.backends.base import (
+    ConfigurationError,
     MemoryKind,
     PeerLostError,
     Region,
@@ -92,6 +97,40 @@ _MAX_HANDSHAKES = 32
 _HANDSHAKE_TIMEOUT_S = 5.0
 _MAX_DRAIN_BYTES = 64 << 20
 """Most payload bytes a refused (authenticated) batch may make the receiver read and discard."""
+
+
+def _port_range(value: str | None) -> range:
+    """Ports option ``port_range`` ("first-last", inclusive) allows; default: one the kernel
+    picks (its ephemeral range).
+
+    Raises:
+        ConfigurationError: not "first-last" with 1 <= first <= last <= 65535.
+    """
+    if value is None or value.strip() == "0":
+        return range(0, 1)
+    first, sep, last = value.partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi <= 65535:
+        raise ConfigurationError(
+            f"tcp option port_range={value!r}: expected 'first-last' with 1 <= first <= last "
+            "<= 65535 (or '0': a port the kernel picks)"
+        )
+    return range(lo, hi + 1)
+
+
+def _listen(host: str, ports: range) -> socket.socket:
+    """A listening socket on `host` at the first free port of `ports`."""
+    last: OSError | None = None
+    for port in ports:
+        try:
+            return socket.create_server((host, port), backlog=64)
+        except OSError as exc:
+            last = exc
+    what = "a port the kernel picks" if ports == range(0, 1) else f"ports {ports[0]}-{ports[-1]}"
+    raise TransportError(f"tcp: cannot listen on {host!r} ({what}): {last}") from last
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -212,11 +251,14 @@ class _Target:
 class _BatchState:
     """Completion state of one posted batch (handle.state); set by the link's threads."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "sent")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.sent = threading.Event()
+        """Set once the send thread no longer reads the batch's sources: sent, or skipped
+        because the link had failed, or abandoned when sending failed."""
 
 
 class _Link:
@@ -247,7 +289,9 @@ class _Link:
             if self.failure is not None:
                 raise PeerLostError(f"tcp: peer {self.peer!r} is lost: {self.failure}")
             self._pending[batch_id] = state
-        self._queue.put((batch_id, table, sources))
+            # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
+            # `failure` is set under it) then sees every batch queued before it.
+            self._queue.put((batch_id, table, sources, state))
         return state
 
     def _fail_all(self, error: BaseException) -> None:
@@ -260,6 +304,7 @@ class _Link:
             state.done.set()
 
     def _send_loop(self) -> None:
+        state: _BatchState | None = None
         try:
             while True:
                 item = self._queue.get()
@@ -267,30 +312,55 @@ class _Link:
                     # Graceful end: the listener answers everything sent so far, then EOF.
                     self.sock.shutdown(socket.SHUT_WR)
                     return
-                batch_id, table, sources = item
-                tag = _mac(self._conn_key, _SEQ.pack(self._seq), table)
-                self._seq += 1
-                views = [memoryview(table), memoryview(tag)]
-                host: list[tuple[int, int]] = []
-                for region, offset, nbytes in sources:
-                    if region.kind is MemoryKind.HOST:
-                        host.append((region.address + offset, nbytes))
-                        continue
-                    views += [host_view(a, n) for a, n in _coalesce(host)]
-                    host = []
-                    _send_views(self.sock, views)
-                    views = []
-                    for begin in range(offset, offset + nbytes, _CHUNK_BYTES):
-                        end = min(begin + _CHUNK_BYTES, offset + nbytes)
-                        self.sock.sendall(region.tensor[begin:end].cpu().numpy().data)
-                views += [host_view(a, n) for a, n in _coalesce(host)]
-                if views:
-                    _send_views(self.sock, views)
+                _, table, sources, state = item
+                if self.failure is not None:
+                    # The link failed (the ack reader saw the peer go) and this batch was
+                    # already failed with it: its sources are never read.
+                    state.sent.set()
+                    continue
+                self._send_batch(table, sources)
+                state.sent.set()
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r} while sending: {exc}"))
+            self._abandon_queued(state)
         except Exception as exc:  # never let the send thread die silently
             log.exception("tcp: send thread for peer %r failed", self.peer)
             self._fail_all(TransportError(f"tcp: sending to peer {self.peer!r} failed: {exc}"))
+            self._abandon_queued(state)
+
+    def _abandon_queued(self, current: _BatchState | None) -> None:
+        """The send thread ends on an error: the batch it was sending and every queued one
+        will not be read again (`failure` is set, so nothing more is queued)."""
+        if current is not None:
+            current.sent.set()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[3].sent.set()
+
+    def _send_batch(self, table: bytes, sources: list[tuple[Region, int, int]]) -> None:
+        """Frame, tag and payload of one batch (the payload straight from the sources)."""
+        tag = _mac(self._conn_key, _SEQ.pack(self._seq), table)
+        self._seq += 1
+        views = [memoryview(table), memoryview(tag)]
+        host: list[tuple[int, int]] = []
+        for region, offset, nbytes in sources:
+            if region.kind is MemoryKind.HOST:
+                host.append((region.address + offset, nbytes))
+                continue
+            views += [host_view(a, n) for a, n in _coalesce(host)]
+            host = []
+            _send_views(self.sock, views)
+            views = []
+            for begin in range(offset, offset + nbytes, _CHUNK_BYTES):
+                end = min(begin + _CHUNK_BYTES, offset + nbytes)
+                self.sock.sendall(region.tensor[begin:end].cpu().numpy().data)
+        views += [host_view(a, n) for a, n in _coalesce(host)]
+        if views:
+            _send_views(self.sock, views)
 
     def _read_loop(self) -> None:
         try:
@@ -353,6 +423,7 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
+    option_names = frozenset({"port_range"})
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
@@ -373,13 +444,12 @@ class TcpTransport(Transport):
         self._stopping = threading.Event()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
-        try:
-            self._listener = socket.create_server((config.listen_host, 0), backlog=64)
-        except OSError as exc:
-            raise TransportError(f"tcp: cannot listen on {config.listen_host!r}: {exc}") from exc
+        self._listener = _listen(config.listen_host, _port_range(config.option("port_range")))
         self._listener.settimeout(_ACCEPT_POLL_S)
         host, port = self._listener.getsockname()[:2]
-        if host in ("0.0.0.0", "::"):
+        if config.advertise_host is not None:
+            host = config.advertise_host
+        elif host in ("0.0.0.0", "::"):
             host = socket.getfqdn()
         self._endpoint_bytes = msgpack.packb(
             {"v": _VERSION, "host": host, "port": port, "id": self._listener_id, "key": self._key},
@@ -678,6 +748,13 @@ class TcpTransport(Transport):
     def _completion_event(self, handle: WriteHandle) -> threading.Event:
         state: _BatchState = handle.state
         return state.done
+
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        # A batch fails as soon as the link does (the ack reader saw the peer go), while the
+        # send thread may still be sending it or have it queued: quiet once that thread is
+        # done with it (it skips the queued ones of a failed link).
+        state: _BatchState = handle.state
+        return state.sent.is_set()
 
     def _poll(self, handle: WriteHandle) -> bool:
         state: _BatchState = handle.state

@@ -66,6 +66,11 @@ detects it (`TransportTimeoutError` naming the peer). The same holds for a cut n
 under the tcp lane (tests/integration/test_netns.py runs ucx over a veth between two network
 namespaces, cuts it, and sees update 2 time out naming the engine); TCP's retransmissions
 carry the connection on once the link is back, so the next update succeeds without a reconnect.
+When a batch does fail (a put refused while posting, the flush or a put completing with an
+error), freeing its requests would not stop their operations: UCX would go on reading the
+source memory. So the requests still in progress are kept and checked on every later poll
+(`_quiesce`), and only once all of them finished is the batch settled (the Transport contract);
+a copy lane reports its share failed only once its own requests finished.
 
 Not thread-safe to drive from several threads, like every `Transport`; the backend's own
 progress thread is safe against the one driving thread.
@@ -194,34 +199,46 @@ class _Batch:
     """Request pointers of puts UCX did not finish at once; settled after the flush."""
     flush: ucx_native.Request | None
     """The flush posted after the batch's puts; they are all complete once it is."""
+    failure: str | None = None
+    """Why the batch failed (a put refused while posting, the flush or a put failed). Its
+    requests still in progress stay in `puts`/`flush` until they finish (`_quiet`): UCX may
+    still read their memory, and freeing a request does not stop its operation."""
 
 
 def _settle(worker: ucx_native.UcxWorker, batch: _Batch) -> bool:
-    """True once the batch's flush and then every one of its puts completed.
-
-    Raises:
-        UcxError: the flush or a put failed (every request of the batch is released).
-    """
-    try:
-        if batch.flush is not None and worker.check(batch.flush):
-            batch.flush = None
-    except ucx_native.UcxError:
-        # check freed the failed flush; the puts are still live requests: release them too.
-        batch.flush = None
-        _release(worker, batch)
-        raise
-    if batch.flush is None and batch.puts:
+    """True once the batch's flush and then every one of its puts completed; on a failure it
+    sets `batch.failure` (and returns False), keeping the requests still in progress."""
+    if batch.failure is None and batch.flush is not None:
         try:
-            # Each put's own status: a failed put (peer gone) shows there, not in the flush.
-            batch.puts = worker.settle(batch.puts)
+            if worker.check(batch.flush):
+                batch.flush = None
+        except ucx_native.UcxError as exc:
+            batch.flush = None  # check freed the failed flush; the puts stay (see `_quiet`)
+            batch.failure = str(exc)
+    if batch.failure is None and batch.flush is None and batch.puts:
+        # Each put's own status: a failed put (peer gone) shows there, not in the flush.
+        batch.puts, failed = worker.sweep(batch.puts)
+        if failed is not None:
+            batch.failure = str(failed)
+    return batch.failure is None and batch.flush is None and not batch.puts
+
+
+def _quiet(worker: ucx_native.UcxWorker, batch: _Batch) -> bool:
+    """After a failure: True once no request of the batch is still in progress (each is
+    freed as it finishes, whatever its status)."""
+    if batch.flush is not None:
+        try:
+            if worker.check(batch.flush):
+                batch.flush = None
         except ucx_native.UcxError:
-            batch.puts = []  # settle released every one of them
-            raise
+            batch.flush = None
+    if batch.puts:
+        batch.puts, _ = worker.sweep(batch.puts)
     return batch.flush is None and not batch.puts
 
 
 def _release(worker: ucx_native.UcxWorker, batch: _Batch) -> None:
-    """Give up on a batch's requests."""
+    """Give up on a batch's requests (only when the worker is being torn down)."""
     worker.release_all(batch.puts)
     batch.puts = []
     if batch.flush is not None:
@@ -563,8 +580,13 @@ class UcxTransport(Transport):
             )
             flush = self._worker.flush(state.ep)
         except ucx_native.UcxError as exc:
-            self._worker.release_all(puts)
-            raise TransportError(f"ucx: posting writes to {peer!r} failed: {exc}") from exc
+            puts = puts or exc.pending
+            if not puts:  # nothing of the batch runs: refuse it here
+                raise TransportError(f"ucx: posting writes to {peer!r} failed: {exc}") from exc
+            # Puts posted before the failure may still read their memory: the handle fails
+            # on its first poll and settles once they finished (`_quiesce`).
+            handle.state = _Batch(puts=puts, flush=None, failure=f"posting failed: {exc}")
+            return
         batch = _Batch(puts=puts, flush=flush)
         handle.state = batch
         # Start moving data now: on one host UCX copies with cma inside progress calls, one
@@ -628,6 +650,20 @@ class UcxTransport(Transport):
         with self._lock:
             return self._poll_locked(handle)
 
+    def _quiesce(self, handle: WriteHandle) -> bool:
+        state = handle.state
+        if isinstance(state, _LaneBatch):
+            # A lane reports its share failed only once its requests finished (`_lane_loop`),
+            # and the batch fails only once every lane reported.
+            return state.event.is_set()
+        if state is None:
+            return True
+        with self._lock:
+            deadline = time.perf_counter() + _POLL_BUDGET_S
+            while self._worker.progress() and time.perf_counter() < deadline:
+                pass
+            return _quiet(self._worker, state)
+
     def _completion_event(self, handle: WriteHandle) -> threading.Event | None:
         # Split batches complete on the lane threads: `wait` sleeps, leaving the CPUs to them.
         return handle.state.event if isinstance(handle.state, _LaneBatch) else None
@@ -638,11 +674,12 @@ class UcxTransport(Transport):
         # fragment inline. Progress while there is work, for at most _POLL_BUDGET_S, so a poll
         # advances a batch by megabytes yet stays short; `wait` polls without sleeping
         # (progress_driven).
-        self._progress(batch, _POLL_BUDGET_S)
-        try:
-            return _settle(self._worker, batch)
-        except ucx_native.UcxError as exc:
-            raise TransportError(f"ucx: writes to peer {handle.peer!r} failed: {exc}") from exc
+        if batch.failure is None:
+            self._progress(batch, _POLL_BUDGET_S)
+        done = _settle(self._worker, batch)
+        if batch.failure is not None:
+            raise TransportError(f"ucx: writes to peer {handle.peer!r} failed: {batch.failure}")
+        return done
 
     # -- copy lanes -------------------------------------------------------------------------
 
@@ -669,9 +706,11 @@ class UcxTransport(Transport):
         """Post the jobs handed to this lane and progress its worker until they complete."""
         worker = lane.worker
         active: list[_LaneJob] = []
+        failing: list[_LaneJob] = []
+        """Jobs that failed but whose requests UCX still runs: reported once they finished."""
         idle = 0.0
         while True:
-            new: list[_LaneJob | None] = [lane.jobs.get()] if not active else []
+            new: list[_LaneJob | None] = [lane.jobs.get()] if not (active or failing) else []
             while True:
                 try:
                     new.append(lane.jobs.get_nowait())
@@ -679,7 +718,7 @@ class UcxTransport(Transport):
                     break
             with lane.lock:
                 if lane.stopping or None in new:
-                    for job in active + [j for j in new if j is not None]:
+                    for job in active + failing + [j for j in new if j is not None]:
                         self._lane_fail(lane, job, "the transport was closed")
                     return
                 for posted in new:
@@ -688,29 +727,34 @@ class UcxTransport(Transport):
                         posted.work.puts = worker.put_many(posted.ep, posted.puts)
                         posted.work.flush = worker.flush(posted.ep)
                     except ucx_native.UcxError as exc:
-                        self._lane_fail(lane, posted, str(exc))
+                        posted.work.puts = posted.work.puts or exc.pending
+                        posted.work.failure = str(exc)
+                        failing.append(posted)
                         continue
                     active.append(posted)
                 moved = 0
                 deadline = time.perf_counter() + _LANE_BURST_S
-                while active:
+                while active or failing:
                     n = worker.progress()
                     moved += n
                     if not n or time.perf_counter() >= deadline:
                         break
                 still: list[_LaneJob] = []
                 for job in active:
-                    try:
-                        done = _settle(worker, job.work)
-                    except ucx_native.UcxError as exc:
-                        self._lane_fail(lane, job, str(exc))
-                        continue
-                    if done:
+                    if _settle(worker, job.work):
                         job.batch.finish(None)
+                    elif job.work.failure is not None:
+                        failing.append(job)
                     else:
                         still.append(job)
                 active = still
-            if active and not moved:
+                # A failed share is reported only once none of its requests runs any more,
+                # so a batch whose poll raises reads no memory (the Transport contract).
+                quiet = [job for job in failing if _quiet(worker, job.work)]
+                for job in quiet:
+                    job.batch.finish(f"copy lane {lane.index}: {job.work.failure}")
+                failing = [job for job in failing if job not in quiet]
+            if (active or failing) and not moved:
                 # Waiting on the peer (remote completions, the network): back off up to 1 ms.
                 idle = min(idle * 2 or 1e-5, _LANE_IDLE_MAX_S)
                 time.sleep(idle)
@@ -719,7 +763,8 @@ class UcxTransport(Transport):
 
     @staticmethod
     def _lane_fail(lane: _Lane, job: _LaneJob, why: str) -> None:
-        """Give up on a job (its lane's lock held) and report it on its batch."""
+        """Give up on a job as the transport closes (its lane's lock held; the worker is torn
+        down next) and report it on its batch."""
         _release(lane.worker, job.work)
         job.batch.finish(f"copy lane {lane.index}: {why}")
 

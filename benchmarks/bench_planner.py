@@ -17,12 +17,11 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from weight_transfer.planner.plan import PlannerConfig, plan  # noqa: E402
-from weight_transfer.planner.presets.clusters import cluster_manifests, get_preset, model_bytes  # noqa: E402
-from weight_transfer.planner.simulate import broadcast_baseline, simulate  # noqa: E402
+from weight_transfer.planner.plan import PlannerConfig, plan
+from weight_transfer.planner.presets.clusters import cluster_manifests, get_preset, model_bytes
+from weight_transfer.planner.simulate import broadcast_baseline, simulate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +38,35 @@ class BenchConfig:
 
 def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def max_rank_plan_bytes(schedule: Any, dests: Any) -> int:
+    """The largest rank's `RankPlan` as the control plane stores it (msgpack, sealed), which
+    must fit one store value (`weight_transfer.control.MAX_VALUE_BYTES`)."""
+    from weight_transfer.control import MAX_VALUE_BYTES  # noqa: F401 - the limit it must meet
+    from weight_transfer.planner import codec
+    from weight_transfer.protocol import EnginePeer, RankPlan
+
+    by_engine = {d.engine: d for d in dests}
+    largest = 0
+    for rs in schedule.ranks:
+        plan_msg = RankPlan(
+            fingerprint=schedule.fingerprint,
+            schedule=rs,
+            engines=tuple(
+                EnginePeer(
+                    name=e,
+                    endpoint=bytes(64),
+                    descriptors=tuple(
+                        r.descriptor for r in sorted(by_engine[e].regions, key=lambda r: r.index)
+                    ),
+                    version_region=by_engine[e].version_region,
+                )
+                for e in rs.peers
+            ),
+        )
+        largest = max(largest, len(codec.to_msgpack(plan_msg)) + 28)  # nonce + tag
+    return largest
 
 
 def run(cfg: BenchConfig) -> dict[str, object]:
@@ -91,6 +119,9 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         "total_write_bytes": result.total_write_bytes,
         "max_engine_region_bytes": max(engine_sizes.values()),
         "predicted_s": result.predicted_s,
+        "control_plane_s": result.control_plane_s,
+        "update_s": result.update_s,
+        "max_rank_plan_bytes": max_rank_plan_bytes(schedule, dests),
         "lower_bound_s": result.lower_bound_s,
         "predicted_over_bound": result.predicted_s / result.lower_bound_s,
         "bottleneck": result.bottleneck,

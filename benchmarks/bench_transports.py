@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.conftest import MEASUREMENTS, bench_config
-from tests.markers import backend_unavailable_reason
+from weight_transfer.backends.availability import backend_unavailable_reason
 from weight_transfer.benchmarks import transport_harness as harness
 
 

@@ -33,7 +33,6 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import secrets
 import statistics
@@ -98,11 +97,28 @@ class BenchUpdateConfig:
     """PNG timeline of that update ("" for none)."""
     transport_options: tuple[tuple[str, str], ...] = ()
     """Backend options."""
+    delta_density: float = 0.0
+    """Delta updates (docs/delta.md): before each update flip the lowest bit of this fraction
+    of every trainer tensor's elements (the size of an RL step; a measured density goes here)
+    and run the sender in delta mode; 0: full updates of freshly perturbed weights."""
+    delta_anchor: int = 2
+    """Delta mode: a full update every this many updates, so full and delta updates are timed
+    in the same run on the same weights."""
+    delta_snapshot: str = "device"
+    """Delta mode: where the sender keeps its snapshot ("device" or "host")."""
+    patch_region_fraction: float = 0.25
+    """Delta mode: each engine's patch region, as a fraction of its weight bytes."""
     table_quantize: bool = True
     """FP8 graph groups quantize through one table-kernel launch per block shape
     (`SenderConfig.table_quantize`); False: one kernel per call, for comparison."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.delta_density <= 1.0:
+            raise ValueError("delta_density must be in [0, 1]")
+        if self.delta_snapshot not in ("device", "host"):
+            raise ValueError("delta_snapshot must be device or host")
+        if not 0.0 < self.patch_region_fraction <= 1.0:
+            raise ValueError("patch_region_fraction must be in (0, 1]")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}")
         if self.repeats < 1:
@@ -206,9 +222,10 @@ def _n_engines(cfg: BenchUpdateConfig) -> int:
     return 2 if cfg.layout == "colocated" else 1
 
 
-def _transfer_config(cfg: BenchUpdateConfig, control: Any) -> Any:
-    """The run's `TransferConfig`: its backend and options, the one memory budget."""
-    from weight_transfer.config import SenderConfig, TransferConfig
+def _transfer_config(cfg: BenchUpdateConfig, control: Any, patch_region_bytes: int = 0) -> Any:
+    """The run's `TransferConfig`: its backend and options, the one memory budget, delta mode
+    (`patch_region_bytes`: the engine's patch region; the trainers ignore it)."""
+    from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig, TransferConfig
     from weight_transfer.planner.plan import PlannerConfig
 
     return TransferConfig(
@@ -216,7 +233,18 @@ def _transfer_config(cfg: BenchUpdateConfig, control: Any) -> Any:
         transport_options=cfg.transport_options,
         num_engines=_n_engines(cfg),
         control=control,
-        sender=SenderConfig(update_timeout_s=cfg.timeout_s, table_quantize=cfg.table_quantize),
+        sender=SenderConfig(
+            update_timeout_s=cfg.timeout_s,
+            delta=DeltaConfig(
+                enabled=cfg.delta_density > 0,
+                anchor_every_updates=cfg.delta_anchor,
+                max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                snapshot_memory=cfg.delta_snapshot,
+                apply_timeout_s=cfg.timeout_s,
+            ),
+            table_quantize=cfg.table_quantize,
+        ),
+        receiver=ReceiverConfig(patch_region_bytes=patch_region_bytes),
         planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
     )
 
@@ -247,6 +275,22 @@ def _perturb(model: nn.Module, seed: int) -> None:
             local = local_part(p)
             if local.numel():
                 local.add_(float(torch.rand((), generator=g)) * 0.01)
+
+
+def _perturb_sparse(model: nn.Module, seed: int, density: float) -> None:
+    """Flip the lowest bit of a fraction `density` of every local shard's elements (what an
+    RL step at a small learning rate does to bf16 weights), on their device."""
+    from weight_transfer.manifest import local_part
+
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            local = local_part(p)
+            if not local.numel():
+                continue
+            g = torch.Generator(device=local.device).manual_seed(seed * 7919 + i)
+            ints = local.view(torch.int16) if local.element_size() == 2 else local.view(torch.int32)
+            mask = torch.rand(local.shape, generator=g, device=local.device) < density
+            ints[mask] ^= 1
 
 
 def _baseline_pg(store: Any, rank: int, size: int) -> Any:
@@ -337,6 +381,10 @@ def trainer_main(
                 torch.cuda.synchronize()
                 torch.cuda._sleep(_SLEEP_CYCLES)  # type: ignore[no-untyped-call]  # about 0.2 s
                 _perturb(model, 1000 + step)  # queued behind it; update() must wait for it
+            elif cfg.delta_density > 0:
+                _perturb_sparse(model, 1000 + step, cfg.delta_density)
+                dist.barrier()
+                torch.cuda.synchronize()
             else:
                 _perturb(model, 1000 + step)  # new weights for every update, off the clock
                 dist.barrier()
@@ -348,6 +396,21 @@ def trainer_main(
                 update_s.append(wall)
                 executor_s.append(stats.seconds)
                 host.append(_host_cost(stats))
+                if sender.delta_stats is not None:
+                    d = sender.delta_stats
+                    res.setdefault("delta_updates", []).append(
+                        {
+                            "step": step,
+                            "mode": d.mode,
+                            "reason": d.reason,
+                            "update_s": wall,
+                            "wire_bytes": d.wire_bytes,
+                            "full_bytes": d.full_bytes,
+                            "num_segments": d.num_segments,
+                            "encode_s": d.encode_s,
+                            "apply_wait_s": d.apply_wait_s,
+                        }
+                    )
             res["update_bytes"] = stats.nbytes
             bad = _verify_update(cfg, spec, model, sender, rank, step, dev)
             mismatches += [f"step {step}: {m}" for m in bad]
@@ -358,6 +421,13 @@ def trainer_main(
         res["num_writes"] = stats.num_writes
         res["mismatches"] = mismatches[:50]
         res["peak_extra_gpu_bytes"] = torch.cuda.max_memory_allocated(dev) - base_mem
+        if sender._delta is not None and sender._delta.snapshot is not None:
+            snap = sender._delta.snapshot.buffer
+            res["snapshot_bytes"] = snap.numel()
+            res["snapshot_device"] = str(snap.device)
+            res["patch_staging_bytes"] = sum(
+                s.builder.capacity + 64 for s in sender._delta.slots.values()
+            )
         res["peak_staging_bytes"] = stats.peak_staging_bytes
         res["peak_scratch_bytes"] = stats.peak_scratch_bytes
         if cfg.trace_path and rank == 0:
@@ -408,11 +478,6 @@ def trainer_main(
         if cfg.baseline and cfg.layout == "split":
             res.update(_baseline_trainer(cfg, rank, model, shapes, ports, dev))
         out.put(("trainer", rank, res))
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"trainer{rank}", traceback.format_exc()))
-        raise
     finally:
         dist.destroy_process_group()
 
@@ -569,58 +634,63 @@ def engine_main(
     gpu = _engine_gpu(cfg, rank)
     torch.cuda.set_device(gpu)
     dev = torch.device("cuda", gpu)
-    try:
-        spec = model_spec(cfg.preset, cfg.layers)
-        tp = _n_engines(cfg)
-        recipes = spec.recipes(rank, tp, cfg.fp8)
-        specs = spec.specs(rank, tp, cfg.fp8)
-        g = torch.Generator(device=dev).manual_seed(5 + rank)
-        tensors = {}
-        for s in specs:
-            t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev)
-            t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(
-                generator=g
-            )
-            tensors[s.name] = t
-        torch.cuda.synchronize()
-        control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
-        config = _transfer_config(cfg, control)
-        rx = WeightReceiver(
-            tensors,
-            recipes,
-            config,
-            engine=f"engine{rank}",
-            transport=config.transport_config(device_index=gpu),
+    spec = model_spec(cfg.preset, cfg.layers)
+    tp = _n_engines(cfg)
+    recipes = spec.recipes(rank, tp, cfg.fp8)
+    specs = spec.specs(rank, tp, cfg.fp8)
+    g = torch.Generator(device=dev).manual_seed(5 + rank)
+    tensors = {}
+    for s in specs:
+        t = torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=dev)
+        t.view(torch.uint8).random_(generator=g) if t.element_size() == 1 else t.normal_(
+            generator=g
         )
-        for step in range(1, cfg.warmups + cfg.repeats + 1):
-            # Every update is checked: digest every tensor under the key the trainer draws
-            # after the update, once this step's version is committed.
-            rx.wait_for_version(step, cfg.timeout_s)
-            key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
-            torch.cuda.synchronize()
-            got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
-            rx._control.put(
-                f"digest/{step}/engine{rank}",
-                Digests(
-                    engine=f"engine{rank}",
-                    step=step,
-                    version=rx.version,
-                    digests=tuple(sorted(got.items())),
-                ),
-            )
-        res: dict[str, Any] = {
-            "rank": rank,
-            "engine_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        }
-        if cfg.baseline and cfg.layout == "split":
-            res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
-        rx.close()
-        out.put(("engine", rank, res))
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"engine{rank}", traceback.format_exc()))
-        raise
+        tensors[s.name] = t
+    torch.cuda.synchronize()
+    control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
+    engine_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    patch_bytes = (
+        int(cfg.patch_region_fraction * engine_bytes) + (1 << 20) if cfg.delta_density else 0
+    )
+    config = _transfer_config(cfg, control, patch_region_bytes=patch_bytes)
+    rx = WeightReceiver(
+        tensors,
+        recipes,
+        config,
+        engine=f"engine{rank}",
+        transport=config.transport_config(device_index=gpu),
+    )
+    apply_s: list[float] = []
+    for step in range(1, cfg.warmups + cfg.repeats + 1):
+        # Every update is checked: digest every tensor under the key the trainer draws
+        # after the update, once this step's version is committed (and, in delta mode,
+        # its patches applied: the engine's per-update work, timed).
+        t_apply = time.perf_counter()
+        applied = rx.apply_delta(step, cfg.timeout_s)
+        if applied.num_slots:
+            apply_s.append(time.perf_counter() - t_apply)
+        key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
+        torch.cuda.synchronize()
+        got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
+        rx._control.put(
+            f"digest/{step}/engine{rank}",
+            Digests(
+                engine=f"engine{rank}",
+                step=step,
+                version=rx.version,
+                digests=tuple(sorted(got.items())),
+            ),
+        )
+    res: dict[str, Any] = {
+        "rank": rank,
+        "engine_bytes": engine_bytes,
+        "patch_region_bytes": patch_bytes,
+        "apply_s": apply_s,
+    }
+    if cfg.baseline and cfg.layout == "split":
+        res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
+    rx.close()
+    out.put(("engine", rank, res))
 
 
 def _baseline_engine(
@@ -724,52 +794,29 @@ def _baseline_engine(
 
 def run(cfg: BenchUpdateConfig) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.cli.run_demo import free_port
 
-    ctx = mp.get_context("spawn")
-    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
     ports = {"dist": free_port(), "control": free_port(), "baseline": free_port()}
     token = secrets.token_hex(16)
-    procs = {}
-    for r in range(_n_trainers(cfg)):
-        procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_main, args=(r, cfg, ports, token, inbox.reporter())
-        )
-    for e in range(_n_engines(cfg)):
-        procs[f"engine{e}"] = ctx.Process(
-            target=engine_main, args=(e, cfg, ports, token, inbox.reporter())
-        )
-    for p in procs.values():
-        p.start()
-    inbox.started()
+    children = [
+        Child(f"trainer{r}", trainer_main, (r, cfg, ports, token)) for r in range(_n_trainers(cfg))
+    ] + [Child(f"engine{e}", engine_main, (e, cfg, ports, token)) for e in range(_n_engines(cfg))]
     results: dict[str, Any] = {
         "config": dataclasses.asdict(cfg),
         "errors": [],
         "machine": _machine(),
     }
-    deadline = time.monotonic() + cfg.timeout_s + 60
-    expected = len(procs)
-    got = 0
-    while got < expected and time.monotonic() < deadline:
-        msg = inbox.get(timeout=1.0)
-        if msg is None:
-            if any(p.exitcode not in (None, 0) for p in procs.values()):
-                break
-            continue
-        if msg[0] == "error":
-            results["errors"].append(f"{msg[1]}: {msg[2]}")
-            got += 1
-        else:
-            results[f"{msg[0]}{msg[1]}"] = msg[2]
-            got += 1
-    for name, p in procs.items():
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            results["errors"].append(f"{name} killed after the deadline")
-        results.setdefault("exit_codes", {})[name] = p.exitcode
-    inbox.close()
+
+    def on_message(_child: str, msg: Any) -> None:
+        results[f"{msg[0]}{msg[1]}"] = msg[2]  # ("trainer" | "engine", rank, results)
+
+    outcome = Launch(children).run(
+        timeout_s=cfg.timeout_s + 60, grace_s=30.0, on_message=on_message
+    )
+    results["errors"] += outcome.errors
+    results["errors"] += [f"{name}: {tb}" for name, tb in outcome.tracebacks.items()]
+    results["exit_codes"] = outcome.exit_codes
     _summarize(results, cfg)
     with open(cfg.json_path, "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -849,6 +896,27 @@ def _summarize(res: dict[str, Any], cfg: BenchUpdateConfig) -> None:
         not t0.get("mismatches") and s["verified_updates"] == s["updates"] and not res["errors"]
     )
     s["mismatches"] = (t0.get("mismatches") or [])[:20]
+    updates = t0.get("delta_updates")
+    if updates:
+        full = [u["update_s"] for u in updates if u["mode"] == "full"]
+        delta = [u["update_s"] for u in updates if u["mode"] == "delta"]
+        d: dict[str, Any] = {
+            "density": cfg.delta_density,
+            "full_s": _spread(full),
+            "delta_s": _spread(delta),
+            "wire_fraction": _spread(
+                [u["wire_bytes"] / u["full_bytes"] for u in updates if u["mode"] == "delta"]
+            ),
+            "encode_s": _spread([u["encode_s"] for u in updates if u["mode"] == "delta"]),
+            "engine_apply_s": _spread(res.get("engine0", {}).get("apply_s", [])),
+            "snapshot_bytes": t0.get("snapshot_bytes"),
+            "snapshot_device": t0.get("snapshot_device"),
+            "patch_staging_bytes": t0.get("patch_staging_bytes"),
+            "patch_region_bytes": res.get("engine0", {}).get("patch_region_bytes"),
+        }
+        if full and delta:
+            d["delta_over_full"] = _median(delta) / _median(full)
+        s["delta"] = d
     res["summary"] = s
 
 
@@ -919,6 +987,16 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         help="update right after a long kernel changed the weights",
     )
     p.add_argument("--memory-budget-bytes", type=int, default=4 << 30, help="sender budget")
+    p.add_argument(
+        "--delta-density",
+        type=float,
+        default=0.0,
+        help="delta mode: fraction of elements changed per update (docs/delta.md)",
+    )
+    p.add_argument("--delta-anchor", type=int, default=2, help="delta mode: a full update every N")
+    p.add_argument(
+        "--delta-snapshot", default="device", choices=["device", "host"], help="snapshot memory"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 NCCL baseline")
     p.add_argument("--timeout-s", type=float, default=500.0, help="limit for the whole run")
     p.add_argument("--json", default="bench_update.json", help="where the results go")
@@ -986,6 +1064,9 @@ def main(ns: argparse.Namespace) -> int:
             trace_path=ns.trace,
             plot_path=ns.plot,
             transport_options=tuple(options),
+            delta_density=ns.delta_density,
+            delta_anchor=ns.delta_anchor,
+            delta_snapshot=ns.delta_snapshot,
             table_quantize=not ns.no_table_quant,
         )
     except ValueError as exc:

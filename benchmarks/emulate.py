@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import platform
 import resource
@@ -89,6 +88,12 @@ class EmulateConfig:
     probed single-process rates are multiplied by it before the simulator sees them. The
     emulated hosts share this machine's cores, while the simulator gives every host its own
     CPU; None: cores / trainer ranks (at most 1), 1.0: each host has a core of its own."""
+    delta_density: float = 0.0
+    """Delta updates (docs/delta.md): each update flips the lowest bit of this fraction of every
+    trainer tensor's elements, the sender runs in delta mode (the first, untimed, update is
+    full), the engines apply their patches, and the simulator predicts a delta at this density
+    (BF16 presets: the density of an FP8 engine's bytes is not this one). 0: full updates of
+    new random weights."""
     dump_dir: str = ""
     """If set, every engine writes the raw bytes of each tensor after the last of our updates
     to ``<dump_dir>/<engine index>/<tensor name>.bin`` (for checks outside this module)."""
@@ -109,6 +114,15 @@ class EmulateConfig:
             reason = baseline_unsupported(self.preset)
             if reason:
                 raise ValueError(reason)
+        if not 0.0 <= self.delta_density <= 1.0:
+            raise ValueError(f"delta_density must be in [0, 1], got {self.delta_density}")
+        if self.delta_density and self.preset.engine.fp8:
+            raise ValueError(
+                f"preset {self.preset.name!r}: delta emulation runs BF16 engines (the FP8 "
+                "bytes' density differs from the trainer's; use emu-dense or emu-moe)"
+            )
+        if self.delta_density and self.warmups < 1:
+            raise ValueError("delta emulation needs warmups >= 1 (the first update is full)")
 
     @property
     def num_trainers(self) -> int:
@@ -150,6 +164,23 @@ def _param(
     """The seeded global value of trainer parameter `name` at update `step`."""
     g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 20) ^ (seed * 1_000_003 + step))
     return torch.randn(tuple(shape), generator=g).to(dtype)
+
+
+def _value(
+    cfg: EmulateConfig, name: str, shape: Sequence[int], dtype: torch.dtype, step: int
+) -> torch.Tensor:
+    """Trainer parameter `name` at update `step`: new random values each update, or in delta
+    mode the step-0 values with the lowest bit of `delta_density` of the elements flipped at
+    every step up to `step` (seeded per name and step, so every process computes the same)."""
+    if not cfg.delta_density:
+        return _param(name, shape, dtype, cfg.seed, step)
+    t = _param(name, shape, dtype, cfg.seed, 0)
+    ints = t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    for s in range(1, step + 1):
+        g = torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ (7919 * s + cfg.seed))
+        mask = torch.rand(tuple(shape), generator=g) < cfg.delta_density
+        ints[mask] ^= 1
+    return t
 
 
 def _transport(backend: str, ip: str) -> Any:
@@ -236,14 +267,8 @@ def trainer_main(
     out: Any,
 ) -> None:
     """One trainer rank in its own host: DTensor shards, sender, timed and verified updates."""
-    try:
-        _enter(hosts[rank])
-        _trainer(rank, cfg, ips, token, rates, out)
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"trainer{rank}", traceback.format_exc()))
-        raise
+    _enter(hosts[rank])
+    _trainer(rank, cfg, ips, token, rates, out)
 
 
 def _trainer(
@@ -252,9 +277,10 @@ def _trainer(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from weight_transfer.config import SenderConfig, TransferConfig
+    from weight_transfer.config import DeltaConfig, SenderConfig, TransferConfig
     from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
+    from weight_transfer.planner.delta import DeltaDensity
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.planner.reference import materialize
     from weight_transfer.planner.simulate import rates_from_mapping, simulate
@@ -292,12 +318,12 @@ def _trainer(
             for local, st in locals_.values():
                 box = st.local_box
                 assert box is not None
-                full = _param(st.name, st.shape, local.dtype, cfg.seed, step)
+                full = _value(cfg, st.name, st.shape, local.dtype, step)
                 local.copy_(full[tuple(slice(a, b) for a, b in box)])
 
         def expected(step: int) -> dict[str, dict[str, torch.Tensor]]:
             full = {
-                t.name: _param(t.name, t.shape, torch_dtype(t.dtype), cfg.seed, step)
+                t.name: _value(cfg, t.name, t.shape, torch_dtype(t.dtype), step)
                 for m0 in source_manifests(cfg.preset)
                 for t in m0.tensors
             }
@@ -312,7 +338,14 @@ def _trainer(
         config = TransferConfig(
             num_engines=m,
             control=control,
-            sender=SenderConfig(update_timeout_s=min(cfg.timeout_s, 300.0)),
+            sender=SenderConfig(
+                update_timeout_s=min(cfg.timeout_s, 300.0),
+                delta=DeltaConfig(
+                    enabled=cfg.delta_density > 0,
+                    max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                    apply_timeout_s=min(cfg.timeout_s, 300.0),
+                ),
+            ),
             planner=planner_config(cfg),
         )
         # Made here, not by the sender: the simulator below reads its manifests and schedule.
@@ -354,6 +387,24 @@ def _trainer(
                 links="fair",
             )
             tasks = [t for rs in sched.ranks for t in rs.tasks]
+            delta_sim: dict[str, Any] = {}
+            if cfg.delta_density:
+                d = simulate(
+                    sched,
+                    sources,
+                    engine_hosts,
+                    rt,
+                    memory_budget_bytes=cfg.memory_budget_bytes,
+                    links="fair",
+                    delta=DeltaDensity(other=cfg.delta_density, fp8=cfg.delta_density),
+                )
+                delta_sim = {
+                    "predicted_delta_s": d.predicted_s,
+                    "delta_write_bytes": d.total_write_bytes,
+                    "delta_apply_s": d.apply_s,
+                    "delta_bottleneck": d.bottleneck,
+                    "delta_stage_bound_s": d.stage_bound_s,
+                }
             out.put(
                 (
                     "sim",
@@ -376,6 +427,7 @@ def _trainer(
                         "fingerprint": sched.fingerprint[:16],
                         "gather_probe_s": gather_s,
                         "rates": rates,
+                        **delta_sim,
                     },
                 )
             )
@@ -387,7 +439,9 @@ def _trainer(
             stats = sender.update(step)
             wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
             stages = _stage_seconds(stats.records)
-            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu, stages))
+            ds = sender.delta_stats
+            delta = (ds.mode, ds.wire_bytes, ds.full_bytes, ds.encode_s) if ds else None
+            out.put(("update", f"trainer{rank}", step, wall, stats.seconds, cpu, stages, delta))
             if controller is not None:
                 bad = controller.verify(step, expected(step), cfg.timeout_s)
                 out.put(("verified", "ours", step, bad))
@@ -508,18 +562,12 @@ def engine_main(
     index: int, cfg: EmulateConfig, hosts: list[str], ips: list[str], token: str, out: Any
 ) -> None:
     """One engine rank in its own host: seeded random tensors, receiver, digests per update."""
-    try:
-        _enter(hosts[cfg.num_trainers + index])
-        _engine(index, cfg, ips, token, out)
-    except BaseException:
-        import traceback
-
-        out.put(("error", f"engine{index}", traceback.format_exc()))
-        raise
+    _enter(hosts[cfg.num_trainers + index])
+    _engine(index, cfg, ips, token, out)
 
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
-    from weight_transfer.config import TransferConfig
+    from weight_transfer.config import ReceiverConfig, TransferConfig
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.receiver import WeightReceiver
@@ -529,10 +577,16 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
     tensors = {
         t.name: torch.randn(t.shape, generator=g).to(torch_dtype(t.dtype)) for t in dm.tensors
     }  # random, never zeros: an unwritten byte shows
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     rx = WeightReceiver(
         tensors,
         dm.recipes,
-        TransferConfig(control=_control(ips[0], token, cfg.timeout_s)),
+        TransferConfig(
+            control=_control(ips[0], token, cfg.timeout_s),
+            receiver=ReceiverConfig(
+                patch_region_bytes=nbytes // 2 + (1 << 20) if cfg.delta_density else 0
+            ),
+        ),
         engine=dm.engine,
         transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),  # its own address
     )
@@ -540,7 +594,8 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
         steps = cfg.warmups + cfg.repeats
         c0, t0 = _cpu_s(), time.perf_counter()
         for step in range(1, steps + 1):
-            rx.wait_for_version(step, cfg.timeout_s)
+            # Waits for the commit; in delta mode also applies the patches (the engine's work).
+            rx.apply_delta(step, cfg.timeout_s)
             c1, t1 = _cpu_s(), time.perf_counter()
             out.put(("engine_update", f"engine{index}", step, t1 - t0, c1 - c0))
             rx.publish_digests(step)
@@ -629,71 +684,62 @@ def _funnel_engine(
 
 
 def _probe_receiver(host: str, ip: str, nbytes: int, out: Any) -> None:
-    try:
-        _enter(host)
-        srv = socket.create_server((ip, PROBE_PORT))
-        srv.settimeout(60)
-        out.put(("probe_ready",))
-        conn, _ = srv.accept()
-        conn.settimeout(60)
-        # Round trips of small messages.
-        rtts = []
-        for _ in range(50):
-            t = time.perf_counter()
-            conn.sendall(b"p")
-            if conn.recv(1) != b"p":
-                raise RuntimeError("probe: bad echo")
-            rtts.append(time.perf_counter() - t)
-        buf = bytearray(1 << 20)
-        got, t0 = 0, 0.0
-        while got < nbytes:
-            k = conn.recv_into(buf)
-            if k == 0:
-                raise RuntimeError(f"probe: connection closed after {got} of {nbytes} bytes")
-            if got == 0:
-                t0 = time.perf_counter()
-            got += k
-        t1 = time.perf_counter()
-        conn.sendall(b"k")
-        out.put(("probe", got, t1 - t0, statistics.median(rtts)))
-    except BaseException:
-        import traceback
-
-        out.put(("error", "probe receiver", traceback.format_exc()))
-        raise
+    _enter(host)
+    srv = socket.create_server((ip, PROBE_PORT))
+    srv.settimeout(60)
+    out.put(("probe_ready",))
+    conn, _ = srv.accept()
+    conn.settimeout(60)
+    # Round trips of small messages.
+    rtts = []
+    for _ in range(50):
+        t = time.perf_counter()
+        conn.sendall(b"p")
+        if conn.recv(1) != b"p":
+            raise RuntimeError("probe: bad echo")
+        rtts.append(time.perf_counter() - t)
+    buf = bytearray(1 << 20)
+    got, t0 = 0, 0.0
+    while got < nbytes:
+        k = conn.recv_into(buf)
+        if k == 0:
+            raise RuntimeError(f"probe: connection closed after {got} of {nbytes} bytes")
+        if got == 0:
+            t0 = time.perf_counter()
+        got += k
+    t1 = time.perf_counter()
+    conn.sendall(b"k")
+    out.put(("probe", got, t1 - t0, statistics.median(rtts)))
 
 
 def _probe_sender(host: str, ip: str, nbytes: int, out: Any) -> None:
-    try:
-        _enter(host)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                conn = socket.create_connection((ip, PROBE_PORT), timeout=60)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        for _ in range(50):
-            conn.sendall(conn.recv(1))
-        payload = secrets.token_bytes(1 << 20)
-        sent = 0
-        while sent < nbytes:
-            k = min(len(payload), nbytes - sent)
-            conn.sendall(payload[:k])
-            sent += k
-        conn.recv(1)
-        conn.close()
-    except BaseException:
-        import traceback
-
-        out.put(("error", "probe sender", traceback.format_exc()))
-        raise
+    _enter(host)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((ip, PROBE_PORT), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    for _ in range(50):
+        conn.sendall(conn.recv(1))
+    payload = secrets.token_bytes(1 << 20)
+    sent = 0
+    while sent < nbytes:
+        k = min(len(payload), nbytes - sent)
+        conn.sendall(payload[:k])
+        sent += k
+    conn.recv(1)
+    conn.close()
 
 
-def cpu_rates(repeats: int = 5) -> dict[str, float]:
-    """This machine's copy (BF16 cast-free) and FP8 block-quantize rates, medians, GB/s."""
+def cpu_rates(repeats: int = 5, delta_density: float = 0.0) -> dict[str, float]:
+    """This machine's copy (BF16 cast-free) and FP8 block-quantize rates, medians, GB/s; with
+    a density, also the delta kernels' (`diff_gb_per_s`: bytes compared per second,
+    `apply_gb_per_s`: patch bytes applied per second), on the CPU path the runtime uses."""
+    from weight_transfer.kernels.delta import apply_changes, diff_encode, int_view, num_chunks
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
     torch.set_num_threads(1)
@@ -708,10 +754,29 @@ def cpu_rates(repeats: int = 5) -> dict[str, float]:
         t = time.perf_counter()
         q, _s = quantize_fp8_blockwise(src, (128, 128))
         quant.append(q.numel() / (time.perf_counter() - t) / 1e9)
-    return {
+    out = {
         "prepare_gb_per_s": statistics.median(copy),
         "quantize_gb_per_s": statistics.median(quant),
     }
+    if delta_density:
+        new = src.clone().view(-1)
+        a, b = int_view(new), int_view(src.view(-1))
+        a[torch.rand(a.numel(), generator=g) < delta_density] ^= 1
+        index = torch.empty(a.numel(), dtype=torch.int16)
+        values = torch.empty(a.numel(), dtype=torch.int16)
+        offsets = torch.empty(num_chunks(a.numel()) + 1, dtype=torch.int64)
+        diff, apply = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+            diff.append(a.numel() * 2 / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter()
+            apply_changes(dst.view(-1).view(torch.int16), offsets, index, values)
+            patch = 8 * offsets.numel() + 4 * total
+            apply.append(patch / (time.perf_counter() - t) / 1e9)
+        out["diff_gb_per_s"] = statistics.median(diff)
+        out["apply_gb_per_s"] = statistics.median(apply)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -721,39 +786,6 @@ def cpu_rates(repeats: int = 5) -> dict[str, float]:
 
 def _spread(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else {}
-
-
-def _wait_all(
-    procs: dict[str, Any], inbox: Any, deadline: float, handle: Callable[[tuple[Any, ...]], None]
-) -> list[str]:
-    errors: list[str] = []
-    try:
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            msg = inbox.get(timeout=0.2)
-            if msg is None:
-                if any(p.exitcode not in (None, 0) for p in procs.values()):
-                    break
-                continue
-            if msg[0] == "error":
-                errors.append(f"{msg[1]}: {msg[2]}")
-            else:
-                handle(tuple(msg))
-        while (msg := inbox.get(timeout=0.2)) is not None:
-            if msg[0] == "error":
-                errors.append(f"{msg[1]}: {msg[2]}")
-            else:
-                handle(tuple(msg))
-    finally:
-        failed = bool(errors) or any(p.exitcode not in (None, 0) for p in procs.values())
-        for name, p in procs.items():
-            p.join(timeout=15.0 if failed else max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                errors.append(f"{name} did not finish in time; killed")
-                p.kill()
-                p.join(timeout=10)
-            if p.exitcode not in (0, None):
-                errors.append(f"{name} exited with code {p.exitcode}")
-    return errors
 
 
 def _machine() -> dict[str, Any]:
@@ -773,7 +805,7 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     Returns the whole result (what `emulate` writes as JSON). Namespaces are removed on return,
     on an exception, and at interpreter exit.
     """
-    from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.planner.presets.clusters import model_bytes, source_manifests
     from weight_transfer.planner.simulate import funnel_baseline, rates_from_mapping
     from weight_transfer.planner.types import dtype_size, numel
@@ -783,7 +815,6 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
     shape = LinkShape(
         rate_mbyte_per_s=cfg.rate_mbyte_per_s, delay_ms=cfg.delay_ms, queue_latency_ms=cfg.queue_ms
     )
-    ctx = mp.get_context("spawn")
     t_start = time.monotonic()
     deadline = t_start + cfg.timeout_s
     load_before = os.getloadavg()
@@ -792,34 +823,25 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         # 1. Ceiling: a plain socket transfer through two shaped links (trainer 0 -> engine 0).
         nbytes = cfg.ceiling_bytes or int(3 * cfg.rate_mbyte_per_s * 1e6)
         say(
-            f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} MB/s "
+            f"ceiling: {nbytes / 1e6:.0f} MB over one link pair at {cfg.rate_mbyte_per_s:g} "
+            "MB/s "
             "tbf"
         )
-        inbox = ReportInbox(ctx)
         probe: dict[str, Any] = {}
-        pr = {
-            "probe-rx": ctx.Process(
-                target=_probe_receiver, args=(hosts[n], ips[n], nbytes, inbox.reporter())
-            ),
-            "probe-tx": ctx.Process(
-                target=_probe_sender, args=(hosts[0], ips[n], nbytes, inbox.reporter())
-            ),
-        }
-        for p in pr.values():
-            p.start()
-        inbox.started()
-        errors = _wait_all(
-            pr,
-            inbox,
-            min(deadline, time.monotonic() + 120),
-            lambda msg: probe.update(msg=msg) if msg[0] == "probe" else None,
+        outcome = Launch(
+            [
+                Child("probe-rx", _probe_receiver, (hosts[n], ips[n], nbytes)),
+                Child("probe-tx", _probe_sender, (hosts[0], ips[n], nbytes)),
+            ]
+        ).run(
+            timeout_s=min(deadline, time.monotonic() + 120) - time.monotonic(),
+            on_message=lambda _child, msg: probe.update(msg=msg) if msg[0] == "probe" else None,
         )
-        inbox.close()
-        if errors or "msg" not in probe:
-            raise RuntimeError(f"ceiling probe failed: {errors or 'no report'}")
+        if outcome.errors or "msg" not in probe:
+            raise RuntimeError(f"ceiling probe failed: {outcome.errors or 'no report'}")
         _, got, secs, rtt = probe["msg"]
         ceiling = got / secs
-        cpu = cpu_rates()
+        cpu = cpu_rates(delta_density=cfg.delta_density)
         share = cfg.cpu_share
         if share is None:
             share = min(1.0, (os.cpu_count() or 1) / n)
@@ -832,6 +854,9 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             "write_latency_s": rtt / 2,
             "barrier_s": rtt,
         }
+        if cfg.delta_density:
+            rates["diff_gb_per_s"] = cpu["diff_gb_per_s"] * share
+            rates["apply_gb_per_s"] = cpu["apply_gb_per_s"] * share
         say(
             f"ceiling {ceiling / 1e6:.2f} MB/s, rtt {rtt * 1e3:.3f} ms, copy "
             f"{cpu['prepare_gb_per_s']:.2f} GB/s, quantize {cpu['quantize_gb_per_s']:.3f} GB/s "
@@ -839,27 +864,14 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         )
         # 2. The cluster.
         token = secrets.token_hex(16)
-        inbox = ReportInbox(ctx)
-        procs: dict[str, Any] = {}
-        for r in range(n):
-            procs[f"trainer{r}"] = ctx.Process(
-                target=trainer_main,
-                args=(r, cfg, hosts, ips, token, rates, inbox.reporter()),
-                name=f"wt-emu-trainer{r}",
-            )
-        for e in range(m):
-            procs[f"engine{e}"] = ctx.Process(
-                target=engine_main,
-                args=(e, cfg, hosts, ips, token, inbox.reporter()),
-                name=f"wt-emu-engine{e}",
-            )
+        children = [
+            Child(f"trainer{r}", trainer_main, (r, cfg, hosts, ips, token, rates)) for r in range(n)
+        ] + [Child(f"engine{e}", engine_main, (e, cfg, hosts, ips, token)) for e in range(m)]
         say(f"starting {n} trainer and {m} engine processes ({cfg.preset.describe()})")
-        for p in procs.values():
-            p.start()
-        inbox.started()
         msgs: list[tuple[Any, ...]] = []
 
-        def handle(msg: tuple[Any, ...]) -> None:
+        def handle(_child: str, got: list[Any]) -> None:
+            msg = tuple(got)
             msgs.append(msg)
             if msg[0] == "update" and msg[1] == "trainer0":
                 say(f"update {msg[2]}: {msg[3]:.3f} s")
@@ -868,8 +880,10 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
             elif msg[0] == "sim":
                 say(f"simulator: {msg[1]['predicted_s']:.3f} s ({msg[1]['bottleneck']})")
 
-        errors = _wait_all(procs, inbox, deadline, handle)
-        inbox.close()
+        outcome = Launch(children).run(
+            timeout_s=deadline - time.monotonic(), grace_s=15.0, on_message=handle
+        )
+        errors = outcome.errors + [f"{name}: {tb}" for name, tb in outcome.tracebacks.items()]
         qdisc = cluster.qdisc_stats()
     load_after = os.getloadavg()
     # 3. Summary.
@@ -939,6 +953,22 @@ def run(cfg: EmulateConfig, *, progress: Callable[[str], None] | None = None) ->
         "qdisc": qdisc,
         "wall_s": time.monotonic() - t_start,
     }
+    if cfg.delta_density:
+        timed = [x for x in msgs if x[0] == "update" and x[1] == "trainer0" and x[2] >= first]
+        modes = [x[7][0] if x[7] else "full" for x in timed]
+        wire = [x[7][1] / x[7][2] for x in timed if x[7] and x[7][0] == "delta"]
+        pred = sim.get("predicted_delta_s") if sim else None
+        result["delta"] = {
+            "density": cfg.delta_density,
+            "modes": modes,
+            "wire_fraction": _spread(wire),
+            "encode_s": _spread([x[7][3] for x in timed if x[7]]),
+            "predicted_delta_s": pred,
+            "predicted_full_s": sim["predicted_s"] if sim else None,
+            "ratio_measured_over_predicted_delta": statistics.median(ours) / pred
+            if ours and pred
+            else None,
+        }
     if cfg.baseline:
         fun = [x[3] for x in msgs if x[0] == "funnel" and x[1] == "trainer0" and x[2] >= 1]
         fcpu: dict[str, dict[str, float]] = {}

@@ -1,10 +1,12 @@
-"""Tables of the emulated-cluster runs (benchmarks/emulate_runs.sh) from their JSON files.
+"""Tables of emulated-cluster runs (`weight-transfer emulate --json`) from their JSON.
 
-    python benchmarks/emulate_report.py benchmarks/results/emulate_cpu-2core_202612_*.json
+    python benchmarks/emulate_report.py benchmarks/results/emulate_cpu-2core_202612.json
+    python benchmarks/emulate_report.py run1.json run2.json ...
 
-Prints markdown: per run the measured update (min/median/max of the timed updates on trainer
-rank 0), the simulator's prediction at the measured ceiling (fair and FIFO link models), the
-ratio, the CPU use of the busiest process, and the rank-0 funnel where it ran.
+Takes a published results file (one run per key of its `runs`) or the JSON files of single runs
+(named after the file). Prints markdown: per run the measured update (min/median/max of the timed
+updates on trainer rank 0), the simulator's prediction at the measured ceiling (fair and FIFO
+link models), the ratio, the CPU use of the busiest process, and the rank-0 funnel where it ran.
 """
 
 from __future__ import annotations
@@ -18,8 +20,19 @@ def _s(x: dict[str, float]) -> str:
     return f"{x['min']:.3f} / {x['median']:.3f} / {x['max']:.3f}" if x else "-"
 
 
+def _runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if "runs" in data:  # a published results file: one run per key
+            runs += [run | {"_name": name} for name, run in data["runs"].items()]
+        else:
+            runs.append(data | {"_name": Path(p).stem})
+    return runs
+
+
 def main(paths: list[str]) -> int:
-    runs = [json.loads(Path(p).read_text()) | {"_file": Path(p).name} for p in paths]
+    runs = _runs(paths)
     print(
         "| run | trainer -> engines | backend | ceiling MB/s | measured s (min / median / max) "
         "| predicted s (fair) | ratio | predicted s (FIFO) | ratio | bound (stage) | "
@@ -31,7 +44,7 @@ def main(paths: list[str]) -> int:
         cpu = r["cpu_per_process"]
         worst = max(cpu, key=lambda k: cpu[k]["cpu_fraction"]) if cpu else "-"
         e = r["describe"].split("-> ")[1].split(",")[0]
-        name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
+        name = r["_name"]
         print(
             f"| {name} | {r['trainer_ranks']} -> {e}) | {r['backend']} | "
             f"{r['ceiling']['mbyte_per_s']:.2f} | {_s(r['measured_s'])} | "
@@ -52,7 +65,7 @@ def main(paths: list[str]) -> int:
         print("|---|---|---|---|---|---|---|---|")
         for r in sorted(fun, key=lambda r: r["trainer_ranks"]):
             f = r["funnel"]
-            name = r["_file"].removeprefix("emulate_cpu-2core_202612_").removesuffix(".json")
+            name = r["_name"]
         print(
             f"| {name} | {r['trainer_ranks']} | {_s(f['measured_s'])} | "
             f"{f['predicted_s']:.3f} | {f['gather_s']:.3f} + {f['broadcast_s']:.3f} + "
@@ -67,7 +80,7 @@ def main(paths: list[str]) -> int:
         rt = (r["simulated"] or {}).get("rates") or r["rates_fed_to_simulator"]
         probe = (r["simulated"] or {}).get("gather_probe_s")
         print(
-            f"| {r['_file']} | NIC {rt['nic_gb_per_s'] * 1e3:.2f} MB/s, copy "
+            f"| {r['_name']} | NIC {rt['nic_gb_per_s'] * 1e3:.2f} MB/s, copy "
             f"{rt['prepare_gb_per_s']:.2f} GB/s, quantize {rt['quantize_gb_per_s'] * 1e3:.0f} "
             "MB/s, "
             f"collective latency {rt['collective_latency_s'] * 1e6:.0f} us"

@@ -20,8 +20,9 @@ with seeded random bytes) and a sender (registers a SOURCE on GPU0 or host, conn
 size the sender first writes seeded random bytes (a seed per size, different from the target's
 initial seed) and the receiver checks them with `torch.equal`; only then warm-up and timed
 rounds run. A mismatch fails that backend and no number is reported for it. The receiver runs
-no code while samples run: it blocks on its command queue. Parent and children exchange only
-bytes, ints, floats and strings over multiprocessing queues; every wait has a timeout.
+no code while samples run: it blocks on its channel. The processes are started by
+`weight_transfer.cli.launch` (one pipe per child); parent and children exchange only msgpack
+bytes, ints, floats and strings, and every wait has a timeout.
 
 Used by `weight-transfer bench transports` (spawns both sides) and by `bench_transports.py`
 (pytest-benchmark, sender inside the test process).
@@ -35,15 +36,12 @@ import datetime
 import importlib.metadata
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import queue
 import re
 import socket
 import struct
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,11 +54,11 @@ from weight_transfer.backends.base import (
     RegionDescriptor,
     RegionRole,
     TransportConfig,
-    TransportTimeoutError,
     TransportUnavailableError,
     WriteOp,
     create_transport,
 )
+from weight_transfer.cli.launch import Channel, Child, Launch, describe_exit
 
 __all__ = [
     "BASELINES",
@@ -104,9 +102,6 @@ BASELINES: dict[str, tuple[str, ...]] = {"cpu": ("socket", "memcpy"), "cuda": ("
 SCHEMA = "weight-transfer/bench-transports/1"
 _SOCKET_HEADER = struct.Struct("!QQQB")  # message bytes, number of messages, seed, check flag
 _ACK_OK, _ACK_BAD = b"\x01", b"\x00"
-
-_CTX = mp.get_context("spawn")
-
 
 # ---------------------------------------------------------------------------------------------
 # Configuration and results.
@@ -450,37 +445,32 @@ def receiver_worker(
     buffer_bytes: int,
     init_seed: int,
     timeout_s: float,
-    to_parent: Any,
-    from_parent: Any,
+    channel: Channel,
 ) -> None:
     """Register a seeded TARGET, publish it, then answer `check` commands until `stop`.
 
-    Runs no code while writes land: it blocks on the command queue.
+    Runs no code while writes land: it blocks on its channel.
     """
     try:
-        try:
-            transport = create_transport(_transport_config(backend, device, 1, options))
-        except TransportUnavailableError as exc:
-            to_parent.put(("unavailable", str(exc)))
-            return
-        try:
-            target = seeded_bytes(buffer_bytes, init_seed, _device_of(device, 1))
-            region = transport.register(target, role=RegionRole.TARGET)
-            assert region.descriptor is not None
-            to_parent.put(("ready", transport.endpoint(), region.descriptor.to_bytes()))
-            while True:
-                cmd = from_parent.get(timeout=timeout_s * 4)
-                if cmd[0] == "stop":
-                    break
-                _, span, seed = cmd
-                if target.is_cuda:
-                    torch.cuda.synchronize(target.device)
-                to_parent.put(("checked", verify_bytes(target[:span], seed)))
-        finally:
-            transport.close()
-    except BaseException:
-        to_parent.put(("error", traceback.format_exc()))
-        raise
+        transport = create_transport(_transport_config(backend, device, 1, options))
+    except TransportUnavailableError as exc:
+        channel.put(("unavailable", str(exc)))
+        return
+    try:
+        target = seeded_bytes(buffer_bytes, init_seed, _device_of(device, 1))
+        region = transport.register(target, role=RegionRole.TARGET)
+        assert region.descriptor is not None
+        channel.put(("ready", transport.endpoint(), region.descriptor.to_bytes()))
+        while True:
+            cmd = channel.get(timeout_s * 4)
+            if cmd[0] == "stop":
+                break
+            _, span, seed = cmd
+            if target.is_cuda:
+                torch.cuda.synchronize(target.device)
+            channel.put(("checked", verify_bytes(target[:span], seed)))
+    finally:
+        transport.close()
 
 
 def sender_worker(
@@ -496,60 +486,43 @@ def sender_worker(
     seed: int,
     min_sample_bytes: int,
     timeout_s: float,
-    to_parent: Any,
-    from_parent: Any,
+    channel: Channel,
 ) -> None:
     """Per size: write seeded bytes, let the parent verify them, then time the samples."""
+    sampler = WriteSampler(
+        backend, device, options, buffer_bytes, endpoint, descriptor,
+        seed=seed, min_sample_bytes=min_sample_bytes, timeout_s=timeout_s,
+    )  # fmt: skip
     try:
-        sampler = WriteSampler(
-            backend, device, options, buffer_bytes, endpoint, descriptor,
-            seed=seed, min_sample_bytes=min_sample_bytes, timeout_s=timeout_s,
-        )  # fmt: skip
-        try:
-            for size in sizes_bytes:
-                span, size_seed_ = sampler.prepare(size)
-                to_parent.put(("written", size, span, size_seed_))
-                if from_parent.get(timeout=timeout_s)[0] != "go":
-                    break
-                for _ in range(warmup_rounds):
-                    sampler.sample()
-                samples = [sampler.sample() for _ in range(rounds)]
-                to_parent.put(("samples", size, len(sampler.ops), samples))
-        finally:
-            sampler.close()
-        to_parent.put(("done",))
-    except BaseException:
-        to_parent.put(("error", traceback.format_exc()))
-        raise
+        for size in sizes_bytes:
+            span, size_seed_ = sampler.prepare(size)
+            channel.put(("written", size, span, size_seed_))
+            if channel.get(timeout_s)[0] != "go":
+                break
+            for _ in range(warmup_rounds):
+                sampler.sample()
+            samples = [sampler.sample() for _ in range(rounds)]
+            channel.put(("samples", size, len(sampler.ops), samples))
+    finally:
+        sampler.close()
+    channel.put(("done",))
 
 
-def _get(q: Any, timeout_s: float, who: str) -> tuple[Any, ...]:
-    try:
-        msg: tuple[Any, ...] = q.get(timeout=timeout_s)
-    except queue.Empty:
-        raise TransportTimeoutError(
-            f"benchmark: no message from the {who} in {timeout_s:.0f} s"
-        ) from None
-    if msg[0] == "error":
-        raise RuntimeError(f"benchmark {who} failed:\n{msg[1]}")
-    return msg
-
-
-def _join(procs: Sequence[Any], timeout_s: float) -> list[str]:
-    """Join every process (killing, by handle, any still alive); return bad exit reports."""
-    bad = []
-    for proc in procs:
-        proc.join(timeout=timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-        if proc.exitcode != 0:
-            bad.append(f"{proc.name} exited with {proc.exitcode}")
-    return bad
+def _stop(launch: Launch, timeout_s: float) -> list[str]:
+    """Wait up to `timeout_s` for the launch's children to exit (killing the rest); return
+    one line per child that did not exit with 0."""
+    codes = launch.close(grace_s=timeout_s)
+    return [
+        f"{name} did not exit in time; killed"
+        if name in launch.killed
+        else f"{name} exited with {describe_exit(code)}"
+        for name, code in codes.items()
+        if code != 0 or name in launch.killed
+    ]
 
 
 class ReceiverProcess:
-    """A spawned `receiver_worker` and its queues; a context manager that stops and joins it."""
+    """A spawned `receiver_worker` and its channel; a context manager that stops and joins it."""
 
     def __init__(
         self,
@@ -561,17 +534,18 @@ class ReceiverProcess:
         timeout_s: float,
     ) -> None:
         self.timeout_s = timeout_s
-        self.to_parent = _CTX.Queue()
-        self.from_parent = _CTX.Queue()
-        self.process = _CTX.Process(
-            target=receiver_worker,
-            args=(backend, device, list(options), buffer_bytes, init_seed, timeout_s,
-                  self.to_parent, self.from_parent),
-            name=f"bench-receiver-{backend}",
-        )  # fmt: skip
-        self.process.start()
+        self.name = f"{backend} receiver"
+        self._launch = Launch(
+            [
+                Child(
+                    self.name,
+                    receiver_worker,
+                    (backend, device, list(options), buffer_bytes, init_seed, timeout_s),
+                )
+            ]
+        ).start()
         try:
-            msg = _get(self.to_parent, timeout_s, f"{backend} receiver")
+            msg = self._launch.recv(self.name, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -583,15 +557,16 @@ class ReceiverProcess:
 
     def check(self, span: int, seed: int) -> str:
         """The receiver's verdict on its first `span` bytes against `seeded_bytes(span, seed)`."""
-        self.from_parent.put(("check", span, seed))
-        verdict: str = _get(self.to_parent, self.timeout_s, "receiver")[1]
+        self._launch.send(self.name, ("check", span, seed))
+        verdict: str = self._launch.recv(self.name, self.timeout_s)[1]
         return verdict
 
     def stop(self) -> list[str]:
         """Stop and join the process; return exit problems (empty when it exited with 0)."""
-        if self.process.is_alive():
-            self.from_parent.put(("stop",))
-        return _join([self.process], self.timeout_s)
+        if self._launch.exit_code(self.name) is None:
+            with contextlib.suppress(OSError):  # it may have died: the exit code says so
+                self._launch.send(self.name, ("stop",))
+        return _stop(self._launch, self.timeout_s)
 
     def __enter__(self) -> ReceiverProcess:
         return self
@@ -609,35 +584,47 @@ def _measure_backend(
     with ReceiverProcess(
         backend, config.device, options, buffer_bytes, config.seed + 1, config.timeout_s
     ) as receiver:
-        to_parent = _CTX.Queue()
-        from_parent = _CTX.Queue()
-        sender = _CTX.Process(
-            target=sender_worker,
-            args=(backend, config.device, list(options), buffer_bytes, receiver.endpoint,
-                  receiver.descriptor, list(config.sizes_bytes), config.warmup_rounds,
-                  config.rounds, config.seed, config.min_sample_bytes, config.timeout_s,
-                  to_parent, from_parent),
-            name=f"bench-sender-{backend}",
-        )  # fmt: skip
-        sender.start()
+        name = f"{backend} sender"
+        sender = Launch(
+            [
+                Child(
+                    name,
+                    sender_worker,
+                    (
+                        backend,
+                        config.device,
+                        list(options),
+                        buffer_bytes,
+                        receiver.endpoint,
+                        receiver.descriptor,
+                        list(config.sizes_bytes),
+                        config.warmup_rounds,
+                        config.rounds,
+                        config.seed,
+                        config.min_sample_bytes,
+                        config.timeout_s,
+                    ),
+                )  # fmt: skip
+            ]
+        ).start()
         try:
             for _ in config.sizes_bytes:
-                _, size, span, seed = _get(to_parent, config.timeout_s, f"{backend} sender")
+                _, size, span, seed = sender.recv(name, config.timeout_s)
                 verdict = receiver.check(span, seed)
                 if verdict != "ok":
-                    from_parent.put(("abort",))
+                    sender.send(name, ("abort",))
                     raise RuntimeError(
                         f"{backend}: data check failed at {format_size(size)} messages: {verdict}"
                     )
-                from_parent.put(("go",))
+                sender.send(name, ("go",))
                 timeout = config.timeout_s * (config.rounds + config.warmup_rounds + 1)
-                _, size, k, samples = _get(to_parent, timeout, f"{backend} sender")
+                _, size, k, samples = sender.recv(name, timeout)
                 m = Measurement(backend, "backend", size, k, tuple(samples))
                 progress(_progress_line(config, m))
                 out.append(m)
-            _get(to_parent, config.timeout_s, f"{backend} sender")  # "done"
+            sender.recv(name, config.timeout_s)  # "done"
         finally:
-            bad = _join([sender], config.timeout_s)
+            bad = _stop(sender, config.timeout_s)
             bad += receiver.stop()
         if bad:
             raise RuntimeError(f"{backend}: " + "; ".join(bad))
@@ -657,39 +644,35 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def socket_receiver_worker(buffer_bytes: int, timeout_s: float, to_parent: Any) -> None:
+def socket_receiver_worker(buffer_bytes: int, timeout_s: float, channel: Channel) -> None:
     """Listen on 127.0.0.1; per sample receive the header, then the bytes, then acknowledge.
 
     A sample with its check flag set is verified against its seed and acknowledged with
     `_ACK_BAD` on a mismatch. A header with zero messages ends the stream.
     """
-    try:
-        raw = bytearray(buffer_bytes)
-        buf = torch.frombuffer(raw, dtype=torch.uint8)
-        view = memoryview(raw)
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            server.settimeout(timeout_s)
-            to_parent.put(("ready", server.getsockname()[1]))
-            conn, _ = server.accept()
-        with conn:
-            conn.settimeout(timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            header = bytearray(_SOCKET_HEADER.size)
-            while True:
-                _recv_exact(conn, memoryview(header))
-                size, k, seed, check = _SOCKET_HEADER.unpack(header)
-                if k == 0:
-                    break
-                span = size * k
-                if span > buffer_bytes:
-                    raise ValueError(f"socket baseline: sample of {span} bytes exceeds the buffer")
-                _recv_exact(conn, view[:span])
-                ok = not check or verify_bytes(buf[:span], seed) == "ok"
-                conn.sendall(_ACK_OK if ok else _ACK_BAD)
-        to_parent.put(("done",))
-    except BaseException:
-        to_parent.put(("error", traceback.format_exc()))
-        raise
+    raw = bytearray(buffer_bytes)
+    buf = torch.frombuffer(raw, dtype=torch.uint8)
+    view = memoryview(raw)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(timeout_s)
+        channel.put(("ready", server.getsockname()[1]))
+        conn, _ = server.accept()
+    with conn:
+        conn.settimeout(timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(_SOCKET_HEADER.size)
+        while True:
+            _recv_exact(conn, memoryview(header))
+            size, k, seed, check = _SOCKET_HEADER.unpack(header)
+            if k == 0:
+                break
+            span = size * k
+            if span > buffer_bytes:
+                raise ValueError(f"socket baseline: sample of {span} bytes exceeds the buffer")
+            _recv_exact(conn, view[:span])
+            ok = not check or verify_bytes(buf[:span], seed) == "ok"
+            conn.sendall(_ACK_OK if ok else _ACK_BAD)
+    channel.put(("done",))
 
 
 class SocketReceiverProcess:
@@ -697,22 +680,23 @@ class SocketReceiverProcess:
 
     def __init__(self, buffer_bytes: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.to_parent = _CTX.Queue()
-        self.process = _CTX.Process(
-            target=socket_receiver_worker,
-            args=(buffer_bytes, timeout_s, self.to_parent),
-            name="bench-socket-receiver",
-        )
-        self.process.start()
+        self.name = "socket receiver"
+        self._launch = Launch(
+            [Child(self.name, socket_receiver_worker, (buffer_bytes, timeout_s))]
+        ).start()
         try:
-            self.port: int = _get(self.to_parent, timeout_s, "socket receiver")[1]
+            self.port: int = self._launch.recv(self.name, timeout_s)[1]
         except BaseException:
-            _join([self.process], 1.0)
+            _stop(self._launch, 1.0)
             raise
+
+    def done(self) -> None:
+        """Wait for the receiver's report that the stream ended."""
+        self._launch.recv(self.name, self.timeout_s)
 
     def join(self) -> list[str]:
         """Join the process; return exit problems."""
-        return _join([self.process], self.timeout_s)
+        return _stop(self._launch, self.timeout_s)
 
     def __enter__(self) -> SocketReceiverProcess:
         return self
@@ -780,50 +764,56 @@ def socket_sender_worker(
     seed: int,
     min_sample_bytes: int,
     timeout_s: float,
-    to_parent: Any,
+    channel: Channel,
 ) -> None:
     """The socket baseline's sender as a process: per size check, warm up, time."""
+    sender = SocketSender(port, buffer_bytes, seed=seed, min_sample_bytes=min_sample_bytes,
+                          timeout_s=timeout_s)  # fmt: skip
     try:
-        sender = SocketSender(port, buffer_bytes, seed=seed, min_sample_bytes=min_sample_bytes,
-                              timeout_s=timeout_s)  # fmt: skip
-        try:
-            for size in sizes_bytes:
-                sender.prepare(size)
-                for _ in range(warmup_rounds):
-                    sender.sample()
-                samples = [sender.sample() for _ in range(rounds)]
-                to_parent.put(("samples", size, sender.k, samples))
-        finally:
-            sender.close()
-        to_parent.put(("done",))
-    except BaseException:
-        to_parent.put(("error", traceback.format_exc()))
-        raise
+        for size in sizes_bytes:
+            sender.prepare(size)
+            for _ in range(warmup_rounds):
+                sender.sample()
+            samples = [sender.sample() for _ in range(rounds)]
+            channel.put(("samples", size, sender.k, samples))
+    finally:
+        sender.close()
+    channel.put(("done",))
 
 
 def _measure_socket(config: BenchConfig, progress: Callable[[str], None]) -> list[Measurement]:
     out: list[Measurement] = []
     with SocketReceiverProcess(config.buffer_bytes, config.timeout_s) as receiver:
-        to_parent = _CTX.Queue()
-        sender = _CTX.Process(
-            target=socket_sender_worker,
-            args=(receiver.port, config.buffer_bytes, list(config.sizes_bytes),
-                  config.warmup_rounds, config.rounds, config.seed, config.min_sample_bytes,
-                  config.timeout_s, to_parent),
-            name="bench-socket-sender",
-        )  # fmt: skip
-        sender.start()
+        name = "socket sender"
+        sender = Launch(
+            [
+                Child(
+                    name,
+                    socket_sender_worker,
+                    (
+                        receiver.port,
+                        config.buffer_bytes,
+                        list(config.sizes_bytes),
+                        config.warmup_rounds,
+                        config.rounds,
+                        config.seed,
+                        config.min_sample_bytes,
+                        config.timeout_s,
+                    ),
+                )  # fmt: skip
+            ]
+        ).start()
         try:
             timeout = config.timeout_s * (config.rounds + config.warmup_rounds + 1)
             for _ in config.sizes_bytes:
-                _, size, k, samples = _get(to_parent, timeout, "socket sender")
+                _, size, k, samples = sender.recv(name, timeout)
                 m = Measurement("socket", "baseline", size, k, tuple(samples))
                 progress(_progress_line(config, m))
                 out.append(m)
-            _get(to_parent, config.timeout_s, "socket sender")
-            _get(receiver.to_parent, config.timeout_s, "socket receiver")
+            sender.recv(name, config.timeout_s)  # "done"
+            receiver.done()
         finally:
-            bad = _join([sender], config.timeout_s) + receiver.join()
+            bad = _stop(sender, config.timeout_s) + receiver.join()
         if bad:
             raise RuntimeError("socket baseline: " + "; ".join(bad))
     return out

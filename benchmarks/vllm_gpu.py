@@ -293,6 +293,9 @@ class _TimedClient:
     def abort_weight_update(self) -> None:
         self.inner.abort_weight_update()
 
+    def fail_weight_update(self, reason: str) -> None:
+        self.inner.fail_weight_update(reason)
+
     def get_weight_version(self) -> str:
         return self.inner.get_weight_version()
 

@@ -4,9 +4,10 @@ Pure and deterministic: no I/O, no clocks, no torch.distributed. The same manife
 give the same `Schedule`, byte for byte in its canonical JSON.
 
 How a schedule is made:
-1. Validate everything and collect every problem (missing, extra or duplicate tensors, shapes or
-   dtypes no recipe explains, recipes that do not cover their destination exactly once) into
-   one `PlanMismatchError`, before any byte moves.
+1. Validate everything and collect every problem (missing, extra or duplicate tensors, a
+   trainer tensor whose global shape or dtype is not the one its recipes declare in
+   `Recipe.sources`, recipes that do not cover their destination exactly once) into one
+   `PlanMismatchError`, before any byte moves. Aliases (tied parameters) name one source.
 2. Turn recipes into work. A copy recipe (no transform) becomes "direct" writes: each part is
    cut along the trainer shards it spans, and each piece is sent by a rank that holds it in its
    own shard, so no rank gathers anything and there is no rank-0 funnel. An FP8 recipe needs
@@ -48,6 +49,7 @@ from weight_transfer.planner.types import (
     Schedule,
     SliceWrite,
     SourceManifest,
+    SourceSpec,
     Task,
     WriteRun,
     box_in,
@@ -77,6 +79,11 @@ class PlannerConfig:
     """Small direct writes of one rank are batched into tasks of about this size."""
     allow_unused_sources: bool = False
     """If False, a trainer tensor that no recipe reads is an error (catches renames)."""
+    allow_source_padding: bool = False
+    """If True, a trainer tensor may be larger than its recipes expect along the dimensions
+    they mark as padding (`SourceSpec.padded_dims`: the vLLM preset marks the vocabulary rows
+    of embeddings and LM heads), and its trailing padding is never sent. Off: every trainer
+    tensor must have exactly the shape its recipes declare."""
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes <= 0:
@@ -268,7 +275,10 @@ def _box_fits(box: Box, shape: tuple[int, ...]) -> bool:
     )
 
 
-def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> dict[str, _Source]:
+def _collect_sources(
+    sources: Sequence[SourceManifest], problems: list[str], alias_of: dict[str, str]
+) -> dict[str, _Source]:
+    """The source table by name; fills `alias_of` (alias -> the name its tensor is listed by)."""
     table: dict[str, _Source] = {}
     ranks = sorted(m.rank for m in sources)
     world = {m.world_size for m in sources}
@@ -283,16 +293,25 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
     # the tuple (the manifests keep them alive and presets share them), so each distinct object
     # is checked once per shape; decoded manifests simply miss the memo.
     box_ok: dict[int, tuple[int, ...]] = {}  # id(box) -> a shape it fits
-    fields = operator.attrgetter("name", "shape", "dtype", "local_box", "mesh", "offloaded")
+    fields = operator.attrgetter(
+        "name", "shape", "dtype", "local_box", "mesh", "offloaded", "aliases"
+    )
     for m in sorted(sources, key=lambda m: m.rank):
         rank = m.rank
         seen: set[str] = set()
         mesh_ok: dict[int, bool] = {}
-        for name, shape, dtype, lb, mesh, off in map(fields, m.tensors):
+        for name, shape, dtype, lb, mesh, off, aliases in map(fields, m.tensors):
             if name in seen:
                 problems.append(f"trainer rank {rank}: duplicate tensor name {name!r}")
                 continue
             seen.add(name)
+            for alias in aliases:
+                other = alias_of.setdefault(alias, name)
+                if other != name:
+                    problems.append(
+                        f"trainer rank {rank}: {alias!r} is an alias of {name!r}, but another "
+                        f"rank lists it as an alias of {other!r}"
+                    )
             if dtype not in DTYPE_SIZES:
                 problems.append(
                     f"trainer rank {rank}: tensor {name!r} has unsupported dtype {dtype!r}"
@@ -325,6 +344,11 @@ def _collect_sources(sources: Sequence[SourceManifest], problems: list[str]) -> 
                 )
                 continue
             src.holders.append((rank, lb, mesh, off))
+    for alias, name in sorted(alias_of.items()):
+        if alias in table:
+            problems.append(
+                f"trainer tensor {alias!r} is listed both as a tensor and as an alias of {name!r}"
+            )
     covered_memo: dict[tuple[Box, ...], int] = {}
     for src in table.values():
         # Group by the identity of mesh tuples first (cheap), then merge equal meshes.
@@ -410,8 +434,52 @@ def _check_parts_cover(recipe: Recipe, dest: DestTensor) -> str | None:
     return None
 
 
+def _spec_mismatch(spec: SourceSpec, src: _Source, allow_padding: bool) -> str | None:
+    """Why trainer tensor `src` is not what `spec` expects, or None when it is."""
+    if spec.dtype is not None and src.dtype != spec.dtype:
+        return f"dtype {spec.dtype}"
+    if src.shape == spec.shape:
+        return None
+    padded = (
+        allow_padding
+        and bool(spec.padded_dims)
+        and len(src.shape) == len(spec.shape)
+        and all(
+            got >= want if d in spec.padded_dims else got == want
+            for d, (got, want) in enumerate(zip(src.shape, spec.shape, strict=True))
+        )
+    )
+    return None if padded else f"shape {spec.shape}"
+
+
+_Mismatch = tuple[str, str, str, bool]
+"""(trainer tensor, what a recipe expects, what the trainer has, whether
+`PlannerConfig.allow_source_padding` would accept it)."""
+
+
+def _report_mismatches(
+    mismatches: dict[_Mismatch, list[tuple[str, str]]], problems: list[str]
+) -> None:
+    """One line per trainer tensor and expectation, naming the first engine recipe reading it."""
+    for (name, want, have, padding_would_do), readers in sorted(mismatches.items()):
+        engine, dest = readers[0]
+        more = f" (and {len(readers) - 1} more engine recipe(s))" if len(readers) > 1 else ""
+        hint = (
+            "; if the extra rows are the trainer's padding, set PlannerConfig.allow_source_padding"
+            if padding_would_do
+            else ""
+        )
+        problems.append(
+            f"trainer tensor {name!r} is {have}, but engine {engine!r} reads it for {dest!r} "
+            f"as {want}{more}{hint}"
+        )
+
+
 def _validate_dests(
-    dests: Sequence[DestManifest], sources: dict[str, _Source], problems: list[str]
+    dests: Sequence[DestManifest],
+    sources: dict[str, _Source],
+    problems: list[str],
+    config: PlannerConfig,
 ) -> set[str]:
     used: set[str] = set()
     names = [d.engine for d in dests]
@@ -421,6 +489,8 @@ def _validate_dests(
     # Replicas share their tensor and recipe tuples: an identical layout that was valid once is
     # valid again (only the engine name, which no check reads, differs).
     valid_layouts: set[tuple[object, ...]] = set()
+    mismatches: dict[_Mismatch, list[tuple[str, str]]] = {}
+    pad = config.allow_source_padding
     for d in dests:
         layout = (
             id(d.tensors),
@@ -431,6 +501,7 @@ def _validate_dests(
         if layout in valid_layouts:
             continue
         num_problems = len(problems)
+        mismatched = False
         regions = {r.index: r for r in d.regions}
         if len(regions) != len(d.regions):
             problems.append(f"engine {d.engine!r}: duplicate region indices")
@@ -473,6 +544,21 @@ def _validate_dests(
                 continue
             written.add(rc.dest)
             bad = False
+            declared = {spec.name for spec in rc.sources}
+            wrong: set[str] = set()  # sources not as declared: their parts are not checked
+            for spec in rc.sources:
+                s = sources.get(spec.name)
+                if s is None:
+                    continue  # reported below, by the part that reads it
+                what = _spec_mismatch(spec, s, pad)
+                if what is not None:
+                    have = f"dtype {s.dtype}" if what.startswith("dtype") else f"shape {s.shape}"
+                    fix = not pad and _spec_mismatch(spec, s, True) is None
+                    mismatches.setdefault((spec.name, what, have, fix), []).append(
+                        (d.engine, rc.dest)
+                    )
+                    wrong.add(spec.name)
+                    bad = mismatched = True
             for p in rc.parts:
                 s = sources.get(p.source)
                 if s is None:
@@ -483,6 +569,16 @@ def _validate_dests(
                     bad = True
                     continue
                 used.add(p.source)
+                if p.source in wrong:
+                    continue
+                if p.source not in declared:
+                    problems.append(
+                        f"engine {d.engine!r}: recipe for {rc.dest!r} reads trainer tensor "
+                        f"{p.source!r} but does not declare its shape (Recipe.sources; the "
+                        "builders in planner.recipes fill it)"
+                    )
+                    bad = True
+                    continue
                 if len(p.source_box) != len(s.shape) or not box_in(
                     p.source_box, tuple((0, n) for n in s.shape)
                 ):
@@ -549,8 +645,9 @@ def _validate_dests(
                 )
         for name in sorted(set(tensors) - written):
             problems.append(f"engine {d.engine!r}: engine tensor {name!r} has no recipe")
-        if len(problems) == num_problems:
+        if len(problems) == num_problems and not mismatched:
             valid_layouts.add(layout)
+    _report_mismatches(mismatches, problems)
     return used
 
 
@@ -774,9 +871,9 @@ def _plan(
     sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
 ) -> Schedule:
     """The planning steps, in order; each raises `PlanMismatchError` with every problem found."""
-    table = _validate(sources, dests, config)
+    table, resolved = _validate(sources, dests, config)
     p = _Planning(sources[0].world_size, sorted(d.engine for d in dests), table, config)
-    p.compile_engines(dests)
+    p.compile_engines(resolved)
     p.balance_local_work()
     p.place_replicated_gathers()
     p.build_gathers()
@@ -789,21 +886,60 @@ def _plan(
 
 def _validate(
     sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
-) -> dict[str, _Source]:
-    """The source table, once the manifests are complete and every source is read."""
+) -> tuple[dict[str, _Source], Sequence[DestManifest]]:
+    """The source table, once the manifests are complete and every source is read as its
+    recipes declare, and the engine manifests with aliases resolved to the names sources are
+    listed by."""
     problems: list[str] = []
     if not sources:
         problems.append("no trainer (source) manifests")
     if not dests:
         problems.append("no engine (destination) manifests")
-    table = _collect_sources(sources, problems)
-    used = _validate_dests(dests, table, problems)
+    alias_of: dict[str, str] = {}
+    table = _collect_sources(sources, problems, alias_of)
+    dests = _resolve_aliases(dests, alias_of)
+    used = _validate_dests(dests, table, problems, config)
     if not config.allow_unused_sources:
         for name in sorted(set(table) - used):
             problems.append(f"trainer tensor {name!r} is read by no engine recipe (extra tensor)")
     if problems:
         raise PlanMismatchError(problems)
-    return table
+    return table, dests
+
+
+def _resolve_aliases(
+    dests: Sequence[DestManifest], alias_of: dict[str, str]
+) -> Sequence[DestManifest]:
+    """Engine manifests whose recipes read tied parameters by the name their tensor is listed
+    by. Replicas share their recipe tuples, so each distinct tuple is resolved once."""
+    if not alias_of:
+        return dests
+    memo: dict[int, tuple[Recipe, ...]] = {}
+    out = []
+    for d in dests:
+        recipes = memo.get(id(d.recipes))
+        if recipes is None:
+            resolved = tuple(_resolve_recipe(rc, alias_of) for rc in d.recipes)
+            changed = any(a is not b for a, b in zip(resolved, d.recipes, strict=True))
+            recipes = memo[id(d.recipes)] = resolved if changed else d.recipes
+        out.append(d if recipes is d.recipes else dataclasses.replace(d, recipes=recipes))
+    return out
+
+
+def _resolve_recipe(rc: Recipe, alias_of: dict[str, str]) -> Recipe:
+    if not any(p.source in alias_of for p in rc.parts) and not any(
+        s.name in alias_of for s in rc.sources
+    ):
+        return rc
+    return dataclasses.replace(
+        rc,
+        parts=tuple(
+            dataclasses.replace(p, source=alias_of.get(p.source, p.source)) for p in rc.parts
+        ),
+        sources=tuple(
+            dataclasses.replace(s, name=alias_of.get(s.name, s.name)) for s in rc.sources
+        ),
+    )
 
 
 class _Planning:
@@ -1305,7 +1441,7 @@ def _local_holder(parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int
     return tuple(sorted(common or ()))
 
 
-_FINGERPRINT_TAG = "weight-transfer plan inputs v2"
+_FINGERPRINT_TAG = "weight-transfer plan inputs v3"
 
 
 def fingerprint(
@@ -1322,7 +1458,7 @@ def fingerprint(
     h.update(packer.pack(_FINGERPRINT_TAG))
     h.update(packer.pack_array_header(len(sources)))
     fields = operator.attrgetter(
-        "name", "shape", "dtype", "local_box", "mesh", "device", "offloaded"
+        "name", "shape", "dtype", "local_box", "mesh", "device", "offloaded", "aliases"
     )
     for m in sorted(sources, key=lambda m: m.rank):
         h.update(packer.pack((m.rank, m.world_size, m.host, list(map(fields, m.tensors)))))
@@ -1356,6 +1492,7 @@ def fingerprint(
                         rc.dest,
                         [(p.source, p.source_box, p.dest_box) for p in rc.parts],
                         None if rc.quant is None else (rc.quant.scale_dest, rc.quant.block),
+                        [(x.name, x.shape, x.dtype, x.padded_dims) for x in rc.sources],
                     )
                     for rc in d.recipes
                 ],

@@ -4,6 +4,12 @@ Every builder returns a `planner.types.Recipe` whose parts cover the destination
 (boxes are per-dimension half-open ``[start, stop)`` ranges). Builders know nothing about any
 engine's names or divisibility rules; presets (`planner.presets.vllm`) add those.
 
+Every recipe also declares the global shape of each trainer tensor it reads
+(`Recipe.sources`): the planner refuses a trainer tensor of any other shape instead of reading
+the boxes it needs out of a larger one. `with_padding` marks dimensions along which a trainer
+may hold trailing padding that no part reads (accepted only with
+`PlannerConfig.allow_source_padding`).
+
 Sharding rule for uneven sizes (`split_bounds`): a dimension of size ``n`` split over ``p``
 ranks gives the first ``n % p`` ranks ``n // p + 1`` rows and the others ``n // p``
 (numpy's ``array_split``). An engine with another rule passes explicit `bounds`: one
@@ -18,7 +24,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from weight_transfer.planner.fp8 import scale_shape
 from weight_transfer.planner.reference import FP8_DTYPE, SCALE_DTYPE, check_coverage
-from weight_transfer.planner.types import DTYPE_SIZES, Box, Fp8BlockQuant, Part, Range, Recipe
+from weight_transfer.planner.types import (
+    DTYPE_SIZES,
+    Box,
+    Fp8BlockQuant,
+    Part,
+    Range,
+    Recipe,
+    SourceSpec,
+)
 
 SCALE_SUFFIX = "_scale_inv"
 """Appended to an FP8 weight's name to name its scale tensor (``w13_weight_scale_inv``)."""
@@ -105,6 +119,38 @@ def _full(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
+def _specs(dest: str, shapes: Iterable[tuple[str, Sequence[int]]]) -> tuple[SourceSpec, ...]:
+    """One `SourceSpec` per distinct source name, in first-seen order.
+
+    Raises:
+        ValueError: one source given with two different shapes.
+    """
+    out: dict[str, SourceSpec] = {}
+    for name, shape in shapes:
+        shp = tuple(int(n) for n in shape)
+        got = out.get(name)
+        if got is None:
+            out[name] = SourceSpec(name=name, shape=shp)
+        elif got.shape != shp:
+            raise ValueError(f"{dest!r}: source {name!r} given with shapes {got.shape} and {shp}")
+    return tuple(out.values())
+
+
+def with_padding(recipe: Recipe, dims: Sequence[int]) -> Recipe:
+    """The same recipe, accepting trainer tensors padded (larger) along `dims`.
+
+    The parts still read only the declared shape; the trailing padding of the trainer's tensor
+    is never sent. The planner accepts it only with `PlannerConfig.allow_source_padding`.
+    """
+    pad = tuple(sorted({int(d) for d in dims}))
+    specs = []
+    for spec in recipe.sources:
+        if any(not 0 <= d < len(spec.shape) for d in pad):
+            raise ValueError(f"{recipe.dest!r}: padded dims {pad} out of range for {spec.shape}")
+        specs.append(dataclasses.replace(spec, padded_dims=pad))
+    return dataclasses.replace(recipe, sources=tuple(specs))
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +159,11 @@ def _full(shape: Sequence[int]) -> Box:
 def identity(dest: str, source: str, shape: Sequence[int]) -> Recipe:
     """The whole source tensor is the destination (replicated tensors: norms, routers)."""
     box = _full(shape)
-    return Recipe(dest=dest, parts=(Part(source=source, source_box=box, dest_box=box),))
+    return Recipe(
+        dest=dest,
+        parts=(Part(source=source, source_box=box, dest_box=box),),
+        sources=_specs(dest, [(source, shape)]),
+    )
 
 
 def shard(
@@ -140,7 +190,9 @@ def shard(
     dst = list(_full(shape))
     dst[dim] = (0, stop - start)
     return Recipe(
-        dest=dest, parts=(Part(source=source, source_box=tuple(src), dest_box=tuple(dst)),)
+        dest=dest,
+        parts=(Part(source=source, source_box=tuple(src), dest_box=tuple(dst)),),
+        sources=_specs(dest, [(source, shape)]),
     )
 
 
@@ -200,7 +252,11 @@ def concat_rows(dest: str, pieces: Sequence[tuple[str, Sequence[int], Range]]) -
             )
         )
         offset += b - a
-    return Recipe(dest=dest, parts=tuple(parts))
+    return Recipe(
+        dest=dest,
+        parts=tuple(parts),
+        sources=_specs(dest, [(source, shape) for source, shape, _ in pieces]),
+    )
 
 
 def qkv_head_ranges(
@@ -323,7 +379,12 @@ def moe_w13(
         parts.append(
             Part(source=up, source_box=((a, b), (0, h)), dest_box=((e, e + 1), (n, 2 * n), (0, h)))
         )
-    return Recipe(dest=dest, parts=tuple(parts))
+    full = (intermediate_size, hidden_size)
+    return Recipe(
+        dest=dest,
+        parts=tuple(parts),
+        sources=_specs(dest, [(s, full) for pair in zip(gates, ups, strict=True) for s in pair]),
+    )
 
 
 def moe_w13_fused(
@@ -355,6 +416,7 @@ def moe_w13_fused(
                 dest_box=((0, e), (n, 2 * n), (0, h)),
             ),
         ),
+        sources=_specs(dest, [(gate_up, (e, 2 * i, h))]),
     )
 
 
@@ -381,6 +443,7 @@ def moe_w2(
             )
             for e, down in enumerate(downs)
         ),
+        sources=_specs(dest, [(down, (h, intermediate_size)) for down in downs]),
     )
 
 

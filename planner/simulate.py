@@ -19,10 +19,21 @@ Pure: no clocks, no I/O. `simulate` replays a `Schedule` on a described cluster:
   between GPUs of one host it uses NVLink instead. Completion frees the task's staging memory.
 * A barrier separates mesh groups: no rank prepares a task of group g before every rank has
   prepared all its tasks of earlier groups (plus `barrier_s`).
+* Delta updates (`delta=DeltaDensity(...)`): every task still gathers and quantizes as above,
+  then compares its engine bytes with the snapshot (`diff_gb_per_s`, zero-copy writes too) and
+  writes one patch per engine whose size is `planner.delta.expected_wire_nbytes` of each write
+  at the measured density (sparse or dense, whichever is smaller; FP8 scales at their own
+  density). After the last write the engines apply their patches (`apply_gb_per_s` of patch
+  bytes; the busiest engine's time is added) before the update counts as done. The trainer's
+  snapshot advance after the commit (`SimResult.snapshot_advance_s`) is off this update's path.
 
 The lower bound is the busiest resource: bytes over bandwidth of the busiest trainer NIC,
 engine NIC and NVLink, and the busiest GPU's host-to-device and preparation time. The rank-0
 broadcast baseline (`broadcast_baseline`) is modelled in closed form beside it.
+
+The control plane ("go", the commit's two phases, the result reaching every member) is added
+in closed form (`control_plane_s`) from measured round-trip, store and controller costs:
+`SimResult.update_s` is the whole update.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from weight_transfer.planner.delta import DeltaDensity, expected_wire_nbytes
 from weight_transfer.planner.types import (
     QuantWrite,
     Schedule,
@@ -78,6 +90,23 @@ class Rates:
     task_overhead_s: float = 0.0
     """Host time to launch one task's preparation (gather, pack or quantize kernels) on the
     prepare stage; tasks whose writes all go straight from the shard pay nothing."""
+    control_rtt_s: float = 88e-6
+    """One control-plane round trip between a member and the store (network and the store's
+    reply). Default: measured on loopback of the shared 2-core CPU machine, 2026-12
+    (`bench control-plane`, median of 2000); a fabric's TCP round trip replaces it."""
+    control_request_s: float = 26e-6
+    """Store CPU per request it serves, its wake-ups of waiting members included (one thread
+    serves them all, in turn). Default: measured at 256 + 128 members (`bench control-plane`:
+    the store process's CPU over the requests it served)."""
+    control_message_s: float = 57e-6
+    """Controller CPU per rank report it reads (authenticate, decrypt, decode). Default:
+    measured (`bench control-plane`, median of 2000)."""
+    diff_gb_per_s: float = 1000.0
+    """Delta updates: engine-format bytes one trainer GPU compares with its snapshot and
+    encodes per second (reads both; an assumption until the H200 measurement, docs/delta.md)."""
+    apply_gb_per_s: float = 200.0
+    """Delta updates: patch bytes one engine GPU applies (scatters) per second (an assumption
+    until the H200 measurement)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -174,11 +203,72 @@ class SimResult:
     """Largest temporary memory in flight on one rank."""
     stall_s: float
     """Longest time a rank waited for memory to be admitted."""
+    control_plane_s: float = 0.0
+    """The update's control plane on its critical path (`control_plane_s`): "go", the two
+    commit phases and the result reaching every member."""
+    mode: str = "full"
+    """"full", or "delta" when simulated with a `DeltaDensity`."""
+    apply_s: float = 0.0
+    """Delta: the busiest engine's patch apply (included in `predicted_s`)."""
+    snapshot_advance_s: float = 0.0
+    """Delta: the busiest trainer rank applying its patches to its snapshot after the commit
+    (not in `predicted_s`: it overlaps whatever follows the update)."""
+    full_write_bytes: int = 0
+    """Delta: the bytes a full update of the same schedule would write."""
 
     @property
     def efficiency(self) -> float:
         """lower bound / predicted."""
         return self.lower_bound_s / self.predicted_s if self.predicted_s else 1.0
+
+    @property
+    def update_s(self) -> float:
+        """The whole update as `WeightSender.update` returns it: data plane plus control plane."""
+        return self.predicted_s + self.control_plane_s
+
+
+REPORTS_PER_READ = 64
+"""Rank reports the controller reads per request (`transfer.control._MULTI_GET_KEYS`)."""
+
+
+def control_plane_s(num_trainer_ranks: int, num_engines: int, rates: Rates) -> float:
+    """The control plane's share of one update's critical path (sum of `control_plane_phases`)."""
+    return sum(control_plane_phases(num_trainer_ranks, num_engines, rates).values())
+
+
+def control_plane_phases(
+    num_trainer_ranks: int, num_engines: int, rates: Rates
+) -> dict[str, float]:
+    """The control plane's phases of one update on its critical path (`transfer.controller`).
+
+    With n trainer ranks and m engines, h = rtt / 2 one way, r = the store's time per request,
+    c = the controller's time per report:
+
+    - go: rank 0 writes `go/k`; the store wakes the n - 1 waiting ranks and serves their reads
+      (2 (n - 1) requests in turn): 4 h + 2 (n - 1) r for the last rank.
+    - done, then committed (twice): the last rank's report reaches the store (h), which wakes
+      the controller (h); the controller reads all reports, 64 per read, each read a wait and
+      a multi_get (2 rtt, and the store serialises n values: n r), checks each (c), and writes
+      its verdict, which wakes and serves every waiting member: the n - 1 ranks after done,
+      the n - 1 ranks and m engines after committed (4 h + 2 (n - 1 [+ m]) r).
+
+    The version words themselves are data-plane writes (`write_latency_s`). Work off the
+    path (deletes, the watches' ends) is not counted.
+    """
+    n, m = num_trainer_ranks, num_engines
+    if n < 1 or m < 0:
+        raise ValueError("num_trainer_ranks must be >= 1 and num_engines >= 0")
+    rtt, r, c = rates.control_rtt_s, rates.control_request_s, rates.control_message_s
+    if n == 1:
+        # One rank: no go, no reports to read; the result still reaches the engines.
+        return {"go": 0.0, "done": 0.0, "committed": 2 * rtt + 2 * m * r}
+    reads = -(-(n - 1) // REPORTS_PER_READ)
+    phase = rtt + reads * 2 * rtt + n * r + (n - 1) * c
+    return {
+        "go": 2 * rtt + 2 * (n - 1) * r,
+        "done": phase + 2 * rtt + 2 * (n - 1) * r,
+        "committed": phase + 2 * rtt + 2 * (n - 1 + m) * r,
+    }
 
 
 @dataclasses.dataclass(slots=True)
@@ -196,8 +286,36 @@ class _TaskCost:
     mesh_size: int
 
 
+def _write_cost(
+    w: SliceWrite | QuantWrite, delta: DeltaDensity | None, rates: Rates
+) -> tuple[int, float, int]:
+    """(bytes on the wire, preparation seconds, writes posted) of one write."""
+    quant_rate = rates.quantize_gb_per_s * GB
+    prep_rate = rates.prepare_gb_per_s * GB
+    if isinstance(w, QuantWrite):
+        fp8 = sum(r.nbytes for r in w.weight_runs)
+        scales = sum(r.nbytes for r in w.scale_runs)
+        compute = fp8 / quant_rate
+        if delta is None:
+            return fp8 + scales, compute, len(w.weight_runs) + len(w.scale_runs)
+        wire = expected_wire_nbytes(delta.fp8, fp8, 1) + expected_wire_nbytes(
+            delta.scales, scales // 4, 4
+        )
+        return wire, compute + (fp8 + scales) / (rates.diff_gb_per_s * GB), 1
+    compute = 0.0 if w.zero_copy else w.nbytes / prep_rate
+    if delta is None:
+        return w.nbytes, compute, len(w.runs)
+    isz = dtype_size(w.dtype)
+    wire = expected_wire_nbytes(delta.other, w.nbytes // isz, isz)
+    return wire, compute + w.nbytes / (rates.diff_gb_per_s * GB), 1
+
+
 def _task_costs(
-    schedule: Schedule, sources: Sequence[SourceManifest], rates: Rates, hosts: Sequence[str]
+    schedule: Schedule,
+    sources: Sequence[SourceManifest],
+    rates: Rates,
+    hosts: Sequence[str],
+    delta: DeltaDensity | None = None,
 ) -> list[list[_TaskCost]]:
     sizes: dict[str, int] = {}
     local: dict[tuple[int, str], tuple[int, bool]] = {}
@@ -207,8 +325,6 @@ def _task_costs(
             sizes[t.name] = numel(t.shape) * isz
             if t.offloaded and t.local_box is not None:
                 local[(m.rank, t.name)] = (numel(box_shape(t.local_box)) * isz, True)
-    quant_rate = rates.quantize_gb_per_s * GB
-    prep_rate = rates.prepare_gb_per_s * GB
     h2d_rate = rates.h2d_gb_per_s * GB
     out: list[list[_TaskCost]] = []
     for rs in schedule.ranks:
@@ -218,15 +334,13 @@ def _task_costs(
             per_engine: dict[str, int] = defaultdict(int)
             runs: dict[str, int] = defaultdict(int)
             for w in task.writes:
-                if isinstance(w, QuantWrite):
-                    fp8 = sum(r.nbytes for r in w.weight_runs)
-                    compute += fp8 / quant_rate
-                    runs[w.engine] += len(w.weight_runs) + len(w.scale_runs)
-                elif isinstance(w, SliceWrite):
-                    if not w.zero_copy:
-                        compute += w.nbytes / prep_rate
-                    runs[w.engine] += len(w.runs)
-                per_engine[w.engine] += w.nbytes
+                wire, prep, nwrites = _write_cost(w, delta, rates)
+                compute += prep
+                if delta is None:
+                    runs[w.engine] += nwrites
+                else:  # one patch write per engine and task
+                    runs[w.engine] = 1
+                per_engine[w.engine] += wire
             if task.kind == "gather" or compute > 0:
                 compute += rates.task_overhead_s
             h2d = task.h2d_bytes
@@ -264,6 +378,7 @@ def simulate(
     memory_budget_bytes: int,
     progress: Callable[[str], None] | None = None,
     links: str = "fifo",
+    delta: DeltaDensity | None = None,
 ) -> SimResult:
     """Predict one update of `schedule` (module docstring for the model).
 
@@ -282,6 +397,8 @@ def simulate(
             flows share each link max-min fairly (as TCP
             connections do), recomputed whenever a flow starts or ends; the trainer's receive
             side is a link too. Costs O(links x flows) per event: for small clusters.
+        delta: simulate a delta update at these densities (module docstring) instead of a
+            full one.
 
     Raises:
         ValueError: manifests that do not match the schedule (naming the rank or engine).
@@ -298,9 +415,10 @@ def simulate(
     if unknown:
         raise ValueError(f"no host for engine(s) {unknown[:10]}")
     hosts = [by_rank[r].host for r in range(schedule.num_ranks)]
+    costs = _task_costs(schedule, sources, rates, hosts, delta)
     sim = _Simulation(
         schedule,
-        _task_costs(schedule, sources, rates, hosts),
+        costs,
         hosts,
         engine_hosts,
         rates,
@@ -308,7 +426,28 @@ def simulate(
         fair=links == "fair",
     )
     sim.run(progress)
-    return sim.result()
+    control = control_plane_s(schedule.num_ranks, len(schedule.engines), rates)
+    result = dataclasses.replace(sim.result(), control_plane_s=control)
+    if delta is None:
+        return result
+    patch_per_engine: dict[str, int] = defaultdict(int)
+    patch_per_rank = [0] * schedule.num_ranks
+    for rank, rank_costs in enumerate(costs):
+        for c in rank_costs:
+            for engine, nbytes, _ in c.batches:
+                patch_per_engine[engine] += nbytes
+                patch_per_rank[rank] += nbytes
+    apply_rate = rates.apply_gb_per_s * GB
+    apply_s = max(patch_per_engine.values(), default=0) / apply_rate
+    return dataclasses.replace(
+        result,
+        predicted_s=result.predicted_s + apply_s,
+        total_write_bytes=sum(patch_per_engine.values()),
+        mode="delta",
+        apply_s=apply_s,
+        snapshot_advance_s=max(patch_per_rank, default=0) / apply_rate,
+        full_write_bytes=sum(schedule.bytes_per_engine),
+    )
 
 
 _ADVANCE, _PREP_DONE, _WRITE_DONE, _FLOW_START = 0, 1, 2, 3
@@ -902,6 +1041,8 @@ __all__ = [
     "Spread",
     "binomial_broadcast_s",
     "broadcast_baseline",
+    "control_plane_phases",
+    "control_plane_s",
     "funnel_baseline",
     "load_rates",
     "rates_from_mapping",

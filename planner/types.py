@@ -107,6 +107,11 @@ class SourceTensor:
     """"cpu" or "cuda" for the trainer's compute device."""
     offloaded: bool = False
     """True when the local shard lives in host memory while the trainer computes on a GPU."""
+    aliases: tuple[str, ...] = ()
+    """Other names of this same parameter (tied weights: ``lm_head.weight`` of a model whose
+    LM head shares the embedding's). A recipe may read the tensor under any of its names; it
+    is one source, sent once per engine tensor that reads it, and an alias that no recipe reads
+    is not an extra tensor."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,6 +172,28 @@ class Fp8BlockQuant:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """What a recipe expects of one trainer tensor it reads: its global shape and dtype.
+
+    The planner checks every trainer tensor against the specs of every recipe that reads it
+    and refuses the plan, listing each mismatch, before any byte moves: a trainer tensor of
+    another shape is never silently cut to the boxes a recipe reads.
+    """
+
+    name: str
+    """Trainer-side name."""
+    shape: tuple[int, ...]
+    """The global shape the recipe was built for."""
+    dtype: str | None = None
+    """The dtype required; None accepts any float dtype (`FLOAT_DTYPES`), cast on the way to
+    the engine tensor's dtype (the presets: bf16 or fp32 trainers into any float engine)."""
+    padded_dims: tuple[int, ...] = ()
+    """Dimensions along which the trainer may hold more than `shape`: trailing padding that no
+    part reads (a trainer's padded vocabulary). Accepted only with
+    `PlannerConfig.allow_source_padding`; otherwise any other size is a mismatch."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Recipe:
     """How to build one engine tensor from trainer tensors: its parts and an optional transform.
 
@@ -177,6 +204,10 @@ class Recipe:
     dest: str
     parts: tuple[Part, ...]
     quant: Fp8BlockQuant | None = None
+    sources: tuple[SourceSpec, ...] = ()
+    """The expected shape (and dtype) of every trainer tensor the parts read, one entry per
+    name. The builders in `planner.recipes` fill it; the planner refuses a recipe whose parts
+    read a tensor it does not declare."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

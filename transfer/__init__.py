@@ -26,6 +26,7 @@ from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import (
     ControllerConfig,
     ControlPlaneConfig,
+    DeltaConfig,
     ReceiverConfig,
     SenderConfig,
     TransferConfig,
@@ -36,6 +37,7 @@ from weight_transfer.controller import Controller
 from weight_transfer.errors import (
     ConfigurationError,
     ControlPlaneAuthError,
+    NotServingError,
     PeerLostError,
     PlanMismatchError,
     TransportError,
@@ -43,6 +45,7 @@ from weight_transfer.errors import (
     TransportUnavailableError,
     UpdateAbortedError,
     UpdateFailedError,
+    UpdateInProgressError,
     WeightTransferError,
 )
 from weight_transfer.layouts import Layout, VllmLayout
@@ -57,6 +60,7 @@ from weight_transfer.planner.presets.models import (
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
+from weight_transfer.serving import ServingGate, ServingState, ServingStatus
 
 __version__ = "0.1.0"
 
@@ -68,12 +72,17 @@ __all__ = [
     "Controller",
     "ControllerConfig",
     "Layout",
+    "DeltaConfig",
     "ModelShape",
+    "NotServingError",
     "PeerLostError",
     "PlanMismatchError",
     "PlannerConfig",
     "ReceiverConfig",
     "SenderConfig",
+    "ServingGate",
+    "ServingState",
+    "ServingStatus",
     "TransferConfig",
     "TransportConfig",
     "TransportError",
@@ -83,6 +92,7 @@ __all__ = [
     "UpdateFailedError",
     "VllmConfig",
     "VllmLayout",
+    "UpdateInProgressError",
     "WeightReceiver",
     "WeightSender",
     "WeightTransferError",

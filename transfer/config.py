@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import BACKENDS, TransportConfig
 from weight_transfer.errors import ConfigurationError
 from weight_transfer.planner.plan import PlannerConfig
@@ -87,8 +88,17 @@ class ControlPlaneConfig:
     """Longest any control-plane wait may take (joining, manifests, signals)."""
     session: str = "default"
     """Namespace of keys, so several transfers can share one store."""
+    store_memory_bytes: int = 1 << 30
+    """Most memory the store's process (the controller's side) may hold in values; past it the
+    store refuses writes. Size it to the schedule: every rank's part is stored once."""
+    store_max_connections: int = 4096
+    """Most connections the store serves at once (each member holds one or two)."""
 
     def __post_init__(self) -> None:
+        if self.store_memory_bytes <= 0:
+            raise ConfigurationError("store_memory_bytes must be positive")
+        if self.store_max_connections <= 0:
+            raise ConfigurationError("store_max_connections must be positive")
         if not self.host:
             raise ConfigurationError("control plane host must be non-empty")
         if not 0 < self.port < 65536:
@@ -115,6 +125,53 @@ class ControlPlaneConfig:
             raise ConfigurationError("session must be non-empty and contain no '/'")
 
 
+SNAPSHOT_MEMORY = ("auto", "device", "host")
+"""Where a delta sender keeps its snapshot (`DeltaConfig.snapshot_memory`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaConfig:
+    """Delta updates (docs/delta.md): send only the engine bytes that changed.
+
+    The engines must have registered a patch region (`ReceiverConfig.patch_region_bytes`);
+    a trainer rank whose engines have none sends full updates.
+    """
+
+    enabled: bool = False
+    """Send deltas after the first full update (off: every update is full)."""
+    anchor_every_updates: int = 0
+    """Send a full update every this many updates (0: only when needed)."""
+    max_wire_fraction: float = 0.5
+    """Send a full update next when the last delta put more than this fraction of a full
+    update's bytes on the wire (a delta that dense is not faster)."""
+    snapshot_memory: str = "auto"
+    """Where the snapshot of the bytes last sent lives: "device" (the rank's GPU), "host"
+    (pinned host memory), or "auto" (the GPU when it fits `snapshot_device_budget_bytes`)."""
+    snapshot_device_budget_bytes: int = 0
+    """Largest snapshot "auto" keeps on the GPU (0: always host)."""
+    apply_timeout_s: float = 300.0
+    """Longest an update waits for the engines to apply the previous delta before it writes."""
+    verify: bool = False
+    """After every update (delta or full) compare each engine's bytes with what the trainer
+    ranks sent, by keyed position digests (one read of every written byte on both sides); the
+    next update raises on a mismatch, naming the engines, and the one after it is full."""
+
+    def __post_init__(self) -> None:
+        if self.anchor_every_updates < 0:
+            raise ConfigurationError("delta.anchor_every_updates must be >= 0")
+        if not 0.0 < self.max_wire_fraction <= 1.0:
+            raise ConfigurationError("delta.max_wire_fraction must be in (0, 1]")
+        if self.snapshot_memory not in SNAPSHOT_MEMORY:
+            raise ConfigurationError(
+                f"delta.snapshot_memory must be one of {SNAPSHOT_MEMORY}, "
+                f"got {self.snapshot_memory!r}"
+            )
+        if self.snapshot_device_budget_bytes < 0:
+            raise ConfigurationError("delta.snapshot_device_budget_bytes must be >= 0")
+        if self.apply_timeout_s <= 0:
+            raise ConfigurationError("delta.apply_timeout_s must be positive")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SenderConfig:
     """Settings of a trainer rank's `WeightSender` (its memory budget is the planner's:
@@ -124,6 +181,8 @@ class SenderConfig:
     """Longest one update may take on this rank before it fails."""
     record_trace: bool = True
     """Record per-task stage times (cheap) for `WeightSender.trace_events`."""
+    delta: DeltaConfig = dataclasses.field(default_factory=DeltaConfig)
+    """Delta updates (`[sender.delta]` in TOML)."""
     table_quantize: bool = True
     """On CUDA, FP8 graph groups quantize through one table-kernel launch per block shape and
     dtype; False captures one kernel per quantize call instead (the benchmarks' comparison)."""
@@ -139,6 +198,13 @@ class ReceiverConfig:
 
     allow_unwritten: bool = False
     """If False, every tensor handed to the receiver must be written by some recipe."""
+    patch_region_bytes: int = 0
+    """Delta updates: bytes of the patch region registered once beside the weights (0: none;
+    the trainers then send full updates). Split evenly over the trainer ranks' slots."""
+
+    def __post_init__(self) -> None:
+        if self.patch_region_bytes < 0:
+            raise ConfigurationError("patch_region_bytes must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,6 +257,7 @@ class TransferConfig:
     ```toml
     transport = "tcp"            # loopback | tcp | ucx | nixl | ibverbs
     num_engines = 8              # engine ranks, all replicas (the trainer side needs it)
+    # listen_host = "10.0.0.2"   # this member's address (default: its route to control.host)
     [control]
     host = "10.0.0.1"
     port = 29700
@@ -217,6 +284,13 @@ class TransferConfig:
     num_engines: int | None = None
     """Engine ranks that receive, all replicas together. The trainer rank that hosts the
     controller (rank 0) needs it; engines ignore it."""
+    listen_host: str | None = None
+    """Address this member's transport binds: an address, ``0.0.0.0`` / ``::`` for every
+    interface, or unset for the address this host routes to `control.host` from
+    (`weight_transfer.addresses`). Each host's own file sets its own."""
+    advertise_host: str | None = None
+    """Address peers are told to connect to (NAT, a wildcard listen_host); unset: the bound
+    address, or for a wildcard the routed one."""
     control: ControlPlaneConfig
     """Control plane (required: its token has no default)."""
     sender: SenderConfig = dataclasses.field(default_factory=SenderConfig)
@@ -241,15 +315,30 @@ class TransferConfig:
         object.__setattr__(
             self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
         )
-        self.transport_config()  # the options, checked where the file is read (one line)
+        # The options, checked where the file is read (one line); the member's addresses are
+        # resolved only when a process asks for its transport (a route lookup).
+        TransportConfig(
+            name=self.transport,
+            connect_timeout_s=self.connect_timeout_s,
+            options=self.transport_options,
+        )
+        check_host_settings(self.listen_host, self.advertise_host)
 
     def transport_config(self, device_index: int | None = None) -> TransportConfig:
-        """The `TransportConfig` for one process (`device_index`: its CUDA device, if any)."""
+        """The `TransportConfig` for one process on this host (`device_index`: its CUDA device,
+        if any): it binds and advertises this member's own address
+        (`weight_transfer.addresses.member_address`).
+
+        Raises:
+            ConfigurationError: no route to the control plane host where one is needed.
+        """
+        own = member_address(self.control.host, self.listen_host, self.advertise_host)
         return TransportConfig(
             name=self.transport,
             device_index=device_index,
             connect_timeout_s=self.connect_timeout_s,
-            listen_host=self.control.host if self.control.host != "localhost" else "127.0.0.1",
+            listen_host=own.listen_host,
+            advertise_host=own.advertise_host,
             options=self.transport_options,
         )
 

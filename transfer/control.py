@@ -14,24 +14,40 @@ or manifests, and a member with the wrong token learns nothing and is refused on
 Membership is sealed too: names are claimed with an atomic compare-and-set of a sealed value,
 join slots likewise, and a barrier is one sealed arrival per member, so a stranger on the port
 cannot pre-claim a name, inflate a slot count or release a barrier early; what it writes fails
-authentication and is reported (`ControlPlaneAuthError`). A stranger can still delete keys or
-flood the store (the members then time out, naming what they waited for): firewall the port.
+authentication and is reported (`ControlPlaneAuthError`). Nothing is decided on a key's
+existence: existence only wakes a waiter, which then reads and authenticates the value (and
+checks that it is the expected member's, for the expected step). A stranger can still delete
+keys or flood the store (the members then time out, naming what they waited for): firewall the
+port.
+
+Work per member per update is O(1): waits block in the store (`wait` on the keys, woken when
+they are written), reports are read together (`collect`: one wait and one `multi_get` for all
+ranks' keys), barriers are one arrival per member and one release written by member 0, and
+nothing polls. A member that must wait for two things at once (a trainer rank watching for
+another rank's failure while its writes run) opens a second connection (`clone`).
 
 The store binds the configured host only (torch's TCPStore server would listen on every
-interface: the listening socket is created here and handed over). Every wait has a timeout, and
-losing the store's host (the controller) raises `PeerLostError` naming it.
+interface: the listening socket is created here and handed over) and runs in a process of its
+own with bounded memory and connections (`weight_transfer.store`), so a stranger on the port
+cannot take the training process down. Every wait has a timeout; connecting first checks,
+within the timeout, that a store answers (torch's client would wait forever on a port held by
+something else); losing the store (the controller) raises `PeerLostError` naming it.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
+import functools
 import logging
 import os
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
@@ -47,7 +63,8 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControlPlaneConfig
 from weight_transfer.planner import codec
-from weight_transfer.protocol import Go, Hello
+from weight_transfer.protocol import BarrierRelease, Go, Hello
+from weight_transfer.store import HostedStore, StoreLimits, host_store
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +74,19 @@ R = TypeVar("R")
 _NONCE_BYTES = 12
 _TAG_BYTES = 16
 _RUN_ID_BYTES = 16
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+
+MAX_VALUE_BYTES = 8 << 20
+"""Largest value torch's TCPStore server accepts (its libuv backend's MAX_PAYLOAD_LEN); larger
+ones are refused here, naming the key, instead of the server closing the connection."""
+_MULTI_GET_KEYS = 64
+"""Keys per `multi_get`: a stranger's values (8 MiB each at most) can make one read hold at most
+this many of them."""
+_REREAD_S = (0.005, 0.25)
+"""Backoff (first, longest) for re-reading a key that holds a value failing authentication:
+the member it belongs to may still overwrite a stranger's planted value."""
+REQUESTS = {"get": 2, "multi_get": 2}
+"""Store requests per client call where it is not one (the client waits for the keys first)."""
 
 
 def derive_key(token: str, session: str, run_id: bytes) -> bytes:
@@ -87,43 +116,86 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _open_store(
-    config: ControlPlaneConfig, server: bool, listen_fd: int | None, timeout: datetime.timedelta
-) -> dist.Store:
-    """Construct the TCPStore, giving up after `config.timeout_s`.
+# torch's TCPStore client opens with VALIDATE (query 0, a magic number), then PING (query 13, a
+# nonce the server echoes), and waits for the echo without any timeout.
+_VALIDATE = struct.pack("<BI", 0, 0x3C85F7CE)
+_PING_QUERY = 13
 
-    TCPStore's own timeout does not cover its handshake: a client pointed at a port held by
-    something that accepts the connection but is not a store waits forever in the constructor.
-    So the constructor runs on a daemon thread that is abandoned (left blocked) past the limit.
+
+def _probe(host: str, port: int, deadline: float) -> None:
+    """Return once a TCPStore server answers the client's opening exchange at host:port.
+
+    Retries a refused connection until `deadline` (the store may not be up yet). Bounded: no
+    thread and no socket outlives the call.
+
+    Raises:
+        TimeoutError: nothing answered as a store before `deadline` (naming what was seen).
     """
-    result: list[dist.Store] = []
-    failure: list[BaseException] = []
-
-    def construct() -> None:
+    delay = 0.01
+    seen = "nothing listens there"
+    first = True
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 and not first:
+            raise TimeoutError(seen)
+        first = False
         try:
-            # torch's stubs omit TCPStore from torch.distributed's exports.
-            result.append(
-                dist.TCPStore(
-                    config.host,
-                    config.port,
-                    is_master=server,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                    use_libuv=True,
-                    master_listen_fd=listen_fd,
+            with socket.create_connection((host, port), timeout=max(remaining, 0.01)) as sock:
+                nonce = os.getpid() & 0xFFFFFFFF
+                sock.sendall(_VALIDATE + struct.pack("<BI", _PING_QUERY, nonce))
+                reply = b""
+                while len(reply) < 4:
+                    sock.settimeout(max(0.001, deadline - time.monotonic()))
+                    chunk = sock.recv(4 - len(reply))
+                    if not chunk:
+                        break
+                    reply += chunk
+                if reply == struct.pack("<I", nonce):
+                    return
+                seen = (
+                    "something accepted the connection but does not answer as a TCPStore "
+                    "(is the port held by another program?)"
                 )
+        except TimeoutError:
+            seen = (
+                "something accepted the connection but did not answer as a TCPStore in time "
+                "(is the port held by another program?)"
             )
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            failure.append(exc)
+        except OSError as exc:
+            seen = f"{exc.strerror or exc}"
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.5)
 
-    thread = threading.Thread(target=construct, name="wt-store-connect", daemon=True)
-    thread.start()
-    thread.join(config.timeout_s)
-    if failure:
-        raise failure[0]
-    if not result:
-        raise TimeoutError("no TCPStore answered there (is the port held by another program?)")
-    return result[0]
+
+def _connect(config: ControlPlaneConfig, deadline: float) -> dist.Store:
+    """A TCPStore client, constructed on the calling thread once a store answered (`_probe`)."""
+    _probe(config.host, config.port, deadline)
+    remaining = max(1.0, deadline - time.monotonic())
+    return dist.TCPStore(
+        config.host,
+        config.port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=max(remaining, config.timeout_s)),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collected(Generic[T]):
+    """What `ControlPlane.collect` found: authenticated values, and the keys that had none."""
+
+    values: dict[str, T]
+    """Key -> its authenticated, decoded value that `accept` took."""
+    missing: list[str]
+    """Keys never written by the deadline."""
+    refused: dict[str, str]
+    """Keys whose value failed authentication, decoding or `accept` at the deadline: why."""
+
+    @property
+    def complete(self) -> bool:
+        """Every key has a value."""
+        return not self.missing and not self.refused
 
 
 class ControlPlane:
@@ -149,19 +221,29 @@ class ControlPlane:
         self.member = member
         self._hello_aead = AESGCM(derive_key(config.token, config.session, b""))
         self._prefix = f"wt/{config.session}/"
-        timeout = datetime.timedelta(seconds=config.timeout_s)
+        self._lock = threading.Lock()
+        self._op_lock = threading.Lock()
+        self.requests: collections.Counter[str] = collections.Counter()
+        """Store requests this connection sent, by operation (`REQUESTS`)."""
+        self._hosted: HostedStore | None = None
         try:
-            listen_fd = None
             if server:
-                # The store takes ownership of the descriptor (libuv closes it with the server).
-                listen_fd = _listen(config.host, config.port).detach()
-            try:
-                self._store = _open_store(config, server, listen_fd, timeout)
-            except BaseException:
-                if listen_fd is not None:
-                    os.close(listen_fd)
-                raise
+                # The store host takes the socket over (bound here: exactly this host). Its
+                # start, once per process, is bounded on its own (it imports torch).
+                self._hosted = host_store(
+                    _listen(config.host, config.port),
+                    config.host,
+                    StoreLimits(
+                        memory_bytes=config.store_memory_bytes,
+                        max_connections=config.store_max_connections,
+                    ),
+                    config.timeout_s,
+                )
+            deadline = time.monotonic() + config.timeout_s
+            self._store = _connect(config, deadline)
         except (RuntimeError, OSError, TimeoutError) as exc:
+            if self._hosted is not None:
+                self._hosted.stop()
             what = "host" if server else "reach"
             raise TransportTimeoutError(
                 f"{member}: could not {what} the control plane at {config.host}:{config.port} "
@@ -173,10 +255,10 @@ class ControlPlane:
             hello = Hello(protocol=PROTOCOL_VERSION, session=config.session, run_id=self.run_id)
             nonce = os.urandom(_NONCE_BYTES)
             value = nonce + self._hello_aead.encrypt(nonce, codec.to_msgpack(hello), full.encode())
-            self._call("publishing 'hello'", lambda: self._store.set(full, value))  # type: ignore[arg-type]
+            self._call("publishing 'hello'", "set", lambda: self._store.set(full, value))  # type: ignore[arg-type]
         else:
-            self.wait(["hello"])
-            raw = self._call("reading 'hello'", lambda: self._store.get(full))
+            self.wait(["hello"], max(1.0, deadline - time.monotonic()))
+            raw = self._call("reading 'hello'", "get", lambda: self._store.get(full))
             try:
                 hello = codec.from_msgpack(Hello, self._open(self._hello_aead, full, b"", raw))
             except ControlPlaneAuthError:
@@ -192,6 +274,33 @@ class ControlPlane:
             self.run_id = hello.run_id
         self._aead = AESGCM(derive_key(config.token, config.session, self.run_id))
 
+    def clone(self, member: str | None = None) -> ControlPlane:
+        """Another connection to the same store and run (for a second thread that blocks in
+        waits while this one is busy: a TCPStore connection serves one request at a time).
+
+        Raises:
+            TransportTimeoutError: the store could not be reached within the timeout.
+        """
+        other = object.__new__(ControlPlane)
+        other.config = self.config
+        other.member = member or self.member
+        other._hello_aead = self._hello_aead
+        other._prefix = self._prefix
+        other._lock = threading.Lock()
+        other._op_lock = threading.Lock()
+        other.requests = collections.Counter()
+        other._hosted = None
+        try:
+            other._store = _connect(self.config, time.monotonic() + self.config.timeout_s)
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            raise TransportTimeoutError(
+                f"{other.member}: could not reach the control plane at {self.config.host}:"
+                f"{self.config.port} within {self.config.timeout_s:.0f} s: {exc}"
+            ) from exc
+        other.run_id = self.run_id
+        other._aead = self._aead
+        return other
+
     # -- members refused for their token -----------------------------------------------------
 
     _AUTH_FAILURES = "auth_failures"
@@ -203,6 +312,7 @@ class ControlPlane:
         controller fail an update it would otherwise wait out (the port must be firewalled).
         """
         try:
+            self._count("add")
             self._store.add(self._prefix + self._AUTH_FAILURES, 1)
         except (RuntimeError, dist.DistError):
             log.debug("%s: could not count the refused join", self.member)
@@ -212,16 +322,22 @@ class ControlPlane:
         return int(
             self._call(
                 "reading auth failures",
+                "add",
                 lambda: self._store.add(self._prefix + self._AUTH_FAILURES, 0),
             )
         )
 
     # -- the store, with the controller's loss named -----------------------------------------
 
-    def _call(self, what: str, fn: Callable[[], R]) -> R:
+    def _count(self, op: str) -> None:
+        with self._lock:
+            self.requests[op] += REQUESTS.get(op, 1)
+
+    def _call(self, what: str, op: str, fn: Callable[[], R]) -> R:
         """Run one store operation; a broken connection means the controller is gone."""
         if self._store is None:
             raise WeightTransferError(f"{self.member}: the control plane connection is closed")
+        self._count(op)
         try:
             return fn()
         except dist.DistNetworkError as exc:
@@ -231,6 +347,10 @@ class ControlPlane:
             ) from exc
 
     # -- encrypted, authenticated values ----------------------------------------------------
+
+    def full_key(self, key: str) -> str:
+        """The store key of `key` (under this session's prefix), as `seal` binds values to."""
+        return self._prefix + key
 
     def seal(self, full_key: str, payload: bytes) -> bytes:
         """Encrypt and authenticate `payload` for the store key `full_key` in this run."""
@@ -260,23 +380,68 @@ class ControlPlane:
                 "not share this token, or someone without it writes to the store)"
             ) from None
 
-    def put(self, key: str, message: object) -> None:
-        """Publish a message under `key` (overwrites)."""
+    def _sealed(self, key: str, message: object) -> tuple[str, bytes]:
         full = self._prefix + key
         value = self.seal(full, codec.to_msgpack(message))
+        if len(value) > MAX_VALUE_BYTES:
+            raise WeightTransferError(
+                f"{self.member}: control message {key!r} is {len(value)} bytes, more than the "
+                f"{MAX_VALUE_BYTES} the store accepts in one value"
+            )
+        return full, value
+
+    def _decode(self, full: str, raw: bytes, cls: type[T]) -> T:
+        return codec.from_msgpack(cls, self.unseal(full, raw))
+
+    def put(self, key: str, message: object) -> None:
+        """Publish a message under `key` (overwrites). One request; does not block."""
+        full, value = self._sealed(key, message)
         # Store.set takes bytes as well; torch's stubs declare only str.
         self._call(
             f"publishing {key!r}",
+            "set",
             lambda: self._store.set(full, value),  # type: ignore[arg-type]
         )
+
+    def put_first(self, key: str, message: object, cls: type[T]) -> T | None:
+        """Publish `message` under `key` unless a value is there already (atomic).
+
+        Returns:
+            None if this call wrote the value; else the value that was there, authenticated
+            and decoded as `cls`.
+
+        Raises:
+            ControlPlaneAuthError: the value there is not sealed in this run (a stranger's).
+        """
+        full, mine = self._sealed(key, message)
+        got = self._call(
+            f"publishing {key!r}",
+            "compare_set",
+            lambda: self._store.compare_set(full, "", mine),  # type: ignore[arg-type]
+        )
+        if got == mine:
+            return None
+        return self._decode(full, got, cls)
 
     def delete(self, key: str) -> None:
         """Remove `key` (missing keys are ignored)."""
         full = self._prefix + key
-        self._call(f"deleting {key!r}", lambda: self._store.delete_key(full))
+        self._call(f"deleting {key!r}", "delete_key", lambda: self._store.delete_key(full))
+
+    def put_many(self, items: Sequence[tuple[str, object]]) -> None:
+        """Publish several messages in one request (overwrites). Does not block."""
+        sealed = [self._sealed(k, m) for k, m in items]
+        store: Any = self._store  # torch's stubs lack Store.multi_set
+
+        def send(part: list[tuple[str, bytes]]) -> None:
+            store.multi_set([f for f, _ in part], [v for _, v in part])
+
+        for i in range(0, len(sealed), _MULTI_GET_KEYS):
+            part = sealed[i : i + _MULTI_GET_KEYS]
+            self._call(f"publishing {len(part)} keys", "multi_set", functools.partial(send, part))
 
     def get(self, key: str, cls: type[T], timeout_s: float | None = None) -> T:
-        """Wait for `key` and decode it as `cls`.
+        """Wait for `key` and decode it as `cls` (it blocks in the store: two requests).
 
         Raises:
             TransportTimeoutError: the key did not appear in time (names the key and member).
@@ -284,57 +449,159 @@ class ControlPlane:
             ValueError: authenticated but not matching the schema.
         """
         full = self._prefix + key
-        self.wait([key], timeout_s)
-        raw = self._call(f"reading {key!r}", lambda: self._store.get(full))
-        return codec.from_msgpack(cls, self.unseal(full, raw))
+        t = self.config.timeout_s if timeout_s is None else timeout_s
+
+        def read() -> bytes:
+            # The client's own wait (inside get) runs with its default timeout: set it.
+            with self._op_lock:
+                self._store.set_timeout(datetime.timedelta(seconds=max(t, 1e-3)))
+                return self._store.get(full)
+
+        try:
+            raw = self._call(f"waiting for [{key!r}]", "get", read)
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, WeightTransferError):
+                raise
+            raise TransportTimeoutError(
+                f"{self.member}: timed out after {t:.1f} s waiting for [{key!r}] "
+                "on the control plane"
+            ) from exc
+        return self._decode(full, raw, cls)
+
+    def _wait(self, full: list[str], timeout_s: float, what: str) -> bool:
+        """One blocking wait in the store for every key of `full`; False at the timeout."""
+        try:
+            self._call(
+                what,
+                "wait",
+                lambda: self._store.wait(full, datetime.timedelta(seconds=max(timeout_s, 1e-3))),
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, WeightTransferError):
+                raise
+            return False
+        return True
+
+    def ready(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """Block until every key exists (True) or `timeout_s` passes (False). One request."""
+        return self._wait([self._prefix + k for k in keys], timeout_s, f"waiting for {keys}")
 
     def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
-        """Block until every key exists.
+        """Block until every key exists (one request; it blocks in the store).
 
         Raises:
             TransportTimeoutError: naming the missing keys.
         """
         t = self.config.timeout_s if timeout_s is None else timeout_s
         full = [self._prefix + k for k in keys]
-        try:
-            self._call(
-                f"waiting for {keys}",
-                lambda: self._store.wait(full, datetime.timedelta(seconds=t)),
-            )
-        except (RuntimeError, dist.DistError) as exc:
-            if isinstance(exc, WeightTransferError):
-                raise
-            missing = [k for k, f in zip(keys, full, strict=True) if not self.exists(k)]
+        if not self._wait(full, t, f"waiting for {keys}"):
+            missing = [k for k in keys if not self.exists(k)]
             raise TransportTimeoutError(
                 f"{self.member}: timed out after {t:.1f} s waiting for {missing or keys} "
                 "on the control plane"
-            ) from exc
+            )
 
-    def wait_any(self, keys: list[str], timeout_s: float | None = None) -> str:
-        """Block until one of `keys` exists; return it.
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """The raw values of keys that exist (`_MULTI_GET_KEYS` per request).
 
         Raises:
-            TransportTimeoutError: none appeared in time.
+            TransportTimeoutError: a key vanished (deleted) before it was read.
         """
-        t = self.config.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + t
-        delay = 0.0005
-        while True:
-            for k in keys:
-                if self.exists(k):
-                    return k
-            if time.monotonic() > deadline:
-                raise TransportTimeoutError(
-                    f"{self.member}: timed out after {t:.1f} s waiting for any of {keys} "
-                    "on the control plane"
+        out: list[bytes] = []
+        full = [self._prefix + k for k in keys]
+
+        def read(part: list[str]) -> list[bytes]:
+            # multi_get first waits for its keys with the client's default timeout: the keys
+            # exist, so make that wait short in case one was deleted meanwhile.
+            with self._op_lock:
+                self._store.set_timeout(datetime.timedelta(seconds=1.0))
+                return list(self._store.multi_get(part))
+
+        for i in range(0, len(full), _MULTI_GET_KEYS):
+            part = full[i : i + _MULTI_GET_KEYS]
+            try:
+                out += self._call(
+                    f"reading {len(part)} keys", "multi_get", functools.partial(read, part)
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            except (RuntimeError, dist.DistError) as exc:
+                if isinstance(exc, WeightTransferError):
+                    raise
+                raise TransportTimeoutError(
+                    f"{self.member}: key(s) {keys[i : i + _MULTI_GET_KEYS]} vanished from the "
+                    "control plane while being read (deleted by someone on the port?)"
+                ) from exc
+        return out
+
+    def collect(
+        self,
+        keys: Sequence[str],
+        cls: type[T],
+        timeout_s: float,
+        *,
+        accept: Callable[[str, T], bool] | None = None,
+        name_missing: bool = True,
+    ) -> Collected[T]:
+        """Wait for every key, then read and authenticate them together.
+
+        One blocking wait for all keys and one `multi_get` per `_MULTI_GET_KEYS` of them. A key
+        whose value fails authentication, the schema or `accept` (say, a report naming another
+        rank or step) is read again with a backoff until the deadline: its member may still
+        overwrite what a stranger planted. Nothing is taken from a key's existence alone.
+
+        Args:
+            accept: checks an authenticated value for its key (the expected member and step).
+            name_missing: at the deadline, find which keys are missing (one request per key;
+                False for a caller that waits in slices and only wants to know "not yet").
+
+        Returns:
+            What was found by the deadline: `complete` when every key has an accepted value.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(keys)
+        values: dict[str, T] = {}
+        refused: dict[str, str] = {}
+        delay = _REREAD_S[0]
+        while pending:
+            if not self.ready(pending, max(0.0, deadline - time.monotonic())):
+                break
+            refused = {}
+            for k, raw in zip(pending, self.read_many(pending), strict=True):
+                try:
+                    v = self._decode(self._prefix + k, raw, cls)
+                except (ControlPlaneAuthError, ValueError) as exc:
+                    refused[k] = str(exc)
+                    continue
+                if accept is not None and not accept(k, v):
+                    refused[k] = f"{self.member}: {k!r} holds an authentic value for another member"
+                    continue
+                values[k] = v
+            pending = list(refused)
+            if pending:
+                if time.monotonic() + delay > deadline:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, _REREAD_S[1])
+        missing = [k for k in pending if k not in refused]
+        if missing and name_missing:
+            present = [k for k in missing if self.exists(k)]
+            if present:  # written after the wait gave up: read them once
+                late = self.collect(present, cls, 0.0, accept=accept, name_missing=False)
+                values.update(late.values)
+                refused.update(late.refused)
+            missing = [k for k in missing if k not in values and k not in refused]
+        elif missing:
+            missing = [k for k in missing if k not in values]
+        return Collected(values=values, missing=missing, refused=refused)
 
     def barrier(self, name: str, count: int, index: int, timeout_s: float | None = None) -> None:
         """Block until members 0..`count`-1 have entered the barrier `name` (used once per
-        name); this member is `index`. Each arrival is a sealed value: a stranger's write
-        fails authentication instead of releasing the barrier early.
+        name); this member is `index`.
+
+        Member i > 0 publishes one sealed arrival and blocks on member 0's sealed release;
+        member 0 collects the arrivals (one wait, one read per 64 members), checks each is
+        the expected member's, and publishes the release, or a failure naming the members
+        missing or not authentic, which every member raises. A stranger's write can neither
+        release the barrier early nor count as an arrival.
 
         Raises:
             TransportTimeoutError: not every member arrived in time (names the missing ones).
@@ -342,42 +609,66 @@ class ControlPlane:
         """
         if not 0 <= index < count:
             raise ValueError(f"barrier {name!r}: member index {index} not in [0, {count})")
-        self.put(f"barrier/{name}/{index}", Go(step=index))
-        keys = [f"barrier/{name}/{i}" for i in range(count)]
-        self.wait(keys, timeout_s)
-        for i, k in enumerate(keys):
-            if self.get(k, Go, timeout_s).step != i:
-                raise ControlPlaneAuthError(f"{self.member}: barrier arrival {k!r} was moved")
+        t = self.config.timeout_s if timeout_s is None else timeout_s
+        release_key = f"barrier/{name}/release"
+        if index > 0:
+            self.put(f"barrier/{name}/{index}", Go(step=index))
+            release = self.get(release_key, BarrierRelease, t)
+        else:
+            keys = {f"barrier/{name}/{i}": i for i in range(1, count)}
+            got = self.collect(list(keys), Go, t, accept=lambda k, v: v.step == keys[k])
+            error = ""
+            if got.refused:
+                error = (
+                    f"barrier {name!r}: arrival(s) {sorted(got.refused)} failed authentication: "
+                    + next(iter(got.refused.values()))
+                )
+            elif got.missing:
+                error = f"barrier {name!r}: no arrival from {got.missing} within {t:.1f} s"
+            release = BarrierRelease(ok=not error, error=error, forged=bool(got.refused))
+            if count > 1:
+                self.put(release_key, release)
+        if release.ok:
+            return
+        who = f"{self.member}: "
+        if release.forged:
+            raise ControlPlaneAuthError(who + release.error)
+        raise TransportTimeoutError(who + release.error)
 
     def exists(self, key: str) -> bool:
-        """True if `key` has been published."""
+        """True if `key` has been published (a hint only: nothing is decided on it)."""
         full = self._prefix + key
-        return bool(self._call(f"checking {key!r}", lambda: self._store.check([full])))
+        return bool(self._call(f"checking {key!r}", "check", lambda: self._store.check([full])))
 
-    def all_exist(self, keys: list[str]) -> bool:
-        """True if every key has been published (one store round trip; never waits, so it
-        serves polling loops, where a store wait that times out makes torch log warnings)."""
-        full = [self._prefix + k for k in keys]
-        return bool(self._call(f"checking {keys}", lambda: self._store.check(full)))
+    def claim(self, key: str, message: object) -> tuple[bool, bytes | None]:
+        """Atomically claim `key` with a sealed `message`.
 
-    def claim(self, key: str, message: object) -> tuple[bool, bytes]:
-        """Atomically claim `key` with a sealed `message`; (True, b"") for the first claimant,
-        else (False, the first claimant's authenticated payload).
-
-        Raises:
-            ControlPlaneAuthError: the key holds a value not sealed in this run (a stranger
-                claimed it first), naming the key.
+        Returns:
+            (True, b"") for the first claimant; (False, the first claimant's authenticated
+            payload) if a member holds it; (False, None) if the key holds a value that is not
+            sealed in this run (a stranger's): it is nobody's claim, but taken.
         """
         full = self._prefix + "claim/" + key
         mine = self.seal(full, codec.to_msgpack(message))
         got = self._call(
             f"claiming {key!r}",
+            "compare_set",
             lambda: self._store.compare_set(full, "", mine),  # type: ignore[arg-type]
         )
         if got == mine:
             return True, b""
-        return False, self.unseal(full, got)
+        try:
+            return False, self.unseal(full, got)
+        except ControlPlaneAuthError:
+            log.warning(
+                "%s: %r holds a value not sealed in this run (a stranger's)", self.member, full
+            )
+            return False, None
 
     def close(self) -> None:
-        """Drop the connection (the server's store lives until the process ends)."""
+        """Drop the connection; the member hosting the store also stops it (the port closes
+        and every other member's next request fails naming the lost controller)."""
         self._store = None  # type: ignore[assignment]
+        if self._hosted is not None:
+            self._hosted.stop()
+            self._hosted = None

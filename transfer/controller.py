@@ -14,12 +14,14 @@ schedules of epoch e > 0 live under `epoch/<e>/`. Update steps keep counting acr
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -32,9 +34,11 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.planner import codec
 from weight_transfer.planner.plan import plan
 from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
 from weight_transfer.protocol import (
+    Claim,
     Decision,
     Digests,
     Done,
@@ -42,6 +46,7 @@ from weight_transfer.protocol import (
     EnginePeer,
     Failure,
     Go,
+    PlanStage,
     RankPlan,
     Seen,
     TrainerJoin,
@@ -50,52 +55,72 @@ from weight_transfer.protocol import (
 log = logging.getLogger(__name__)
 
 _KEEP_STEPS = 8
-"""Per-update keys older than this many steps are deleted from the store (bounded memory)."""
-_JOIN_POLL_S = 0.05
+"""Per-update keys of the updates older than the last this many decided ones are deleted from
+the store (bounded memory, whatever the steps' numbers)."""
 _JOIN_SLICE_S = 0.5
 """How often the controller, waiting for engines to join, checks for members refused for their
 token (so a token mismatch fails within a second instead of at the timeout)."""
 
 
 class Phase(str, enum.Enum):
-    """The two phases of an update the controller arbitrates, named by their report keys.
+    """The phases the controller arbitrates, named by their report keys.
 
     DONE: every rank wrote its bytes (its `done/<step>/<rank>` report); the verdict is
     published as `commit/<step>`. COMMITTED: every rank wrote its engines' version words
-    (`committed/<step>/<rank>`); the verdict is `result/<step>`.
+    (`committed/<step>/<rank>`); the verdict is `result/<step>`. BUILT: every rank built its
+    part of re-plan e (`built/<e>/<rank>`); the verdict `switch/<e>` says whether all switch to
+    it or all keep the plan they run.
     """
 
     DONE = "done"
     COMMITTED = "committed"
+    BUILT = "built"
 
     @property
     def verdict_key(self) -> str:
         """Where the controller publishes this phase's verdict."""
-        return "commit" if self is Phase.DONE else "result"
+        return {"done": "commit", "committed": "result", "built": "switch"}[self.value]
 
 
 def plan_key(epoch: int, name: str) -> str:
-    """Store key of a per-plan message (`schedule/<rank>`, `plan_error`) in plan `epoch`."""
+    """Store key of a rank's part of plan `epoch` (`schedule/<rank>`)."""
     return name if epoch == 0 else f"epoch/{epoch}/{name}"
 
 
-class _Janitor:
-    """Deletes old store keys on a daemon thread, so an update does not wait for it.
+def stage_key(epoch: int, stage: str) -> str:
+    """Store key of a planning stage of epoch `epoch` ("started", "result")."""
+    return f"plan/{epoch}/{stage}"
 
-    The control plane is thread-safe for distinct keys, and these keys belong to updates
-    `_KEEP_STEPS` old that nobody reads any more. A failed delete is logged and dropped (the
-    key only costs store memory).
+
+def plan_failure(epoch: int, exc: BaseException) -> PlanStage:
+    """The failed `result` stage of a plan: a mismatch keeps its list of problems."""
+    problems = tuple(exc.problems) if isinstance(exc, PlanMismatchError) else ()
+    return PlanStage(epoch=epoch, ok=False, error=str(exc), wait_s=0.0, problems=problems)
+
+
+class _Janitor:
+    """Deletes old store keys on a daemon thread and a connection of its own, so an update
+    neither waits for it nor shares a connection with it.
+
+    A failed delete is logged and dropped (the key only costs store memory).
     """
 
     _CLOSE_TIMEOUT_S = 5.0
 
     def __init__(self, control: ControlPlane) -> None:
-        self._control = control
+        self._control = control.clone("controller (janitor)")
         self._jobs: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="wt-controller-janitor", daemon=True)
         self._thread.start()
 
     def delete(self, keys: list[str]) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
         self._jobs.put(keys)
 
     def _run(self) -> None:
@@ -108,6 +133,14 @@ class _Janitor:
                     self._control.delete(k)
                 except WeightTransferError as exc:
                     log.debug("controller: could not delete %r: %s", k, exc)
+            with self._lock:
+                self._pending -= 1
+                if not self._pending:
+                    self._idle.set()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every delete queued so far ran; False at the timeout."""
+        return self._idle.wait(timeout_s)
 
     def close(self) -> None:
         """Finish the deletes queued so far (bounded), then stop."""
@@ -115,6 +148,17 @@ class _Janitor:
         self._thread.join(self._CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
             log.info("controller: old store keys still being deleted at close")
+        self._control.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """A plan with the joins it was made from (committed by `Controller._adopt`)."""
+
+    epoch: int
+    schedule: Schedule
+    joins: dict[str, EngineJoin]
+    slot_of: dict[str, int]
 
 
 class Controller:
@@ -124,10 +168,10 @@ class Controller:
     """
 
     def __init__(self, config: ControllerConfig, control: ControlPlaneConfig) -> None:
-        """Host the control plane.
+        """Host the control plane (in the store's own process: `weight_transfer.store`).
 
         Raises:
-            TransportTimeoutError: the port cannot be bound.
+            TransportTimeoutError: the port cannot be bound or the store not started.
         """
         self.config = config
         self.control = ControlPlane(control, server=True, member="controller")
@@ -136,13 +180,27 @@ class Controller:
         self.dests: list[DestManifest] = []
         self.joins: dict[str, EngineJoin] = {}
         self.epoch = 0
-        """Number of the current plan (0 for the first; `replan` counts up)."""
+        """Number of the newest plan made (0 for the first; `replan` counts up)."""
         self._slot_of: dict[str, int] = {}  # engine -> join slot the current plan uses
         self._latest: dict[str, tuple[int, EngineJoin]] = {}  # engine -> newest join seen
         self._slots_read = 0
+        self._pending: _Plan | None = None  # a re-plan published, not yet switched to
         self._last_committed = 0
         """Last update whose version words were all written (what `close` lingers for)."""
+        self._decided: collections.deque[tuple[int, tuple[str, ...], int]] = collections.deque()
+        """(step, engines, mesh groups) of the updates decided, oldest first (`_forget`)."""
+        self._extra: dict[int, list[str]] = {}
+        """Keys others asked to delete with a step's (`forget_later`)."""
         self._janitor: _Janitor | None = None
+
+    # -- planning --------------------------------------------------------------------------
+
+    def _stage(self, epoch: int, stage: str, value: PlanStage) -> None:
+        """Publish a planning stage, unless a trainer rank gave up on it first (then raise its
+        reason: every rank sees that outcome)."""
+        first = self.control.put_first(stage_key(epoch, stage), value, PlanStage)
+        if first is not None:
+            raise WeightTransferError(first.error)
 
     def plan(self) -> Schedule:
         """Wait for every trainer rank and engine to join, plan, publish each rank's part.
@@ -153,64 +211,119 @@ class Controller:
         """
         cp = self.control
         n, m = self.config.num_trainer_ranks, self.config.num_engines
+        t = cp.config.timeout_s
+        # Trainer ranks wait for this, then for the result as long as the controller may wait
+        # for the joins (trainers, then engines) plus the planning itself.
+        self._stage(0, "started", PlanStage(epoch=0, ok=True, error="", wait_s=2 * t))
         try:
-            missing_t = [r for r in range(n) if not cp.exists(f"trainer/{r}")]
-            try:
-                cp.wait([f"trainer/{r}" for r in range(n)])
-            except TransportTimeoutError as exc:
-                missing_t = [r for r in range(n) if not cp.exists(f"trainer/{r}")]
+            keys = {f"trainer/{r}": r for r in range(n)}
+            got = cp.collect(
+                list(keys), TrainerJoin, t, accept=lambda k, j: j.manifest.rank == keys[k]
+            )
+            if got.refused:
+                raise ControlPlaneAuthError(
+                    f"controller: the join of trainer rank(s) "
+                    f"{sorted(keys[k] for k in got.refused)} is not authentic: "
+                    + next(iter(got.refused.values()))
+                )
+            if got.missing:
                 raise TransportTimeoutError(
-                    f"controller: trainer rank(s) {missing_t} did not join within "
-                    f"{cp.config.timeout_s:.0f} s"
-                ) from exc
+                    f"controller: trainer rank(s) {sorted(keys[k] for k in got.missing)} did not "
+                    f"join within {t:.0f} s"
+                )
+            self.sources = [got.values[f"trainer/{r}"].manifest for r in range(n)]
             self._wait_for_engines(m)
-            self.sources = [cp.get(f"trainer/{r}", TrainerJoin).manifest for r in range(n)]
-            self._read_slots(m)
-            del missing_t
-            schedule = self._plan_for([j for _, j in self._latest.values()])
+            new = self._plan_for(0, [j for _, j in self._latest.values()])
         except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put("plan_error", Failure(message=str(exc)))
+            self._stage(0, "result", plan_failure(0, exc))
             raise
-        self._publish(schedule)
-        return schedule
+        self._publish(new)
+        self._adopt(new)
+        self._stage(0, "result", PlanStage(epoch=0, ok=True, error="", wait_s=0.0))
+        return new.schedule
 
-    def _wait_for_engines(self, m: int) -> None:
-        """Wait for `m` engine joins; fail at once if a member was refused for its token.
+    def linger_for_plan_error(self, epoch: int, own_rank: int) -> None:
+        """After plan `epoch` failed: wait (at most the control-plane timeout) until every other
+        trainer rank that joined has read why, so that each raises the same error.
 
-        Polls (one store check per `_JOIN_POLL_S`) rather than slicing a blocking store wait:
-        each store wait that times out makes torch log two warnings ("timed out after 500ms"),
-        and engines routinely take seconds to start.
+        The store lives in this process; a caller that exits on the error would otherwise take
+        it down first, and the other ranks would see only a lost controller.
         """
         cp = self.control
-        keys = [f"engine_slot/{i}" for i in range(m)]
-        deadline = time.monotonic() + cp.config.timeout_s
-        next_auth_check = time.monotonic()
-        while not cp.all_exist(keys):
-            now = time.monotonic()
-            if now >= next_auth_check:
-                next_auth_check = now + _JOIN_SLICE_S
+        keys = [
+            plan_key(epoch, f"plan_error_seen/{r}")
+            for r in range(self.config.num_trainer_ranks)
+            if r != own_rank and cp.exists(f"trainer/{r}")
+        ]
+        if not keys:
+            return
+        try:
+            cp.wait(keys, cp.config.timeout_s)
+        except TransportTimeoutError:
+            late = [k for k in keys if not cp.exists(k)]
+            log.warning("controller: plan %d failed; %s did not read why in time", epoch, late)
+
+    def _wait_for_engines(self, m: int) -> None:
+        """Wait for `m` engines to join; fail at once if a member was refused for its token."""
+        t = self.control.config.timeout_s
+        self._read_joins(
+            lambda: len(self._latest) >= m,
+            time.monotonic() + t,
+            lambda: f"controller: {len(self._latest)} of {m} engines joined within {t:.0f} s",
+        )
+
+    def _read_joins(
+        self, done: Callable[[], bool], deadline: float, what: Callable[[], str]
+    ) -> None:
+        """Read join slots in order until `done()`: one blocking wait for each slot's claim.
+
+        A slot whose claim is not sealed in this run (a stranger's) is skipped, not waited on:
+        engines skip it too. A slot's join must come from the engine that claimed it.
+
+        Raises:
+            ControlPlaneAuthError: a member was refused for its token, or a join is not
+                authentic by the deadline.
+            TransportTimeoutError: `done()` did not come true by the deadline (`what()`).
+        """
+        cp = self.control
+        while not done():
+            i = self._slots_read
+            claim = f"claim/engine_slot/{i}"
+            remaining = deadline - time.monotonic()
+            if not cp.ready([claim], max(0.001, min(_JOIN_SLICE_S, remaining))):
                 refused = cp.auth_failures()
                 if refused:
-                    joined = sum(cp.exists(k) for k in keys)
                     raise ControlPlaneAuthError(
                         f"controller: {refused} member(s) tried to join with another token; "
-                        f"{joined} of {m} engines joined (every member needs this run's token)"
+                        f"{what()} (every member needs this run's token)"
                     )
-            if now >= deadline:
-                joined = sum(cp.exists(k) for k in keys)
-                raise TransportTimeoutError(
-                    f"controller: {joined} of {m} engines joined within {cp.config.timeout_s:.0f} s"
-                )
-            time.sleep(_JOIN_POLL_S)
+                if time.monotonic() >= deadline:
+                    raise TransportTimeoutError(what())
+                continue
+            (raw,) = cp.read_many([claim])
+            try:
+                owner = codec.from_msgpack(Claim, cp.unseal(cp.full_key(claim), raw)).member
+            except (ControlPlaneAuthError, ValueError):
+                log.warning("controller: join slot %d was claimed by a stranger; skipped", i)
+                self._slots_read = i + 1
+                continue
+            key = f"engine_slot/{i}"
 
-    def _read_slots(self, upto: int) -> None:
-        """Read join slots [`_slots_read`, upto); a later join of a name supersedes earlier ones."""
-        for i in range(self._slots_read, upto):
-            j = self.control.get(f"engine_slot/{i}", EngineJoin)
+            def claimed_by(_key: str, j: EngineJoin, owner: str = owner) -> bool:
+                return f"engine {j.manifest.engine!r}" == owner
+
+            got = cp.collect(
+                [key], EngineJoin, max(0.001, deadline - time.monotonic()), accept=claimed_by
+            )
+            if key not in got.values:
+                if got.refused:
+                    raise ControlPlaneAuthError(f"controller: join slot {i}: {got.refused[key]}")
+                raise TransportTimeoutError(f"{what()} ({owner} claimed slot {i} but never joined)")
+            j = got.values[key]
             self._latest[j.manifest.engine] = (i, j)
-        self._slots_read = max(self._slots_read, upto)
+            self._slots_read = i + 1
 
-    def _plan_for(self, joins: Sequence[EngineJoin]) -> Schedule:
+    def _plan_for(self, epoch: int, joins: Sequence[EngineJoin]) -> _Plan:
         for j in joins:
             if j.transport != joins[0].transport:
                 raise WeightTransferError(
@@ -221,23 +334,35 @@ class Controller:
         schedule = plan(self.sources, [j.manifest for j in joins], self.config.planner)
         log.info(
             "plan %d: %d tasks for %d ranks -> %d engines in %.3f s",
-            self.epoch,
+            epoch,
             sum(len(r.tasks) for r in schedule.ranks),
             len(self.sources),
             len(joins),
             time.perf_counter() - t0,
         )
-        self.joins = {j.manifest.engine: j for j in joins}
-        self.dests = [j.manifest for j in joins]
-        self._slot_of = {e: self._latest[e][0] for e in self.joins}
-        return schedule
+        by_name = {j.manifest.engine: j for j in joins}
+        return _Plan(
+            epoch=epoch,
+            schedule=schedule,
+            joins=by_name,
+            slot_of={e: self._latest[e][0] for e in by_name},
+        )
+
+    def _adopt(self, new: _Plan) -> None:
+        """Make `new` the plan updates run (and the one a later `replan` starts from)."""
+        self.schedule = new.schedule
+        self.joins = dict(new.joins)
+        self.dests = [j.manifest for j in new.joins.values()]
+        self._slot_of = dict(new.slot_of)
 
     def replan(
         self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()
     ) -> Schedule:
         """Plan again for a changed set of engines, as the next epoch. Call between updates.
 
-        Normally called through `WeightSender.replan` (collective over the trainer ranks).
+        Normally called through `WeightSender.replan` (collective over the trainer ranks), which
+        then builds the new plan on every rank and switches to it only if every rank could
+        (`switch`); until then updates run the current plan.
 
         Args:
             engines: the engines of the new plan (default: those of the current plan). A name
@@ -254,6 +379,9 @@ class Controller:
         names = list(engines) if engines is not None else [d.engine for d in self.dests]
         cp = self.control
         epoch = self.epoch = self.epoch + 1  # a failed plan uses up its number too
+        t = cp.config.timeout_s
+        self._pending = None
+        self._stage(epoch, "started", PlanStage(epoch=epoch, ok=True, error="", wait_s=t))
         try:
             # Inside the try: every rank must learn that this plan number failed.
             if not names or len(set(names)) != len(names):
@@ -263,59 +391,74 @@ class Controller:
                 raise ConfigurationError(
                     f"rejoined engine(s) {stray} are not among the engines {names}"
                 )
-            deadline = time.monotonic() + cp.config.timeout_s
-            while True:
-                claimed = self._slots_read
-                while cp.exists(f"claim/engine_slot/{claimed}"):
-                    claimed += 1
-                # A slot is claimed an instant before its join is published.
-                cp.wait([f"engine_slot/{i}" for i in range(self._slots_read, claimed)])
-                self._read_slots(claimed)
-                waiting = [
+
+            def waiting() -> list[str]:
+                return [
                     e
                     for e in names
                     if e not in self._latest
                     or (e in rejoined and self._latest[e][0] <= self._slot_of.get(e, -1))
                 ]
-                if not waiting:
-                    break
-                if time.monotonic() > deadline:
-                    raise TransportTimeoutError(
-                        f"controller: engine(s) {waiting} did not (re)join within "
-                        f"{cp.config.timeout_s:.0f} s for plan {epoch}"
-                    )
-                time.sleep(_JOIN_POLL_S)
-            schedule = self._plan_for([self._latest[e][1] for e in names])
-        except (PlanMismatchError, WeightTransferError) as exc:
-            cp.put(plan_key(epoch, "plan_error"), Failure(message=str(exc)))
-            raise
-        self._publish(schedule)
-        return schedule
 
-    def _publish(self, schedule: Schedule) -> None:
-        cp = self.control
-        descriptors = {
-            d.engine: tuple(r.descriptor for r in sorted(d.regions, key=lambda r: r.index))
-            for d in self.dests
-        }
-        for rs in schedule.ranks:
-            cp.put(
-                plan_key(self.epoch, f"schedule/{rs.rank}"),
-                RankPlan(
-                    fingerprint=schedule.fingerprint,
-                    schedule=rs,
-                    engines=tuple(
-                        EnginePeer(
-                            name=e,
-                            endpoint=self.joins[e].endpoint,
-                            descriptors=descriptors[e],
-                            version_region=self.joins[e].manifest.version_region,
-                        )
-                        for e in rs.peers
-                    ),
+            self._read_joins(
+                lambda: not waiting(),
+                time.monotonic() + t,
+                lambda: (
+                    f"controller: engine(s) {waiting()} did not (re)join within {t:.0f} s "
+                    f"for plan {epoch}"
                 ),
             )
-        self.schedule = schedule
+            new = self._plan_for(epoch, [self._latest[e][1] for e in names])
+        except (PlanMismatchError, WeightTransferError) as exc:
+            self._stage(epoch, "result", plan_failure(epoch, exc))
+            raise
+        self._publish(new)
+        self._stage(epoch, "result", PlanStage(epoch=epoch, ok=True, error="", wait_s=0.0))
+        self._pending = new
+        return new.schedule
+
+    @property
+    def newest_schedule(self) -> Schedule | None:
+        """The schedule of the newest plan made: a re-plan being built, else the current one."""
+        return self._pending.schedule if self._pending is not None else self.schedule
+
+    def switch(self, epoch: int, own: Done, timeout_s: float) -> Decision:
+        """Decide whether every rank switches to re-plan `epoch` (all built it) or all keep
+        the current plan; adopt it here if so. `own`: the hosting rank's build report."""
+        decision = self.decide(epoch, Phase.BUILT, timeout_s, own=own)
+        new, self._pending = self._pending, None
+        if decision.ok and new is not None and new.epoch == epoch:
+            old = self.schedule
+            self._adopt(new)
+            self._forget_plan(epoch - 1, old)
+        return decision
+
+    def _publish(self, new: _Plan) -> None:
+        descriptors = {
+            e: tuple(r.descriptor for r in sorted(j.manifest.regions, key=lambda r: r.index))
+            for e, j in new.joins.items()
+        }
+        self.control.put_many(
+            [
+                (
+                    plan_key(new.epoch, f"schedule/{rs.rank}"),
+                    RankPlan(
+                        fingerprint=new.schedule.fingerprint,
+                        schedule=rs,
+                        engines=tuple(
+                            EnginePeer(
+                                name=e,
+                                endpoint=new.joins[e].endpoint,
+                                descriptors=descriptors[e],
+                                version_region=new.joins[e].manifest.version_region,
+                            )
+                            for e in rs.peers
+                        ),
+                    ),
+                )
+                for rs in new.schedule.ranks
+            ]
+        )
 
     # -- per update ------------------------------------------------------------------------
 
@@ -329,59 +472,114 @@ class Controller:
     ) -> Decision:
         """Collect every rank's report for a phase and publish the verdict.
 
-        A rank that does not report within `timeout_s` is named in the verdict. `own` is the
-        report of the trainer rank hosting the controller, handed over in memory (it is not
-        published). The DONE verdict of a successful update is published only when another
-        trainer rank reads it; a failed one always is (engines watch for it). The COMMITTED
-        verdict is always published: engines confirm an update from it.
+        The reports are read together: one blocking wait for all of them and one read per 64
+        ranks; each must be authentic and name its rank and step. A rank that does not report
+        within `timeout_s` is named in the verdict. `own` is the report of the trainer rank
+        hosting the controller, handed over in memory (it is not published). The DONE verdict
+        of a successful update is published only when another trainer rank reads it. Once an
+        update is decided (its DONE verdict failed, or its COMMITTED verdict is in) its result
+        is published three ways, for the engines: `result/<step>`, `next/<previous decided
+        step>` (how an engine waiting for a step the trainers skip hears of the next one) and
+        `latest`.
         """
         n = self.config.num_trainer_ranks
-        deadline = time.monotonic() + timeout_s
+        keys = {f"{phase.value}/{step}/{r}": r for r in range(n) if own is None or r != own.rank}
+        got = self.control.collect(
+            list(keys), Done, timeout_s, accept=lambda k, d: d.rank == keys[k] and d.step == step
+        )
         errors = []
+        what = "plan" if phase is Phase.BUILT else "update"
         for r in range(n):
-            if own is not None and r == own.rank:
-                d = own
-            else:
-                key = f"{phase.value}/{step}/{r}"
-                try:
-                    d = self.control.get(key, Done, max(0.001, deadline - time.monotonic()))
-                except TransportTimeoutError:
+            key = f"{phase.value}/{step}/{r}"
+            d = own if own is not None and r == own.rank else got.values.get(key)
+            if d is None:
+                if key in got.refused:
                     errors.append(
-                        f"trainer rank {r} did not report {phase.value} for update {step} in time"
+                        f"trainer rank {r}'s {phase.value} report for {what} {step} is not "
+                        f"authentic: {got.refused[key]}"
                     )
-                    continue
+                else:
+                    errors.append(
+                        f"trainer rank {r} did not report {phase.value} for {what} {step} in time"
+                    )
+                continue
             if not d.ok:
                 who = f"trainer rank {r}: "
                 errors.append(d.error if d.error.startswith(who) else who + d.error)
         # Ranks that only stopped because another failed add nothing when the cause is known.
         causes = [e for e in errors if " aborted: " not in e]
         decision = Decision(step=step, ok=not errors, error="; ".join(causes or errors))
+        if phase is Phase.BUILT:
+            if n > 1:
+                self.control.put(f"{phase.verdict_key}/{step}", decision)
+            return decision
+        verdict: list[tuple[str, object]] = []
         if phase is Phase.COMMITTED or not decision.ok or n > 1 or own is None:
-            self.control.put(f"{phase.verdict_key}/{step}", decision)
-        if phase is Phase.COMMITTED and decision.ok:
-            self._last_committed = step
-        if phase is Phase.COMMITTED:
-            self._forget(step - _KEEP_STEPS)
+            verdict.append((f"{phase.verdict_key}/{step}", decision))
+        if phase is Phase.COMMITTED or not decision.ok:
+            # The update is decided (a failed DONE verdict: no version word was written).
+            verdict += self._decided_now(decision, with_result=phase is Phase.DONE)
+            if phase is Phase.COMMITTED and decision.ok:
+                self._last_committed = step
+        self.control.put_many(verdict)  # one request: the verdict and the engines' keys
+        if phase is Phase.DONE and n > 1:
+            # Ends every rank's watch for another rank's failure (`abort/<step>`), unless a
+            # failure is there already (after the verdict: off the commit's path).
+            try:
+                self.control.put_first(f"abort/{step}", Failure(message=""), Failure)
+            except ControlPlaneAuthError as exc:
+                log.warning("controller: %s", exc)
+                self.control.put(f"abort/{step}", Failure(message=""))
         return decision
 
-    def _forget(self, step: int) -> None:
+    def _decided_now(self, decision: Decision, *, with_result: bool) -> list[tuple[str, object]]:
+        """What to publish for the engines about a decided update; forgets the oldest
+        updates past the window."""
+        prev = self._decided[-1][0] if self._decided else 0
+        items: list[tuple[str, object]] = [(f"next/{prev}", decision), ("latest", decision)]
+        if with_result:
+            items.append((f"result/{decision.step}", decision))
+        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        self._decided.append((decision.step, tuple(self.joins), groups))
+        while len(self._decided) > _KEEP_STEPS:
+            self._forget(*self._decided.popleft())
+        return items
+
+    def forget_later(self, step: int, keys: Sequence[str]) -> None:
+        """Delete `keys` with update `step`'s own keys, once it is old (see `_forget`)."""
+        self._extra.setdefault(step, []).extend(keys)
+
+    def _forget(self, step: int, engines: Sequence[str], groups: int) -> None:
         """Delete the per-update keys of an old step, so the store does not grow per update.
 
-        The deletes run on a background thread (`_Janitor`), off the update's critical path:
-        about ten store round trips that used to be part of every `update()`.
+        The deletes run on a background thread and connection (`_Janitor`), off the update's
+        critical path.
         """
-        if step < 1:
-            return
-        keys = [f"go/{step}", f"commit/{step}", f"result/{step}", f"abort/{step}"]
-        for r in range(self.config.num_trainer_ranks):
+        n = self.config.num_trainer_ranks
+        keys = [f"go/{step}", f"commit/{step}", f"result/{step}", f"abort/{step}", f"next/{step}"]
+        for r in range(n):
             keys += [f"done/{step}/{r}", f"committed/{step}/{r}"]
-        keys += [f"digest/{step}/{e}" for e in self.joins]
-        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
-        keys += [
-            f"barrier/group/{step}/{g}/{r}"
-            for g in range(1, groups)
-            for r in range(self.config.num_trainer_ranks)
-        ]
+        keys += [f"digest/{step}/{e}" for e in engines]
+        for g in range(1, groups):
+            keys.append(f"barrier/group/{step}/{g}/release")
+            keys += [f"barrier/group/{step}/{g}/{r}" for r in range(1, n)]
+        keys += self._extra.pop(step, [])
+        for old in [s for s in self._extra if s < step]:
+            keys += self._extra.pop(old)
+        self._clean(keys)
+
+    def _forget_plan(self, epoch: int, schedule: Schedule | None) -> None:
+        """Delete the keys of a plan no rank runs any more (after a switch away from it)."""
+        if epoch < 0:
+            return
+        n = self.config.num_trainer_ranks
+        keys = [plan_key(epoch, f"schedule/{r}") for r in range(n)]
+        keys += [stage_key(epoch, "started"), stage_key(epoch, "result")]
+        if epoch > 0:
+            keys += [f"built/{epoch}/{r}" for r in range(n)] + [f"switch/{epoch}"]
+        self._clean(keys)
+
+    def _clean(self, keys: list[str]) -> None:
         if self._janitor is None:
             self._janitor = _Janitor(self.control)
         self._janitor.delete(keys)
@@ -405,33 +603,35 @@ class Controller:
         return bad
 
     def close(self, linger_s: float = 5.0) -> None:
-        """Stop hosting (the store lives until the process ends).
+        """Stop hosting: the store stops, and every member still connected loses it.
 
         An engine learns that an update is complete from the controller's result, so first wait,
         at most `linger_s`, until every engine that acknowledges updates (its
         `wait_for_version` returned one before) has seen the last committed update. Engines
         that only read `receiver.version` never acknowledge and are not waited for.
         """
+        cp = self.control
         if self._last_committed and self.joins and linger_s > 0:
             deadline = time.monotonic() + linger_s
-            waiting = [e for e in sorted(self.joins) if self._has_seen(e, 1)]
+            waiting = [f"seen/{e}" for e in sorted(self.joins) if cp.exists(f"seen/{e}")]
             while waiting and time.monotonic() < deadline:
-                waiting = [e for e in waiting if not self._has_seen(e, self._last_committed)]
+                still = []
+                for k, raw in zip(waiting, cp.read_many(waiting), strict=True):
+                    try:
+                        seen = codec.from_msgpack(Seen, cp.unseal(cp.full_key(k), raw))
+                    except (ControlPlaneAuthError, ValueError):
+                        seen = None
+                    if seen is None or seen.step < self._last_committed:
+                        still.append(k)
+                waiting = still
                 if waiting:
-                    time.sleep(0.01)
+                    time.sleep(0.02)
             if waiting:
                 log.info(
                     "controller: closing before engine(s) %s saw update %d",
-                    waiting,
+                    [k.removeprefix("seen/") for k in waiting],
                     self._last_committed,
                 )
         if self._janitor is not None:
             self._janitor.close()
-        self.control.close()
-
-    def _has_seen(self, engine: str, step: int) -> bool:
-        key = f"seen/{engine}"
-        try:
-            return self.control.exists(key) and self.control.get(key, Seen, 1.0).step >= step
-        except WeightTransferError:
-            return False
+        cp.close()

@@ -26,8 +26,10 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "TransportUnavailableError",
+    "NotServingError",
     "UpdateAbortedError",
     "UpdateFailedError",
+    "UpdateInProgressError",
     "WeightTransferError",
 ]
 
@@ -93,3 +95,15 @@ class UpdateAbortedError(WeightTransferError):
 
     Internal to an update: `WeightSender.update` turns it into the `UpdateFailedError` every
     rank raises."""
+
+
+class UpdateInProgressError(UpdateFailedError):
+    """A new update was refused: a previous update's thread on this rank (named in the message,
+    with the collective it is blocked in) outlived its deadline and still runs.
+
+    An `UpdateFailedError` (no engine advanced): retry once that thread ended."""
+
+
+class NotServingError(WeightTransferError):
+    """The engine's weights are not a complete update right now (an update is being written,
+    or one failed after its writes began): it must serve nothing until a complete one lands."""

@@ -75,6 +75,51 @@ def _dtensor_box(t: Any) -> tuple[Box | None, tuple[int, ...]]:
     return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape, strict=True)), ranks
 
 
+def _same_parameter_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two entries one parameter: the same local memory seen the same way (a state
+    dict's detached views of a tied weight), or None when the shard is empty (empty shards
+    share no memory, so only the identical object counts)."""
+    local = local_part(t)
+    if local.numel() == 0:
+        return None
+    return (
+        type(t).__name__,
+        str(local.device),
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        tuple(local.stride()),
+        local.dtype,
+        tuple(t.shape),
+    )
+
+
+def tied_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """Each distinct parameter's first name (in the mapping's order) -> its other names.
+
+    Two names are one parameter when they hold the identical tensor object (a module's
+    `named_parameters(remove_duplicate=False)` of tied weights, also under FSDP2) or views of
+    the same memory with the same shape, strides and offset (a state dict). The first name
+    is the one `named_parameters()` keeps (``model.embed_tokens.weight`` before
+    ``lm_head.weight``).
+    """
+    first_of: dict[Any, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, t in tensors.items():
+        key = _same_parameter_key(t)
+        canonical = first_of.get(("id", id(t)))
+        if canonical is None and key is not None:
+            canonical = first_of.get(key)
+        if canonical is None:
+            first_of[("id", id(t))] = name
+            if key is not None:
+                first_of[key] = name
+            out[name] = []
+        else:
+            out[canonical].append(name)
+    return {name: tuple(sorted(names)) for name, names in out.items()}
+
+
 def source_manifest(
     tensors: Mapping[str, torch.Tensor],
     *,
@@ -85,6 +130,9 @@ def source_manifest(
 ) -> SourceManifest:
     """Describe what one trainer rank holds.
 
+    Tied parameters (one tensor under several names, `tied_names`) are described once, under
+    their first name, with the others as `SourceTensor.aliases`.
+
     Args:
         tensors: name -> parameter (DTensor or plain tensor).
         rank, world_size: this rank in the trainer world whose ranks the meshes name.
@@ -94,8 +142,9 @@ def source_manifest(
     Raises:
         ValueError: a tensor cannot be described (Partial placement), naming it.
     """
+    aliases = tied_names(tensors)
     out = []
-    for name in sorted(tensors):
+    for name in sorted(aliases):
         t = tensors[name]
         local = local_part(t)
         if DTensor is not None and isinstance(t, DTensor):
@@ -116,6 +165,7 @@ def source_manifest(
                 mesh=mesh,
                 device=compute_device,
                 offloaded=(compute_device == "cuda" and local.device.type == "cpu"),
+                aliases=aliases[name],
             )
         )
     return SourceManifest(

@@ -6,27 +6,41 @@ Keys (under the session prefix):
     claim/engine_slot/<i>          Claim        join slot i, claimed by one engine join
     trainer/<rank>                 TrainerJoin  a trainer rank's source manifest
     engine_slot/<i>                EngineJoin   an engine's destination manifest and endpoint
+    plan/<e>/started               PlanStage    the controller began plan e (how long it may
+                                                wait for joins)
+    plan/<e>/result                PlanStage    plan e published, or why it failed
     schedule/<rank>                RankPlan     a trainer rank's part of the schedule
-    plan_error                     Failure      set instead of schedules if planning failed
+    plan_error_seen/<rank>         Done         trainer rank read a failed plan's result (the
+                                                controller's process lingers for these before
+                                                it raises)
     epoch/<e>/schedule/<rank>      RankPlan     the same for re-plan e > 0 (`Controller.replan`)
-    epoch/<e>/plan_error           Failure      re-plan e failed
+    built/<e>/<rank>               Done         trainer rank built its part of re-plan e
+    switch/<e>                     Decision     controller: every rank switches to plan e, or
+                                                every rank keeps the plan it runs
     go/<step>                      Go           start update `step`
-    barrier/group/<step>/<g>/<r>   Go           trainer rank r reached mesh group g's barrier
-    abort/<step>                   Failure      the first failure of a rank in update `step`;
-                                                the other ranks stop within a poll (20 ms)
+    barrier/group/<step>/<g>/<r>   Go           trainer rank r > 0 reached mesh group g's barrier
+    barrier/group/<step>/<g>/release BarrierRelease  rank 0: every rank arrived (or who did not)
+    abort/<step>                   Failure      the first failure of a rank in update `step`
+                                                (the other ranks' watches wake at once), or,
+                                                with an empty message, the controller's "every
+                                                rank reported" that ends the watches
     done/<step>/<rank>             Done         rank finished its writes (ok or error)
     commit/<step>                  Decision     controller: write version words, or abort
     committed/<step>/<rank>        Done         rank wrote its engines' version words
-    result/<step>                  Decision     final outcome every rank raises on if not ok
+    result/<step>                  Decision     final outcome every member raises on if not ok
+    next/<u>                       Decision     the outcome of the update decided after update
+                                                u (0: the session's first); engines follow it
+    latest                         Decision     the newest decided update's outcome
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
     seen/<engine>                  Seen         the last update an engine saw complete
                                                 (`Controller.close` lingers for it)
 
 Every value is encrypted and authenticated under the run's key, bound to its store key and run
-id (`transfer.control`); nothing is decided on a plain counter (`auth_failures` only
-makes a join fail early). The per-update keys of a step are deleted
-8 steps later. Join slots are claimed in order with an atomic compare-and-set; a restarted
-engine takes a new slot under its old name.
+id (`transfer.control`); nothing is decided on a plain counter (`auth_failures` only makes a
+join fail early) or on a key's existence. The per-update keys of a step are deleted once eight
+later updates were decided (whatever the steps' numbers); a plan's keys once every rank
+switched away from it. Join slots are claimed in order with an atomic compare-and-set (a slot a
+stranger's value holds is skipped); a restarted engine takes a new slot under its old name.
 """
 
 from __future__ import annotations
@@ -113,6 +127,8 @@ class Failure:
     """A failure report that every member raises."""
 
     message: str
+    problems: tuple[str, ...] = ()
+    """For a failed plan: every problem found (each member raises `PlanMismatchError`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,6 +136,34 @@ class Go:
     """Start update `step`."""
 
     step: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BarrierRelease:
+    """Member 0's verdict on a barrier: every member arrived, or who did not."""
+
+    ok: bool
+    error: str
+    forged: bool
+    """An arrival failed authentication (every member raises `ControlPlaneAuthError`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanStage:
+    """A stage of planning epoch `epoch` (`plan/<e>/started`, `plan/<e>/result`).
+
+    The controller publishes each with a compare-and-set; a trainer rank that gave up waiting
+    publishes its own (ok False, naming itself) the same way, so all ranks, the controller
+    included, see the same outcome.
+    """
+
+    epoch: int
+    ok: bool
+    error: str
+    wait_s: float
+    """For `started`: how long the controller may still wait for members to join."""
+    problems: tuple[str, ...] = ()
+    """A failed plan's problems (every rank raises `PlanMismatchError` with them)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from torch import nn
 
 from weight_transfer.backends.base import (
     ConfigurationError,
+    ControlPlaneAuthError,
     Region,
     RegionRole,
     Transport,
@@ -26,15 +27,30 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
+from weight_transfer.delta import (
+    ApplyStats,
+    PatchError,
+    applied_key,
+    apply_patch_region,
+    engine_digest_key,
+    verify_key_key,
+)
 from weight_transfer.errors import UpdateFailedError
 from weight_transfer.layouts import Layout
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
-from weight_transfer.planner.types import DestManifest, DestRegion, DestTensor, Recipe
+from weight_transfer.planner.types import (
+    DestManifest,
+    DestRegion,
+    DestTensor,
+    Recipe,
+    dtype_size,
+    numel,
+)
 from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.serving import ServingGate, ServingStatus
+from weight_transfer.verify import name_key, position_digest, region_position
 
 log = logging.getLogger(__name__)
-
-_DECISION_POLL_S = 0.05
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -53,7 +69,16 @@ class WeightReceiver:
     complete; the transport's own machinery (NIC, shared memory, receive thread of the `tcp`
     simulator) does the rest.
 
-    Not thread-safe; `version` and `wait_for_version` may be called from any thread.
+    Serving gate (`weight_transfer.serving`): writes land in place, so while an update is being
+    written, and after one that failed once its writes began, the tensors may mix two updates.
+    `serving` says whether the engine may serve now; `check_serving()` raises
+    `NotServingError` and `wait_serving(timeout_s)` blocks while it may not. The gate closes
+    when an update's window opens (`begin_update(k)`, or `wait_for_version(k)`), opens when
+    update k is complete (`wait_for_version` returns, or `end_update(k)` for an engine with
+    post-processing to do first), and stays closed (FAILED) after a failure until a later
+    update completes: a failed update is never rolled back, the next complete one repairs it.
+
+    Not thread-safe; `version`, `wait_for_version` and the gate may be called from any thread.
     """
 
     def __init__(
@@ -96,10 +121,14 @@ class WeightReceiver:
         self._tensors = named_tensors(tensors)
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
+        self._heard = 0  # newest update whose outcome this engine read (`wait_for_version`)
+        self._applied = 0  # newest update whose patches this engine applied (delta mode)
+        self._last_ack = 0
+        self._last_digest = 0
+        self.gate = ServingGate()
+        """Whether the engine may serve now (see the class docstring)."""
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first, _ = self._control.claim(
-            f"engine/{engine}", Claim(member=f"engine {engine!r}", nonce=os.urandom(16))
-        )
+        first = self._claim_name()
         if rejoin and first:
             raise ConfigurationError(
                 f"engine {engine!r} cannot rejoin: it never joined this control plane session"
@@ -124,8 +153,29 @@ class WeightReceiver:
             self._transport.name,
         )
 
+    def _claim_name(self) -> bool:
+        """Claim this engine's name; True if no member had it.
+
+        Raises:
+            ControlPlaneAuthError: a stranger's value holds the name.
+        """
+        key = f"engine/{self.engine}"
+        first, holder = self._control.claim(
+            key, Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
+        )
+        if not first and holder is None:
+            raise ControlPlaneAuthError(
+                f"engine {self.engine!r}: control message "
+                f"{self._control.full_key('claim/' + key)!r} failed authentication: someone "
+                "without the token claimed this name first"
+            )
+        return first
+
     def _publish_join(self) -> None:
-        """Claim the next free join slot and publish the manifest and endpoint in it."""
+        """Claim the next free join slot and publish the manifest and endpoint in it.
+
+        A slot a stranger's value holds is skipped (the controller skips it too).
+        """
         slot = 0
         while not self._control.claim(
             f"engine_slot/{slot}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
@@ -160,12 +210,10 @@ class WeightReceiver:
         # The old session's results are gone with it: what the word reads now is what this
         # engine last received.
         self._known_complete = self.version
+        self._heard = 0  # the new session's updates are heard of from its start
         self._control.close()
         self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
-        first, _ = self._control.claim(
-            f"engine/{self.engine}", Claim(member=f"engine {self.engine!r}", nonce=os.urandom(16))
-        )
-        if not first:
+        if not self._claim_name():
             raise ConfigurationError(
                 f"engine {self.engine!r} is already registered in that control plane session "
                 "(the controller did not restart; a restarted engine passes rejoin=True)"
@@ -243,6 +291,16 @@ class WeightReceiver:
         # The transport may have moved it into shared memory: keep the registered view.
         self._version_view = vregion.tensor.view(torch.int64)
         self._regions.append(vregion)
+        version_region = len(self._regions) - 1
+        self._patch: torch.Tensor | None = None
+        if self.config.patch_region_bytes > 0:
+            # Delta updates: the patch region comes right after the version word (the trainers
+            # find it there, docs/delta.md), on the device of the weights.
+            device = tensors[0].device if tensors else torch.device("cpu")
+            buf = torch.zeros(self.config.patch_region_bytes, dtype=torch.uint8, device=device)
+            pregion = self._transport.register(buf, role=RegionRole.TARGET)
+            self._patch = pregion.tensor
+            self._regions.append(pregion)
         regions = tuple(
             DestRegion(index=i, nbytes=r.nbytes, descriptor=r.descriptor.to_bytes())
             for i, r in enumerate(self._regions)
@@ -254,7 +312,7 @@ class WeightReceiver:
             regions=regions,
             tensors=tuple(dests),
             recipes=self.recipes,
-            version_region=len(self._regions) - 1,
+            version_region=version_region,
         )
 
     # -- what the engine calls ---------------------------------------------------------------
@@ -272,71 +330,239 @@ class WeightReceiver:
         updates whose words were written on every engine."""
         return int(self._version_view[0].item())
 
-    def wait_for_version(self, step: int, timeout_s: float) -> int:
+    def wait_for_version(self, step: int, timeout_s: float, *, serve: bool = True) -> int:
         """Block until update `step` (or a later one) is complete; returns the version seen.
 
-        While waiting it also watches the control plane (every `_DECISION_POLL_S`), so a failed
-        update is reported here as soon as the controller decides it, with the controller's
-        message naming the failed rank or peer.
+        The wait blocks in the control plane on the controller's verdicts, so a failed update
+        is reported here as soon as the controller decides it, with the controller's message
+        naming the failed rank or peer. Each verdict is read once: `result/<v>` when this
+        engine's version word already reads v, else `next/<u>`, the update decided after the
+        last one u this engine heard of (so a step the trainers skip ends the wait with the
+        next update). Two to four store requests per update; none while nothing happens.
+
+        The serving gate closes at the call (the update's writes may land from now on) and
+        opens when it returns (with `serve=False` it stays closed: the engine calls
+        `end_update` after its own post-processing). If it raises, the gate stays closed:
+        FAILED after a failure (the tensors may be mixed until a complete update lands),
+        UPDATING after a timeout (the update may still be arriving).
 
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
             UpdateFailedError: the controller aborted update `step` (this engine's version
-                did not advance; the trainers may retry with a later step).
+                did not advance, or the update was rolled back; the trainers may retry with a
+                later step).
             PeerLostError: the controller is gone.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        self.gate.begin(step)
+        try:
+            v = self._wait_for_version(step, timeout_s)
+        except TransportTimeoutError as exc:
+            self.gate.still_updating(step, str(exc))
+            raise
+        except BaseException as exc:
+            self.gate.fail(step, str(exc))
+            raise
+        if serve:
+            self.gate.commit(v)
+        return v
+
+    # -- the serving gate ----------------------------------------------------------------------
+
+    @property
+    def serving(self) -> ServingStatus:
+        """The serving gate now: state, the version served, and why not, if not."""
+        return self.gate.status
+
+    def check_serving(self) -> int:
+        """The version the engine may serve now.
+
+        Raises:
+            NotServingError: an update is being written, or one failed (the message says
+                which and why); serve nothing.
+        """
+        return self.gate.check()
+
+    def wait_serving(self, timeout_s: float) -> int:
+        """Block until the engine may serve; returns the version.
+
+        Raises:
+            TransportTimeoutError: the gate stayed closed for `timeout_s`.
+        """
+        return self.gate.wait_serving(timeout_s)
+
+    def begin_update(self, step: int) -> None:
+        """Close the gate for update `step` before telling the trainer this engine is ready
+        (`wait_for_version` closes it too; this is for an engine that pauses first)."""
+        self.gate.begin(step)
+
+    def end_update(self, step: int) -> None:
+        """Open the gate on update `step`, complete (after `wait_for_version(step, serve=False)`
+        and the engine's own post-processing).
+
+        Raises:
+            ValueError: update `step` was not confirmed complete.
+        """
+        if step > self._known_complete:
+            raise ValueError(
+                f"engine {self.engine!r}: update {step} is not complete (last complete: "
+                f"{self._known_complete})"
+            )
+        self.gate.commit(step)
+
+    def fail_update(self, step: int, reason: str) -> None:
+        """The engine's own part of update `step` failed (its post-processing): FAILED until a
+        later update completes."""
+        self.gate.fail(step, reason)
+
+    def _wait_for_version(self, step: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        next_check = time.monotonic()
+        if self.version < step and self._heard == 0:
+            # A member new to the session (joined late, or `join_new_session`) starts from
+            # the newest decided update: the first links of the chain may be deleted already.
+            # Later, the version word tells how far the trainers got (`result/<v>`).
+            try:
+                if self._control.exists("latest"):
+                    self._hear(self._control.get("latest", Decision, 1.0), step)
+            except TransportTimeoutError:
+                pass
         while True:
             v = self.version
-            if v >= step and self._confirmed(v, step):
+            if v >= step and v <= self._known_complete:
                 return v
-            if time.monotonic() >= next_check:
-                self._raise_if_aborted(step)
-                next_check = time.monotonic() + _DECISION_POLL_S
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            key = f"result/{v}" if v > self._heard else f"next/{self._heard}"
+            try:
+                decision = self._control.get(key, Decision, max(0.001, remaining))
+            except TransportTimeoutError:
                 raise TransportTimeoutError(
                     f"engine {self.engine!r}: update {step} not complete after {timeout_s:.1f} s "
-                    f"(version is {v})"
-                )
-            time.sleep(0.0005)
+                    f"(version is {self.version})"
+                ) from None
+            self._hear(decision, step)
 
-    def _confirmed(self, v: int, step: int) -> bool:
-        """True once the controller's result for update `v` says every version word was
-        written; raises if it says the update failed (its words are being set back)."""
-        if v <= self._known_complete:
-            return True
-        if not self._control.exists(f"result/{v}"):
-            time.sleep(0.0005)
-            return False
-        decision = self._control.get(f"result/{v}", Decision)
+    def _hear(self, decision: Decision, step: int) -> None:
+        """Take the controller's verdict on an update (`wait_for_version` waits for `step`).
+
+        An update that succeeded is confirmed here once this engine's version word reads it
+        (an update this engine is not part of, say after it left the plan, is only noted).
+        """
+        self._heard = max(self._heard, decision.step)
+        v = self.version
         if not decision.ok:
+            if decision.step != step:
+                return  # another update failed: keep waiting for this one
+            if v >= decision.step:
+                raise UpdateFailedError(
+                    f"engine {self.engine!r}: update {decision.step} failed while its version "
+                    f"words were written and is rolled back (waiting for {step}): "
+                    f"{decision.error}",
+                    step=decision.step,
+                )
             raise UpdateFailedError(
-                f"engine {self.engine!r}: update {v} failed while its version words were "
-                f"written and is rolled back (waiting for {step}): {decision.error}",
-                step=v,
+                f"engine {self.engine!r}: update {decision.step} failed and was not applied "
+                f"(version stays {v}): {decision.error}",
+                step=decision.step,
             )
-        self._known_complete = v
+        if v < decision.step or decision.step <= self._known_complete:
+            return
+        self._known_complete = decision.step
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).
-            self._control.put(f"seen/{self.engine}", Seen(engine=self.engine, step=v))
+            self._control.put(f"seen/{self.engine}", Seen(engine=self.engine, step=decision.step))
         except WeightTransferError as exc:
-            log.debug("engine %r: could not acknowledge update %d: %s", self.engine, v, exc)
-        return True
+            log.debug(
+                "engine %r: could not acknowledge update %d: %s", self.engine, decision.step, exc
+            )
 
-    def _raise_if_aborted(self, step: int) -> None:
-        for key in (f"commit/{step}", f"result/{step}"):
-            if self._control.exists(key):
-                decision = self._control.get(key, Decision)
-                if not decision.ok:
-                    raise UpdateFailedError(
-                        f"engine {self.engine!r}: update {step} failed and was not applied "
-                        f"(version stays {self.version}): {decision.error}",
-                        step=step,
-                    )
+    @property
+    def applied_version(self) -> int:
+        """The last update whose patch (if any) `apply_delta` applied; equals `version` once
+        the engine ran its per-update work."""
+        return self._applied
+
+    def apply_delta(self, step: int, timeout_s: float, *, serve: bool = True) -> ApplyStats:
+        """The one piece of per-update engine work in delta mode: wait until update `step` is
+        complete (as `wait_for_version`), then apply the patches the trainer ranks wrote into
+        this engine's patch region, in place, in the engine's own memory format (a scatter,
+        `weight_transfer.kernels.delta`), and tell the trainers it did.
+
+        Call it once per update, inside the update window (no forward pass may read the
+        weights between `wait_for_version` and its return). A full update leaves no patch:
+        then it only records the version. Without a patch region it is `wait_for_version`.
+
+        Raises:
+            TransportTimeoutError / WeightTransferError: as `wait_for_version` (nothing applied).
+            PatchError: the patch region holds no valid patch of `step` against the version
+                this engine holds; nothing was written, the trainers are told (their next
+                update is full for this engine) and this engine must not serve until then
+                (its serving gate is FAILED).
+
+        The serving gate is handled as by `wait_for_version` (`serve=False`: the caller opens
+        it with `end_update` after its own post-processing).
+        """
+        self.wait_for_version(step, timeout_s, serve=False)
+        if self._patch is None:
+            self._applied = step
+            if serve:
+                self.gate.commit(step)
+            return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+        targets = [r.tensor for r in self._regions]
+        try:
+            stats = apply_patch_region(self._patch, targets, step, base_step=self._applied)
+        except PatchError as exc:
+            self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
+            self.gate.fail(step, str(exc))
+            raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
+        if self._patch.is_cuda:
+            torch.cuda.synchronize(self._patch.device)
+        self._applied = step
+        self._publish_position_digest(step)
+        self._ack(step, ok=True, error="")
+        if serve:
+            self.gate.commit(step)
+        return stats
+
+    def _publish_position_digest(self, step: int) -> None:
+        """Delta verification (`DeltaConfig.verify`): when the trainers asked for it, publish
+        one position digest of every byte the recipes write, for them to check against the
+        digests of what they sent (`weight_transfer.verify.position_digest`)."""
+        key_name = verify_key_key(step)
+        if not self._control.exists(key_name):
+            return
+        key = int(dict(self._control.get(key_name, Digests).digests)["key"]) ^ name_key(self.engine)
+        total = 0
+        for t in self._manifest.tensors:
+            nbytes = numel(t.shape) * dtype_size(t.dtype)
+            data = self._regions[t.region].tensor[t.offset_bytes : t.offset_bytes + nbytes]
+            total += position_digest(data, region_position(t.region, t.offset_bytes), key)
+        if self._last_digest:
+            try:
+                self._control.delete(engine_digest_key(self._last_digest, self.engine))
+            except WeightTransferError as exc:  # only costs store memory
+                log.debug("engine %r: could not delete an old digest: %s", self.engine, exc)
+        self._last_digest = step
+        self._control.put(
+            engine_digest_key(step, self.engine),
+            Digests(
+                engine=self.engine,
+                step=step,
+                version=self.version,
+                digests=(("sum", str(total & ((1 << 64) - 1))),),
+            ),
+        )
+
+    def _ack(self, step: int, *, ok: bool, error: str) -> None:
+        """Tell the trainers this engine applied (or could not apply) update `step`."""
+        self._control.put(applied_key(step, self.engine), Decision(step=step, ok=ok, error=error))
+        if self._last_ack:
+            try:
+                self._control.delete(applied_key(self._last_ack, self.engine))
+            except WeightTransferError as exc:  # only costs store memory
+                log.debug("engine %r: could not delete an old ack: %s", self.engine, exc)
+        self._last_ack = step
 
     def tensor(self, name: str) -> torch.Tensor:
         """The live engine tensor `name`."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
+import threading
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,18 +17,21 @@ import torch
 from torch import nn
 
 from weight_transfer.backends.base import (
+    PlanMismatchError,
     RegionDescriptor,
     RegionRole,
     Transport,
     TransportConfig,
+    TransportTimeoutError,
     UpdateAbortedError,
     WeightTransferError,
     create_transport,
 )
 from weight_transfer.config import SenderConfig, TransferConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.controller import Controller, Phase, plan_key
-from weight_transfer.errors import ConfigurationError, UpdateFailedError
+from weight_transfer.controller import Controller, Phase, plan_key, stage_key
+from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
+from weight_transfer.errors import ConfigurationError, UpdateFailedError, UpdateInProgressError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -35,7 +41,15 @@ from weight_transfer.pipeline import (
     trace_events,
 )
 from weight_transfer.planner.types import SliceWrite
-from weight_transfer.protocol import Decision, Done, Failure, Go, RankPlan, TrainerJoin
+from weight_transfer.protocol import (
+    Decision,
+    Done,
+    Failure,
+    Go,
+    PlanStage,
+    RankPlan,
+    TrainerJoin,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +84,63 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
         return t.full_tensor()
     local = local_part(t)
     return local if device is None else local.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Built:
+    """One plan built on one transport: what `WeightSender.replan` switches to or discards."""
+
+    executor: Executor
+    source_regions: list[Any]
+    """Zero-copy registrations of the trainer's shards on that transport."""
+    delta: DeltaSession | None
+    """Delta mode's state of that plan (None when off)."""
+
+
+class _FailureWatch:
+    """Hears another trainer rank's failure of the update in flight, for `Executor.run`.
+
+    One thread and one connection of the rank's own: it blocks in the store on
+    `abort/<step>`, which the first failing rank publishes, or the controller (an empty
+    message) once every rank reported the update. The executor's frequent checks read a
+    dictionary: per update this is one wait and one read, whatever the update's length.
+    """
+
+    def __init__(self, control: ControlPlane, timeout_s: float) -> None:
+        self._control = control.clone(f"{control.member} (failure watch)")
+        self._timeout_s = timeout_s
+        self._steps: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._failures: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, name="wt-failure-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: int) -> Callable[[], str | None]:
+        """Start watching update `step`; the returned check gives the failure, once heard."""
+        self._steps.put(step)
+        failures = self._failures
+        return lambda: failures.get(step)
+
+    def _run(self) -> None:
+        while True:
+            step = self._steps.get()
+            if step is None:
+                return
+            for old in [s for s in self._failures if s < step - 16]:
+                del self._failures[old]
+            try:
+                report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
+            except WeightTransferError as exc:  # the update itself reports what went wrong
+                log.debug("%s: %s", self._control.member, exc)
+                continue
+            if report.message:
+                self._failures[step] = report.message
+
+    def close(self) -> None:
+        """Stop (a wait in progress ends with its update or its timeout)."""
+        self._steps.put(None)
+        self._thread.join(0.1)
+        if not self._thread.is_alive():
+            self._control.close()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,10 +252,14 @@ class WeightSender:
         self._boxes = {t.name: t.local_box for t in manifest.tensors}
         self._control.put(f"trainer/{rank}", TrainerJoin(manifest=manifest))
         if controller is not None:
-            controller.plan()
+            try:
+                controller.plan()
+            except WeightTransferError:
+                controller.linger_for_plan_error(0, rank)
+                raise
         self.epoch = 0
         """Number of the plan this rank runs (counts up with `replan`)."""
-        rp = self._fetch_plan(0, self._control.config.timeout_s)
+        rp = self._fetch_plan(0)
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
         if transport is None:
@@ -192,29 +267,85 @@ class WeightSender:
             if self.device.type == "cuda" and index is None:
                 index = torch.cuda.current_device()
             transport = config.transport_config(device_index=index)
+        self._transport_config: TransportConfig = transport
+        """This rank's transport settings (a re-plan builds its new transport from them)."""
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
+        self._watch: _FailureWatch | None = None
+        self._delta: DeltaSession | None = None
+        self._patch_bytes = 0
+        self.delta_stats: DeltaStats | None = None
+        """What delta mode did in the last update (mode, why, bytes), or None when off; the
+        same as that update's `UpdateStats.delta`."""
+        self._outlived: list[Executor] = []
+        """Executors of earlier plans whose prepare thread still runs."""
         try:
-            self._executor = self._build(rp)
+            self._adopt(self._build(rp, self._transport))
+            if world_size > 1:
+                self._watch = _FailureWatch(
+                    self._control, 2 * self.config.update_timeout_s + self._control.config.timeout_s
+                )
         except BaseException:
             self._transport.close()
             raise
 
-    def _fetch_plan(self, epoch: int, timeout_s: float) -> RankPlan:
-        keys = [plan_key(epoch, f"schedule/{self.rank}"), plan_key(epoch, "plan_error")]
-        key = self._control.wait_any(keys, timeout_s)
-        if key == keys[1]:
-            raise WeightTransferError(self._control.get(key, Failure).message)
-        return self._control.get(key, RankPlan)
+    def _fetch_plan(self, epoch: int) -> RankPlan:
+        """This rank's part of plan `epoch`, once the controller published it.
+
+        Waits for the controller's `started` stage (it begins planning), then for its `result`
+        as long as the controller said it may wait for members to join, plus the planning. A
+        rank that gives up publishes its own outcome of the stage with a compare-and-set, so
+        the controller and every rank see the same one.
+
+        Raises:
+            PlanMismatchError / WeightTransferError: the plan failed (every rank alike).
+            TransportTimeoutError: the controller did not answer in time.
+        """
+        t = self._control.config.timeout_s
+        started = self._stage(epoch, "started", t, "start")
+        if not started.ok:
+            raise WeightTransferError(started.error)
+        result = self._stage(epoch, "result", started.wait_s + t, "finish")
+        if not result.ok:
+            # The store lives in the controller's process, which lingers for this before its
+            # caller (who may exit on the error) goes on.
+            self._control.put(
+                plan_key(epoch, f"plan_error_seen/{self.rank}"),
+                Done(rank=self.rank, step=epoch, ok=False, error="", nbytes=0, seconds=0.0),
+            )
+            if result.problems:
+                raise PlanMismatchError(result.problems)
+            raise WeightTransferError(result.error)
+        return self._control.get(plan_key(epoch, f"schedule/{self.rank}"), RankPlan, t)
+
+    def _stage(self, epoch: int, stage: str, timeout_s: float, verb: str) -> PlanStage:
+        key = stage_key(epoch, stage)
+        try:
+            return self._control.get(key, PlanStage, timeout_s)
+        except TransportTimeoutError:
+            mine = PlanStage(
+                epoch=epoch,
+                ok=False,
+                error=(
+                    f"trainer rank {self.rank} gave up waiting for plan {epoch} to {verb} "
+                    f"after {timeout_s:.0f} s"
+                ),
+                wait_s=0.0,
+            )
+            first = self._control.put_first(key, mine, PlanStage)
+            return first if first is not None else mine
 
     def replan(self, *, engines: Sequence[str] | None = None, rejoined: Sequence[str] = ()) -> None:
         """Switch to a new plan after engines restarted, joined or left. Collective.
 
         Every trainer rank calls it between updates with the same arguments; the rank hosting
         the `Controller` waits for the named engines to (re)join and plans (`Controller.replan`),
-        the others wait for their part. Then each rank drops its connections, staging memory and
-        registrations of the old plan and connects to the new plan's engines. The next `update`
-        uses the new plan; its step must still be larger than the last one.
+        the others wait for their part. Then every rank builds the new plan beside the one it
+        runs (a transport of its own: connections, staging memory and registrations), reports
+        whether it could, and the controller decides: if every rank built it, all switch to it
+        and release the old one; otherwise all release the new one and keep running the old.
+        The next `update` uses whichever plan was kept; its step must still be larger than the
+        last one. While both exist a rank holds two staging arenas.
 
         Args:
             engines: engine names of the new plan (default: the current ones).
@@ -222,40 +353,104 @@ class WeightSender:
 
         Raises:
             TransportTimeoutError: an engine did not (re)join in time (every rank raises).
-            PlanMismatchError / WeightTransferError: the new plan failed (every rank raises);
-                the sender keeps its old plan and can retry.
+            PlanMismatchError / WeightTransferError: the new plan failed, or a rank could not
+                build it (every rank raises, naming it); the sender keeps its old plan and can
+                retry.
         """
         epoch = self.epoch + 1
         self.epoch = epoch  # a failed plan uses up its number too, on every rank alike
+        cp = self._control
         if self.controller is not None:
-            self.controller.replan(engines=engines, rejoined=rejoined)
-        # Non-controller ranks wait while the controller waits for joins, plus the planning.
-        rp = self._fetch_plan(epoch, 2 * self._control.config.timeout_s)
+            try:
+                self.controller.replan(engines=engines, rejoined=rejoined)
+            except WeightTransferError:
+                self.controller.linger_for_plan_error(epoch, self.rank)
+                raise
+        rp = self._fetch_plan(epoch)
+        transport = create_transport(self._transport_config)
+        built: _Built | None = None
+        error = ""
+        cause: BaseException | None = None
+        try:
+            built = self._build(rp, transport)
+        except Exception as exc:  # reported, so every rank keeps the old plan
+            cause = exc
+            error = self._describe(exc)
+            log.error("trainer rank %d: building plan %d failed: %s", self.rank, epoch, error)
+        report = Done(rank=self.rank, step=epoch, ok=not error, error=error, nbytes=0, seconds=0.0)
+        t = cp.config.timeout_s
+        try:
+            if self.controller is not None:
+                decision = self.controller.switch(epoch, report, t)
+            else:
+                cp.put(f"built/{epoch}/{self.rank}", report)
+                decision = cp.get(f"switch/{epoch}", Decision, 2 * t)
+        except BaseException:
+            self._discard(built, transport)
+            raise
+        if not decision.ok:
+            self._discard(built, transport)
+            raise WeightTransferError(
+                f"plan {epoch} not adopted (every rank keeps plan {self._plan_epoch}): "
+                f"{decision.error}"
+            ) from cause
+        assert built is not None
         self._release_plan()
+        self._transport.close()
+        self._transport = transport
+        self._adopt(built)
+        self._plan_epoch = epoch
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
-        self._executor = self._build(rp)
         log.info(
             "trainer rank %d: now on plan %d (%d tasks)", self.rank, epoch, len(rp.schedule.tasks)
         )
 
+    _plan_epoch = 0
+    """The plan this rank runs (`epoch` counts plans made, failed ones included)."""
+
+    def _adopt(self, built: _Built) -> None:
+        """Run `built` from the next update on."""
+        self._executor = built.executor
+        self._source_regions = built.source_regions
+        self._delta = built.delta
+
+    @staticmethod
+    def _discard(built: _Built | None, transport: Transport) -> None:
+        """Release a plan built beside the current one that is not switched to."""
+        if built is not None:
+            built.executor.close()
+            if built.delta is not None:
+                built.delta.close()
+        transport.close()
+
     def _release_plan(self) -> None:
         """Undo `_build`: staging, zero-copy registrations and connections of the current plan."""
+        if self._executor.busy() is not None:
+            # Its prepare thread still runs (it outlived a failed update): the new plan's
+            # updates are refused until it ends, as the old plan's were.
+            self._outlived.append(self._executor)
         self._executor.close()
+        if self._delta is not None:
+            self._delta.close()
+            self._delta = None
         for region in self._source_regions:
             self._transport.deregister(region)
         self._source_regions = []
         for peer in list(self._transport.peers):
             self._transport.disconnect(peer)
 
-    def _build(self, rp: RankPlan) -> Executor:
+    def _build(self, rp: RankPlan, transport: Transport) -> _Built:
+        """This rank's executor of plan `rp` on `transport` (which it connects and registers
+        into), and the zero-copy source regions it registered."""
         zero_copy = {
             w.source
-            for t in self.schedule.tasks
+            for t in rp.schedule.tasks
             for w in t.writes
             if isinstance(w, SliceWrite) and w.zero_copy
         }
         regions: dict[tuple[str, int], Any] = {}
+        source_regions: list[Any] = []
         bindings: dict[str, SourceBinding] = {}
         for name, p in self._params.items():
             local = local_part(p)
@@ -264,10 +459,10 @@ class WeightSender:
                 s = local.untyped_storage()
                 key = (str(local.device), s.data_ptr())
                 if key not in regions:
-                    regions[key] = self._transport.register(
+                    regions[key] = transport.register(
                         storage_view(s, local.device), role=RegionRole.SOURCE
                     )
-                    self._source_regions.append(regions[key])
+                    source_regions.append(regions[key])
                 region = regions[key]
             bindings[name] = SourceBinding(
                 param=p,
@@ -276,14 +471,37 @@ class WeightSender:
                 storage_ptr=local.untyped_storage().data_ptr(),
             )
         for engine in rp.engines:
-            self._transport.connect(engine.name, engine.endpoint)
+            transport.connect(engine.name, engine.endpoint)
         descriptors = {
             e.name: [RegionDescriptor.from_bytes(b) for b in e.descriptors] for e in rp.engines
         }
-        return Executor(
+        plain = transport
+        delta = None
+        if self.config.delta.enabled:
+            # A new plan starts from a full update: the snapshot is made anew.
+            delta = DeltaSession(
+                rank=self.rank,
+                world_size=self.world_size,
+                config=self.config.delta,
+                schedule=rp.schedule,
+                transport=plain,
+                descriptors=descriptors,
+                version_regions={e.name: e.version_region for e in rp.engines},
+                control=self._control,
+                device=self.device,
+                writers=None
+                if self.controller is None or self.controller.newest_schedule is None
+                else {
+                    e: [r.rank for r in self.controller.newest_schedule.ranks if e in r.peers]
+                    for e in self.controller.newest_schedule.engines
+                },
+            )
+            # The pipeline is unchanged; its writes pass through the delta layer.
+            transport = typing.cast(Transport, DeltaTransport(plain, delta))
+        executor = Executor(
             rank=self.rank,
-            schedule=self.schedule,
-            transport=self._transport,
+            schedule=rp.schedule,
+            transport=transport,
             sources=bindings,
             descriptors=descriptors,
             version_regions={e.name: e.version_region for e in rp.engines},
@@ -291,13 +509,14 @@ class WeightSender:
             # The budget the plan was made for: planner and executor cannot disagree.
             memory_budget_bytes=self.schedule.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
-            barrier=lambda g: self._control.barrier(
-                f"group/{self._current_step}/{g}", self.world_size, self.rank
+            barrier=lambda step, g: self._control.barrier(
+                f"group/{step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
+            # Kernels writing straight into mapped engine memory would bypass the delta layer.
+            mapped_writes=not self.config.delta.enabled,
         )
-
-    _current_step = 0
+        return _Built(executor=executor, source_regions=source_regions, delta=delta)
 
     def update(self, step: int) -> UpdateStats:
         """Send the current weights as update `step`. Collective: every trainer rank calls it.
@@ -310,6 +529,9 @@ class WeightSender:
 
         Raises:
             ValueError: `step` is not larger than the previous one.
+            UpdateInProgressError: (an `UpdateFailedError`) refused on this rank: an earlier
+                update's prepare thread outlived its deadline and still runs (the other ranks
+                raise `UpdateFailedError` naming this rank).
             UpdateFailedError: this or another rank failed (message names them); no engine
                 advanced, and a later `update` may retry.
             TransportTimeoutError: a wait for the controller ran past `config.update_timeout_s`.
@@ -318,7 +540,6 @@ class WeightSender:
             raise ValueError(
                 f"update step {step} must be larger than the previous ({self._last_step})"
             )
-        self._current_step = step
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
         self._go(step, timeout)
@@ -336,9 +557,12 @@ class WeightSender:
         decision = self._decide(step, Phase.DONE, done, timeout)
         if not decision.ok:
             self._last_step = step
-            raise UpdateFailedError(
-                f"update {step} failed, no engine advanced: {decision.error}", step=step
-            ) from ran.cause
+            if self._delta is not None:
+                self._delta.failed()
+            message = f"update {step} failed, no engine advanced: {decision.error}"
+            if isinstance(ran.cause, UpdateInProgressError):  # this rank refused it
+                raise UpdateInProgressError(message, step=step) from ran.cause
+            raise UpdateFailedError(message, step=step) from ran.cause
         # A commit verdict needs every rank's success, this one's too: `ran` holds no error.
         t_done = time.perf_counter()
         written = self._commit_versions(step, timeout)
@@ -354,15 +578,22 @@ class WeightSender:
         result = self._decide(step, Phase.COMMITTED, committed, timeout)
         self._last_step = step
         if not result.ok:
+            if self._delta is not None:
+                self._delta.failed()
             self._roll_back(step, timeout)
             raise UpdateFailedError(
                 f"update {step}: version words not all written: {result.error}", step=step
             ) from written.cause
         self._committed_step = step
         assert ran.stats is not None
+        delta_stats = None
+        if self._delta is not None:
+            delta_stats = self.delta_stats = self._delta.stats(self._patch_bytes)
+            self._delta.committed(step, self._patch_bytes)
         t_end = time.perf_counter()
         stats = dataclasses.replace(
             ran.stats,
+            delta=delta_stats,
             phases=UpdatePhases(
                 go_s=t0 - t_go,
                 done_s=t_done - t_exec,
@@ -386,7 +617,21 @@ class WeightSender:
         """This rank's writes of the update (the executor); any failure is caught, logged and
         returned, since every rank must hear of it before anyone raises."""
         cp = self._control
+        self._patch_bytes = 0
+        self._outlived = [ex for ex in self._outlived if ex.busy() is not None]
         try:
+            if self._outlived:
+                refused = UpdateInProgressError(
+                    f"trainer rank {self.rank}: update {step} refused: "
+                    f"{self._outlived[0].busy()} (before a re-plan) past its deadline; until "
+                    "it ends no update can start on this rank",
+                    step=step,
+                )
+                cp.put(f"abort/{step}", Failure(message=self._describe(refused)))
+                raise refused
+            if self._delta is not None:
+                # Mode of this update; waits until the engines applied the last delta.
+                self._delta.begin(step, time.monotonic() + timeout_s)
             stats = self._executor.run(
                 step,
                 timeout_s,
@@ -396,6 +641,8 @@ class WeightSender:
                     f"abort/{step}", Failure(message=self._describe(exc))
                 ),
             )
+            if self._delta is not None:
+                self._patch_bytes = self._delta.post_patches(step, time.monotonic() + timeout_s)
         except Exception as exc:  # any stage, any exception: every rank must hear of it
             if isinstance(exc, UpdateAbortedError):
                 log.info("trainer rank %d: %s", self.rank, exc)
@@ -459,15 +706,10 @@ class WeightSender:
         return text if text.startswith(who) else f"{who}: {text}"
 
     def _peer_failure(self, step: int) -> Callable[[], str | None]:
-        """For `Executor.run`: another rank's failure report for `step`, if one was published."""
-        key = f"abort/{step}"
-
-        def check() -> str | None:
-            if not self._control.exists(key):
-                return None
-            return self._control.get(key, Failure).message
-
-        return check
+        """For `Executor.run`: another rank's failure report for `step`, once one was published
+        (heard by a blocking wait on a second connection: the executor's checks cost nothing)."""
+        assert self._watch is not None
+        return self._watch.watch(step)
 
     def trace_events(self) -> list[dict[str, Any]]:
         """Chrome/Perfetto events of the recent updates on this rank, one after another on one
@@ -485,7 +727,11 @@ class WeightSender:
         """Release registrations and connections (and the controller this rank hosts, if it
         made it: it lingers, bounded, until the engines saw the last update)."""
         try:
+            if self._watch is not None:
+                self._watch.close()
             self._executor.close()
+            if self._delta is not None:
+                self._delta.close()
             self._transport.close()
         finally:
             if self._owns_controller and self.controller is not None:

@@ -109,3 +109,59 @@ def expected_fingerprints(
         for name, t in build_engine_tensor(r, shape, dtype, full).items():
             out[name] = fingerprint(t)
     return out
+
+
+_M64 = (1 << 64) - 1
+_POSITION_CHUNK = 1 << 20
+
+
+def _signed(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_SM_ADD, _SM_M1, _SM_M2 = (
+    _signed(0x9E3779B97F4A7C15),
+    _signed(0xBF58476D1CE4E5B9),
+    _signed(0x94D049BB133111EB),
+)
+
+
+def _lshr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 words."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def position_digest(data: torch.Tensor, position: int, key: int) -> int:
+    """A keyed digest of bytes that knows where they sit: the sum over the bytes b_i of `data`
+    (uint8, flat) of b_i * K(key, position + i) mod 2**64, K a splitmix64 mix of key and
+    position, computed on the bytes' device in chunks.
+
+    Linear in the bytes and keyed by absolute position, so the digests of disjoint ranges of a
+    region add up to the digest of their union: trainer ranks that each hold some runs of an
+    engine tensor can check it together against one digest of the engine's bytes. A change the
+    key does not know is missed with probability about 2**-56 per check.
+    """
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError("position_digest takes a flat uint8 tensor")
+    total = 0
+    seed = _signed(key)
+    for start in range(0, data.numel(), _POSITION_CHUNK):
+        b = data[start : start + _POSITION_CHUNK].to(torch.int64)
+        pos = torch.arange(b.numel(), dtype=torch.int64, device=b.device) + (position + start)
+        z = (pos ^ seed) + _SM_ADD
+        z = (z ^ _lshr(z, 30)) * _SM_M1
+        z = (z ^ _lshr(z, 27)) * _SM_M2
+        z = z ^ _lshr(z, 31)
+        total += int((b * z).sum().item())
+    return total & _M64
+
+
+def region_position(region: int, offset: int) -> int:
+    """The absolute position `position_digest` uses for a byte of an engine's region."""
+    return (region << 40) + offset
+
+
+def name_key(name: str) -> int:
+    """Per-engine (or per-tensor) key tweak."""
+    return _name_key(name)

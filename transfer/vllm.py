@@ -11,12 +11,23 @@ below for an in-process `vllm.LLM`). `OneSidedUpdater` maps them onto this proje
    worker builds a `WeightReceiver` over its live model and joins; then every trainer rank
    builds its `WeightSender` (the controller plans once the engines have joined);
 2. per update k: rank 0 calls `start_weight_update`, then `update_weights({"version": k})` on a
-   thread: inside that call every vLLM worker announces that it is ready and blocks (bounded)
-   until its version word reads k. Only when every worker is ready does rank 0 post "go k", so
+   thread: inside that call every vLLM worker announces that it is ready (a sealed value naming
+   it and k) and blocks (bounded) until its version word reads k. Only when every worker's
+   announcement is read and authenticated does rank 0 post "go k", so
    every one-sided write lands while each worker's only thread is inside that call and no
    forward pass runs (vLLM runs a worker's RPCs and its model steps on one thread, in order).
    `finish_weight_update(str(k))` then re-runs vLLM's processing where it derives kernel
    state from the weights, and sets the weight version.
+
+Fail closed: once "go k" is posted, bytes of update k may be in the engine's memory, so if the
+update then fails anywhere (a trainer rank, a peer, vLLM's refresh) the engine must serve nothing
+until a complete update lands. `OneSidedUpdater` then calls the client's
+`fail_weight_update(reason)` instead of `abort_weight_update()` (which resumes serving and is
+called only for a failure before "go", when no byte was written): `LLMWeightSyncClient` keeps
+vLLM's scheduler paused (requests are accepted and held, none is scheduled) and reports
+`serving` FAILED; `get_weight_version()` still names the last complete update. The next update
+that completes resumes scheduling, and the held requests run on its weights. A client without
+`fail_weight_update` is left as the failed update left it (paused, if its start paused vLLM).
 
 Trainer processes without vLLM installed use this module directly with any client object (for
 example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm` wraps it as
@@ -52,12 +63,14 @@ from weight_transfer.config import (
 from weight_transfer.controller import Controller
 from weight_transfer.errors import (
     ConfigurationError,
+    ControlPlaneAuthError,
     TransportTimeoutError,
     UpdateFailedError,
     WeightTransferError,
 )
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
+from weight_transfer.serving import ServingGate, ServingStatus
 
 __all__ = [
     "BACKEND",
@@ -77,8 +90,6 @@ log = logging.getLogger(__name__)
 BACKEND = "weight_transfer"
 """The name this project's engines are registered under with vLLM (`WeightTransferConfig`)."""
 
-_READY_POLL_S = 0.01
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ready:
@@ -86,6 +97,9 @@ class Ready:
 
     step: int
     engine: str
+    aborted: bool = False
+    """Written by trainer rank 0 itself when vLLM's `update_weights` ended before every
+    engine was ready: it ends rank 0's wait (the update fails)."""
 
 
 def ready_key(step: int, engine: str) -> str:
@@ -194,8 +208,12 @@ class TrainerInitInfo:
         return self.trainer_rank == 0
 
     def engine_init_info(self) -> EngineInitInfo:
-        """The `EngineInitInfo` rank 0 sends to the vLLM workers."""
-        return EngineInitInfo.from_config(self.config)
+        """The `EngineInitInfo` rank 0 sends to the vLLM workers: the config without this
+        trainer rank's own addresses (`listen_host`, `advertise_host`), which every worker
+        resolves for itself on its host (`weight_transfer.addresses.member_address`)."""
+        return EngineInitInfo.from_config(
+            dataclasses.replace(self.config, listen_host=None, advertise_host=None)
+        )
 
 
 class WeightSyncClient(Protocol):
@@ -219,6 +237,13 @@ class LLMWeightSyncClient:
     resets vLLM's prefix cache (cached KV blocks were computed with the old weights) and sets the
     engine's weight version. Not thread-safe: one phase at a time.
 
+    Fail closed: after `fail_weight_update` (an update failed once its writes began) the
+    scheduler stays paused: `llm.generate` then holds its requests (it returns once a later
+    update completes, with that update's tokens), `serving` reads FAILED and `check_serving()`
+    raises `NotServingError`, so code that must not block can refuse instead. The next update
+    that finishes resumes scheduling. Restarting the engine also recovers (it loads its
+    checkpoint); waking the scheduler by hand (`llm.wake_up`) would serve the mixed weights.
+
     vLLM 0.26 has no weight version on its engine and no `shutdown_weight_transfer_engine` on
     its workers: there the version is kept by this client, and leaving the transfer happens when
     the engine shuts down (its workers shut their weight-transfer engine down then).
@@ -228,6 +253,22 @@ class LLMWeightSyncClient:
         """Args: llm: a `vllm.LLM` started with `weight_transfer_config={"backend": BACKEND}`."""
         self.llm = llm
         self._version = "0"
+        self._gate = ServingGate()
+        self._step = 0
+
+    @property
+    def serving(self) -> ServingStatus:
+        """Whether vLLM serves a complete update now (FAILED after `fail_weight_update`)."""
+        return self._gate.status
+
+    def check_serving(self) -> int:
+        """The update vLLM serves (0: the weights it started with).
+
+        Raises:
+            NotServingError: an update is being written, or one failed and vLLM holds its
+                requests until a complete update lands.
+        """
+        return self._gate.check()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every worker joins (vLLM worker method `init_weight_transfer_engine`)."""
@@ -239,11 +280,14 @@ class LLMWeightSyncClient:
         try:
             self.llm.collective_rpc("start_weight_update")
         except BaseException:
-            self.llm.wake_up(tags=["scheduling"])
+            if self._gate.serving:  # paused only for this update, which never began
+                self.llm.wake_up(tags=["scheduling"])
             raise
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Every worker waits (bounded) until the update's writes are complete."""
+        self._step = int(update_info["version"])
+        self._gate.begin(self._step)
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -257,11 +301,28 @@ class LLMWeightSyncClient:
                 if set_version is not None:  # vLLM 0.27 and later
                     set_version(weight_version)
         finally:
+            # The workers' refresh ran inside update_weights, which returned: complete.
+            self._gate.commit(self._step)
             self.llm.wake_up(tags=["scheduling"])
 
     def abort_weight_update(self) -> None:
-        """Resume scheduling after a failed update (the engine keeps its previous version)."""
-        self.llm.wake_up(tags=["scheduling"])
+        """The update failed before any byte was written ("go" never posted): resume
+        scheduling on the weights vLLM had, unless an earlier failure left them mixed."""
+        self._gate.reopen()
+        if self._gate.serving:
+            self.llm.wake_up(tags=["scheduling"])
+
+    def fail_weight_update(self, reason: str) -> None:
+        """The update failed after its writes may have begun: the weights may mix it with the
+        previous one. Scheduling stays paused (requests are held) until a complete update."""
+        self._gate.fail(self._step, reason)
+        log.error(
+            "vLLM holds its requests: update %d failed after its writes began and no complete "
+            "update has landed since (weight version stays %s): %s",
+            self._step,
+            self.get_weight_version(),
+            reason,
+        )
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Every worker leaves the transfer (inference goes on); on vLLM 0.26, which has no such
@@ -310,7 +371,9 @@ class OneSidedUpdater:
 
         Raises:
             ConfigurationError: rank 0 without a client.
-            WeightTransferError: vLLM refused to join (its message), or the plan failed.
+            WeightTransferError: vLLM refused to join (its message).
+            PlanMismatchError: the trainer's tensors do not fit the engines' recipes (every
+                problem listed, on every rank); vLLM keeps serving its current weights.
             TransportTimeoutError: an engine or rank did not join in time.
         """
         self.init_info = init_info
@@ -346,6 +409,7 @@ class OneSidedUpdater:
                 self.controller.close(linger_s=0)
             raise
         self.last_step = 0
+        self._writing = False
 
     @property
     def engines(self) -> list[str]:
@@ -362,7 +426,9 @@ class OneSidedUpdater:
         Raises:
             UpdateFailedError: the transfer failed (the failing rank and peer named) or vLLM's
                 `update_weights` failed; the engine's version does not advance, and a later
-                update may retry.
+                update may retry. A failure once writes may have begun leaves vLLM paused,
+                serving nothing (`LLMWeightSyncClient.fail_weight_update`) until a later update
+                completes.
             TransportTimeoutError: an engine did not get ready in time.
             Exception: whatever vLLM raised when it refused `start_weight_update` or
                 `finish_weight_update`.
@@ -379,12 +445,21 @@ class OneSidedUpdater:
         client = self.client
         timeout = self.init_info.config.sender.update_timeout_s
         client.start_weight_update()
+        self._writing = False
         try:
             stats = self._transfer(step, client, timeout)
-        except BaseException:
-            abort = getattr(client, "abort_weight_update", None)
-            if abort is not None:
-                abort()
+        except BaseException as exc:
+            if not self._writing:  # "go" was never posted: not a byte was written
+                abort = getattr(client, "abort_weight_update", None)
+                if abort is not None:
+                    abort()
+                raise
+            fail = getattr(client, "fail_weight_update", None)
+            if fail is not None:
+                fail(f"{type(exc).__name__}: {exc}")
+                exc.add_note(
+                    "vLLM serves nothing (it holds its requests) until a complete update lands"
+                )
             raise
         t0 = time.perf_counter()
         client.finish_weight_update(str(step))
@@ -393,16 +468,25 @@ class OneSidedUpdater:
 
     def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
         errors: list[BaseException] = []
+        waiting = threading.Event()
+        waiting.set()
+        engines = self.engines
 
         def receive() -> None:
             try:
                 client.update_weights({"version": step, "timeout_s": timeout})
             except BaseException as exc:  # reported by the caller's thread
                 errors.append(exc)
+            if waiting.is_set():
+                self._end_ready_wait(step, engines)
 
         th = threading.Thread(target=receive, name=f"wt-vllm-update-{step}", daemon=True)
         th.start()
-        self._wait_ready(step, th, errors, timeout)
+        try:
+            self._wait_ready(step, engines, errors, timeout)
+        finally:
+            waiting.clear()
+        self._writing = True  # from here on, bytes of this update may be in the engines
         try:
             stats = self.sender.update(step)
         finally:
@@ -417,31 +501,61 @@ class OneSidedUpdater:
             )
         return stats
 
-    def _wait_ready(
-        self, step: int, th: threading.Thread, errors: list[BaseException], timeout_s: float
-    ) -> None:
+    def _end_ready_wait(self, step: int, engines: list[str]) -> None:
+        """vLLM's `update_weights` ended before every engine was ready: mark every engine's
+        ready key aborted (on a connection of its own: the waiting thread blocks on the
+        controller's), which ends `_wait_ready` at once."""
         assert self.controller is not None
-        cp = self.controller.control
-        engines = self.engines
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [e for e in engines if not cp.exists(ready_key(step, e))]
-            if not missing:
-                for e in engines:
-                    cp.delete(ready_key(step, e))
-                return
-            if errors or not th.is_alive():
-                th.join(1.0)
-                raise UpdateFailedError(
-                    f"update {step}: vLLM's update_weights ended before every engine was "
-                    f"ready: {errors[0] if errors else 'no error reported'}",
-                    step=step,
-                )
-            if time.monotonic() > deadline:
-                raise TransportTimeoutError(
-                    f"update {step}: engine(s) {missing} not ready within {timeout_s:.0f} s"
-                )
-            time.sleep(_READY_POLL_S)
+        try:
+            cp = self.controller.control.clone("controller (vLLM update thread)")
+        except WeightTransferError as exc:
+            log.warning("update %d: could not end the wait for ready engines: %s", step, exc)
+            return
+        try:
+            cp.put_many(
+                [(ready_key(step, e), Ready(step=step, engine=e, aborted=True)) for e in engines]
+            )
+        finally:
+            cp.close()
+
+    def _wait_ready(
+        self, step: int, engines: list[str], errors: list[BaseException], timeout_s: float
+    ) -> None:
+        """Block until every engine announced it is inside `update_weights` for `step`.
+
+        One blocking wait for all their keys, then one read per 64: each value must be
+        authentic and name its engine and this step (a key's existence proves nothing).
+
+        Raises:
+            UpdateFailedError: vLLM's `update_weights` ended first.
+            ControlPlaneAuthError: an announcement is not authentic by the deadline.
+            TransportTimeoutError: an engine was not ready in time (named).
+        """
+        assert self.controller is not None
+        keys = {ready_key(step, e): e for e in engines}
+        self.controller.forget_later(step, list(keys))
+        got = self.controller.control.collect(
+            list(keys),
+            Ready,
+            timeout_s,
+            accept=lambda k, r: r.step == step and r.engine == keys[k],
+        )
+        if errors or any(r.aborted for r in got.values.values()):
+            raise UpdateFailedError(
+                f"update {step}: vLLM's update_weights ended before every engine was "
+                f"ready: {errors[0] if errors else 'no error reported'}",
+                step=step,
+            )
+        if got.refused:
+            raise ControlPlaneAuthError(
+                f"update {step}: the ready announcement(s) {sorted(got.refused)} are not "
+                f"authentic: {next(iter(got.refused.values()))}"
+            )
+        if got.missing:
+            raise TransportTimeoutError(
+                f"update {step}: engine(s) {[keys[k] for k in got.missing]} not ready within "
+                f"{timeout_s:.0f} s"
+            )
 
     def close(self) -> None:
         """Release the sender (and the control plane on rank 0)."""

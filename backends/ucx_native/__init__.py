@@ -31,6 +31,9 @@ class UcxError(TransportError):
 
     def __init__(self, what: str, status: int, text: str) -> None:
         self.status = status
+        self.pending: list[int] = []
+        """Requests of the failed call that UCX still runs (`put_many`): not freed, since
+        UCX may still read their memory; the caller checks them with `sweep`."""
         super().__init__(f"{what} failed: {text} (ucs_status {status})")
 
 
@@ -334,8 +337,9 @@ class UcxWorker:
         say, shows only in its request, not in the flush).
 
         Raises:
-            UcxError: a put was refused (the puts before it are already posted; their
-                requests are released).
+            UcxError: a put was refused. The puts before it are already posted and may still
+                read their memory: the error's `pending` holds their requests, not freed
+                (check them with `sweep` until none is left).
         """
         put = self.lib.ucp_put_nbx
         err_floor = L.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
@@ -344,30 +348,30 @@ class UcxWorker:
             ptr = put(ep, address, nbytes, remote, rkey, ctypes.byref(param))
             if ptr is not None:
                 if ptr >= err_floor:
-                    self.release_all(pending)
-                    self._request("ucp_put_nbx", ptr)  # raises with UCX's text
+                    try:
+                        self._request("ucp_put_nbx", ptr)  # raises with UCX's text
+                    except UcxError as exc:
+                        exc.pending = pending
+                        raise
                 pending.append(ptr)
         return pending
 
-    def settle(self, requests: list[int]) -> list[int]:
-        """Free the completed requests of `requests`; return those still in progress.
-
-        Raises:
-            UcxError: a request completed with an error (all of `requests` are released).
-        """
+    def sweep(self, requests: list[int]) -> tuple[list[int], UcxError | None]:
+        """Free the requests of `requests` that finished; return those still in progress
+        (never freed: UCX may still read their memory) and the first failure, if any."""
         check = self.lib.ucp_request_check_status
         free = self.lib.ucp_request_free
         still: list[int] = []
-        for i, ptr in enumerate(requests):
+        failure: UcxError | None = None
+        for ptr in requests:
             status = int(check(ptr))
             if status == L.UCS_INPROGRESS:
                 still.append(ptr)
                 continue
             free(ptr)
-            if status != L.UCS_OK:
-                self.release_all(still + requests[i + 1 :])
-                self._check("UCX put", status)
-        return still
+            if status != L.UCS_OK and failure is None:
+                failure = UcxError("UCX put", status, self.lib.status_string(status))
+        return still, failure
 
     def release_all(self, requests: list[int]) -> None:
         """Give up on raw request pointers (as `release` does for a `Request`)."""

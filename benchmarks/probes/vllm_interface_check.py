@@ -87,14 +87,15 @@ def main() -> int:
     factory_params = inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters
     kwargs: dict[str, Any] = {"client": _RefusingClient(), "source": ModuleSource(model)}
     try:
+        # Each branch is one release's calling convention, whichever vLLM's stubs the type
+        # checker sees; our TrainerInitInfo stands in for vLLM's (the factory passes it on).
+        trainer_init: Any = WeightTransferTrainerFactory.trainer_init
         if "backend" in factory_params:  # vLLM 0.26: (backend, config, init_info, ...)
             from vllm.config import WeightTransferConfig
 
-            WeightTransferTrainerFactory.trainer_init(
-                BACKEND, WeightTransferConfig(backend=BACKEND), info, **kwargs
-            )
+            trainer_init(BACKEND, WeightTransferConfig(backend=BACKEND), info, **kwargs)
         else:  # vLLM 0.27 and later: (init_info, ...), backend read from init_info
-            WeightTransferTrainerFactory.trainer_init(info, **kwargs)
+            trainer_init(info, **kwargs)
     except WeightTransferError as exc:
         assert "did not join" in str(exc) and "refused on purpose" in str(exc), exc
     else:
@@ -110,7 +111,7 @@ def main() -> int:
         client=_RefusingClient(),
         source=ModuleSource(model),
         is_sender=True,
-        updater=_Updater(),
+        updater=_Updater(),  # type: ignore[arg-type]  # a stand-in: only close() is called
     )
     assert engine.is_sender and engine.client is not None
     print("ok 3b: the trainer engine's constructor takes this vLLM's base-class arguments")

@@ -261,7 +261,7 @@ H200X2_RATES = Rates(
     task_overhead_s=72e-6,
 )
 """Rates of the 2x H200 machine of the GPU benchmarks (2026-11-30), from microbenchmarks only
-(`benchmarks/results/rates_h200x2_202611.json` explains each; the update times are not used)."""
+(`benchmarks/results/simulator_vs_h200_202611.md` explains each; the update times are not used)."""
 
 
 def _h200x2(name: str, model: str, *, fp8: bool = False, colocated: bool = False) -> ClusterPreset:

@@ -24,6 +24,11 @@ tp 1/2/4/8 and a MoE layer at tp 1/2:
   zero padding written once at load. The recipe and spec describe the real-row prefix of the
   rank's parameter (``param[:rows]``, contiguous at offset 0): a receiver registers that view,
   and the padding is never written. A tied lm_head has no recipe (vLLM shares the embedding).
+* Sources: every recipe declares the global shape of each trainer tensor it reads (the HF
+  shapes of `hf_parameter_shapes`); a trainer tensor of any other shape fails the plan. The
+  one exception is a trainer's own vocabulary padding: with `PlannerConfig.allow_source_padding`
+  a trainer's ``embed_tokens`` / ``lm_head`` may have more rows than ``vocab_size`` (trailing
+  padding, never sent). Float dtypes are cast to the engine's.
 
 vLLM requires tensor-parallel divisibility, so these recipes raise `ConfigurationError` (a
 `ValueError`) naming the tensor when a size does not divide by tp; `planner.recipes` has the
@@ -58,6 +63,7 @@ from weight_transfer.planner.recipes import (
     qkv_head_ranges,
     row_shard,
     with_fp8,
+    with_padding,
 )
 from weight_transfer.planner.types import Range, Recipe
 
@@ -175,7 +181,7 @@ class _Rank:
     def vocab(self, name: str) -> Recipe:
         """The embedding or LM head: vocabulary rows split over ranks, with vLLM's padding."""
         bounds = [vocab_rows(self.shape.vocab_size, r, self.tp_size) for r in range(self.tp_size)]
-        return column_shard(
+        recipe = column_shard(
             name,
             name,
             (self.shape.vocab_size, self.shape.hidden_size),
@@ -183,6 +189,8 @@ class _Rank:
             tp_size=self.tp_size,
             bounds=bounds,
         )
+        # A trainer may pad its vocabulary (Megatron-style); its padding rows are never sent.
+        return with_padding(recipe, (0,))
 
     def attention(self, attn: str) -> list[Recipe]:
         """Fused qkv_proj (kv heads replicated when tp > kv heads), o_proj, optional qk norms."""

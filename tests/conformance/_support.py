@@ -1,21 +1,17 @@
 """Helpers and spawn-able worker functions for the conformance suite.
 
-Workers are module-level (spawn pickles them by name) and talk to the parent only through
-multiprocessing queues carrying bytes, ints and strings; write plans travel as msgpack bytes.
-A worker reports "ok" or an error string and exits non-zero on failure.
+Workers are module-level (spawn pickles them by name), started by `weight_transfer.cli.launch`,
+and talk to the parent only through their launcher channel (msgpack: bytes, ints, strings and
+lists of them). A worker reports "ok" or a mismatch and exits non-zero on failure.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import os
-import queue
 import signal
-import traceback
 from collections.abc import Sequence
-from typing import Any
 
-import msgpack
 import torch
 
 from weight_transfer.backends.base import (
@@ -26,14 +22,13 @@ from weight_transfer.backends.base import (
     WriteOp,
     create_transport,
 )
+from weight_transfer.cli.launch import Channel, Child, Launch
 
 BACKEND_NAMES: list[str] = ["loopback", "tcp", "ucx", "nixl", "ibverbs"]
 """Every backend the suite runs on; one that cannot run here is skipped with its reason."""
 
 QUEUE_TIMEOUT_S = 60.0
 """How long the parent waits for any message from a child."""
-
-CTX = mp.get_context("spawn")
 
 # Sizes of the ops a sender splits a range into, cycled: odd on purpose, 1 byte to 1 MiB + 3.
 ODD_SIZES = (1, 3, 4093, 7, 65537, 2, 1048579, 129)
@@ -81,63 +76,58 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Workers (run in spawned processes).
+# Workers (run in spawned processes, started by `weight_transfer.cli.launch`).
 # ---------------------------------------------------------------------------------------------
 
 
-def receiver_worker(
-    backend: str, nbytes: int, init_seed: int, to_parent: Any, from_parent: Any
-) -> None:
-    """Register a seeded TARGET, publish it, then check it against the plan the parent sends.
+def receiver_worker(backend: str, nbytes: int, init_seed: int, channel: Channel) -> None:
+    """Register a seeded TARGET, publish it, then check it against the plans the parent sends
+    (one verdict per plan; an empty message ends it).
 
-    Runs no code while the writes happen: it blocks on the parent's queue.
+    Runs no code while the writes happen: it blocks on its channel.
     """
     transport = make_transport(backend)
     try:
         target = seeded_bytes(nbytes, init_seed)
         region = transport.register(target, role=RegionRole.TARGET)
         assert region.descriptor is not None
-        to_parent.put(("ready", transport.endpoint(), region.descriptor.to_bytes()))
-        plan = msgpack.unpackb(from_parent.get(timeout=QUEUE_TIMEOUT_S * 3))
-        verdict = first_difference(target, expected_after(nbytes, init_seed, plan))
-        to_parent.put(("ok" if verdict == "equal" else f"mismatch: {verdict}",))
-        if verdict != "equal":
-            raise SystemExit(1)
+        channel.put(("ready", transport.endpoint(), region.descriptor.to_bytes()))
+        while (plan := channel.get(QUEUE_TIMEOUT_S * 3)) is not None:
+            verdict = first_difference(target, expected_after(nbytes, init_seed, plan))
+            channel.put("ok" if verdict == "equal" else f"mismatch: {verdict}")
+            if verdict != "equal":
+                raise SystemExit(1)
     finally:
         transport.close()
 
 
 def sender_worker(
-    backend: str, name: str, endpoint: bytes, descriptor: bytes, plan: bytes, to_parent: Any
+    backend: str, endpoint: bytes, descriptor: bytes, plan: list[list[int]], channel: Channel
 ) -> None:
     """Write each (offset, length, seed) range of `plan` in odd-sized ops, two batches per range."""
+    transport = make_transport(backend)
     try:
-        transport = make_transport(backend)
-        try:
-            desc = RegionDescriptor.from_bytes(descriptor)
-            transport.connect("receiver", endpoint)
-            handles = []
-            sources = []
-            for offset, length, seed in msgpack.unpackb(plan):
-                data = seeded_bytes(length, seed)
-                sources.append(data)  # the source must stay alive until its writes complete
-                src = transport.register(data, role=RegionRole.SOURCE)
-                ops = [
-                    WriteOp(src, rel, desc, offset + rel, size)
-                    for rel, size in split_odd(offset, length)
-                ]
-                half = len(ops) // 2
-                for batch in (ops[:half], ops[half:]):
-                    if batch:
-                        handles.append(transport.post_writes("receiver", batch))
-            for handle in handles:
-                transport.wait(handle, timeout_s=QUEUE_TIMEOUT_S)
-        finally:
-            transport.close()
-    except BaseException:
-        to_parent.put((name, f"error: {traceback.format_exc()}"))
-        raise
-    to_parent.put((name, "ok"))
+        desc = RegionDescriptor.from_bytes(descriptor)
+        transport.connect("receiver", endpoint)
+        handles = []
+        sources = []
+        for offset, length, seed in plan:
+            data = seeded_bytes(length, seed)
+            sources.append(data)  # the source must stay alive until its writes complete
+            src = transport.register(data, role=RegionRole.SOURCE)
+            ops = [
+                WriteOp(src, rel, desc, offset + rel, size)
+                for rel, size in split_odd(offset, length)
+            ]
+            half = len(ops) // 2
+            for batch in (ops[:half], ops[half:]):
+                if batch:
+                    handles.append(transport.post_writes("receiver", batch))
+        for handle in handles:
+            transport.wait(handle, timeout_s=QUEUE_TIMEOUT_S)
+    finally:
+        transport.close()
+    channel.put("ok")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,79 +136,67 @@ def sender_worker(
 
 
 class Receiver:
-    """A receiver_worker process and its queues."""
+    """A receiver_worker process and its channel."""
+
+    NAME = "conformance-receiver"
 
     def __init__(self, backend: str, nbytes: int, init_seed: int) -> None:
         self.nbytes = nbytes
         self.init_seed = init_seed
-        self.to_parent = CTX.Queue()
-        self.from_parent = CTX.Queue()
-        self.process = CTX.Process(
-            target=receiver_worker,
-            args=(backend, nbytes, init_seed, self.to_parent, self.from_parent),
-            name="conformance-receiver",
-        )
-        self.process.start()
-        msg = self.to_parent.get(timeout=QUEUE_TIMEOUT_S)
+        self._launch = Launch([Child(self.NAME, receiver_worker, (backend, nbytes, init_seed))])
+        self._launch.start()
+        msg = self._launch.recv(self.NAME, QUEUE_TIMEOUT_S)
         assert msg[0] == "ready", msg
         self.endpoint: bytes = msg[1]
         self.descriptor: bytes = msg[2]
 
     def check(self, plan: Sequence[Sequence[int]]) -> str:
         """Ask the receiver to compare its memory with `plan`; return its verdict."""
-        self.from_parent.put(msgpack.packb([list(p) for p in plan]))
-        verdict: str = self.to_parent.get(timeout=QUEUE_TIMEOUT_S)[0]
+        self._launch.send(self.NAME, [list(p) for p in plan])
+        verdict: str = self._launch.recv(self.NAME, QUEUE_TIMEOUT_S)
         return verdict
 
     def pause(self) -> None:
         """Stop the receiver process (SIGSTOP): it then cannot run a single instruction."""
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
+        os.kill(self._launch.pid(self.NAME), signal.SIGSTOP)
 
     def resume(self) -> None:
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGCONT)
+        os.kill(self._launch.pid(self.NAME), signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the receiver process and reap it."""
+        self._launch.kill(self.NAME)
+
+    @property
+    def exit_code(self) -> int | None:
+        """The receiver's exit code (None while it runs)."""
+        return self._launch.exit_code(self.NAME)
+
+    def join(self, timeout_s: float = QUEUE_TIMEOUT_S) -> int | None:
+        """Tell the receiver to finish, wait up to `timeout_s` (then kill it); its exit code."""
+        if self.exit_code is None:
+            with contextlib.suppress(OSError):
+                self._launch.send(self.NAME, None)
+        return self._launch.close(grace_s=timeout_s)[self.NAME]
 
 
 def run_senders(
     backend: str, receiver: Receiver, plans: Sequence[Sequence[Sequence[int]]]
 ) -> list[str]:
     """Run one sender process per plan concurrently; return their verdicts in plan order."""
-    results = CTX.Queue()
-    procs = []
-    for i, plan in enumerate(plans):
-        proc = CTX.Process(
-            target=sender_worker,
-            args=(
-                backend,
-                f"sender{i}",
-                receiver.endpoint,
-                receiver.descriptor,
-                msgpack.packb([list(p) for p in plan]),
-                results,
-            ),
-            name=f"conformance-sender{i}",
-        )
-        proc.start()
-        procs.append(proc)
     verdicts: dict[str, str] = {}
-    try:
-        for _ in procs:
-            name, verdict = results.get(timeout=QUEUE_TIMEOUT_S * 2)
-            verdicts[name] = verdict
-    except queue.Empty:
-        verdicts.setdefault("timeout", "a sender did not report in time")
-    finally:
-        join_all(procs)
-    for proc in procs:
-        assert proc.exitcode == 0, f"{proc.name} exited with {proc.exitcode}: {verdicts}"
+    outcome = Launch(
+        [
+            Child(
+                f"sender{i}",
+                sender_worker,
+                (backend, receiver.endpoint, receiver.descriptor, [list(p) for p in plan]),
+            )
+            for i, plan in enumerate(plans)
+        ]
+    ).run(
+        timeout_s=QUEUE_TIMEOUT_S * 2,
+        on_message=lambda name, verdict: verdicts.__setitem__(name, verdict),
+    )
+    assert outcome.ok, outcome.errors
     return [verdicts[f"sender{i}"] for i in range(len(plans))]
-
-
-def join_all(procs: Sequence[Any], timeout_s: float = QUEUE_TIMEOUT_S) -> None:
-    """Join every process; kill (by handle) any that outlives `timeout_s`."""
-    for proc in procs:
-        proc.join(timeout=timeout_s)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)

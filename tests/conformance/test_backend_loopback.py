@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from tests.conformance._support import Receiver, join_all, seeded_bytes
+from tests.conformance._support import Receiver, seeded_bytes
 from weight_transfer.backends.base import (
     ConfigurationError,
     PeerLostError,
@@ -103,8 +103,8 @@ def test_segment_of_exited_receiver_reported_as_peer_lost() -> None:
     try:
         assert receiver.check([]) == "ok"
     finally:
-        join_all([receiver.process])
-    assert receiver.process.exitcode == 0
+        receiver.join()
+    assert receiver.exit_code == 0
     desc = RegionDescriptor.from_bytes(receiver.descriptor)
     assert not os.path.exists("/dev/shm/" + _shm_name(desc.payload))
     with LoopbackTransport(TransportConfig(name="loopback")) as sender:
@@ -128,9 +128,8 @@ def test_killed_receiver_reported_as_peer_lost_on_poll_and_post() -> None:
             ops = [WriteOp(src, 0, desc, 0, nbytes)]
             sender.wait(sender.post_writes("engine-0", ops), timeout_s=30)  # alive: completes
             pending = sender.post_writes("engine-0", ops)
-            receiver.process.kill()
-            receiver.process.join(timeout=30)
-            assert receiver.process.exitcode == -signal.SIGKILL
+            receiver.kill()
+            assert receiver.exit_code == -signal.SIGKILL
             with pytest.raises(PeerLostError, match=r"'engine-0'.*process \d+ has exited"):
                 sender.wait(pending, timeout_s=30)
             with pytest.raises(PeerLostError, match="'engine-0'"):
@@ -138,7 +137,7 @@ def test_killed_receiver_reported_as_peer_lost_on_poll_and_post() -> None:
             with pytest.raises(PeerLostError, match=r"'engine-0'.*process \d+ has exited"):
                 sender.post_writes("engine-0", ops)
     finally:
-        join_all([receiver.process])
+        receiver.join()
 
 
 @pytest.mark.timeout(30)

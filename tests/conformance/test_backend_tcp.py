@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from tests.conformance._support import Receiver, join_all, seeded_bytes
+from tests.conformance._support import Receiver, seeded_bytes
 from weight_transfer.backends.base import (
     PeerLostError,
     RegionDescriptor,
@@ -108,14 +108,13 @@ def test_killed_receiver_fails_pending_writes_with_peer_lost() -> None:
             desc = RegionDescriptor.from_bytes(receiver.descriptor)
             src = sender.register(seeded_bytes(1 << 20, 6), role=RegionRole.SOURCE)
             sender.wait(sender.post_writes("victim", [WriteOp(src, 0, desc, 0, 1 << 20)]), 30)
-            receiver.process.kill()
-            receiver.process.join(timeout=30)
+            receiver.kill()
             with pytest.raises(PeerLostError, match="'victim'"):
                 handle = sender.post_writes("victim", [WriteOp(src, 0, desc, 0, 1 << 20)])
                 sender.wait(handle, timeout_s=30)
     finally:
-        join_all([receiver.process])
-    assert receiver.process.exitcode == -9
+        receiver.join()
+    assert receiver.exit_code == -9
 
 
 @pytest.mark.timeout(30)

@@ -18,7 +18,6 @@ import torch
 from tests.conformance._support import (
     Receiver,
     first_difference,
-    join_all,
     make_transport,
     run_senders,
     seeded_bytes,
@@ -240,8 +239,8 @@ def test_three_sender_processes_into_one_receiver(backend: str) -> None:
         verdict = receiver.check([p for plan in plans for p in plan])
         assert verdict == "ok", verdict
     finally:
-        join_all([receiver.process])
-    assert receiver.process.exitcode == 0
+        receiver.join()
+    assert receiver.exit_code == 0
 
 
 @pytest.mark.timeout(240)
@@ -258,8 +257,8 @@ def test_close_and_reconnect_to_same_receiver(backend: str) -> None:
         verdict = receiver.check(first + second)
         assert verdict == "ok", verdict
     finally:
-        join_all([receiver.process])
-    assert receiver.process.exitcode == 0
+        receiver.join()
+    assert receiver.exit_code == 0
 
 
 @pytest.mark.timeout(60)
@@ -302,8 +301,8 @@ def test_one_sided_writes_complete_while_target_process_is_stopped(backend: str)
         verdict = receiver.check(plan)
         assert verdict == "ok", verdict
     finally:
-        join_all([receiver.process])
-    assert receiver.process.exitcode == 0
+        receiver.join()
+    assert receiver.exit_code == 0
 
 
 # -- errors -------------------------------------------------------------------------------------

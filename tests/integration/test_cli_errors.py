@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import multiprocessing
 import secrets
 import socket
 import subprocess
@@ -36,7 +37,8 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     """Run the CLI in this process; assert exit 2, no process started, one error line."""
     started: list[Any] = []
-    real_start = demo.mp.get_context("spawn").Process.start
+    spawned = multiprocessing.get_context("spawn").Process  # what weight_transfer.cli.launch starts
+    real_start = spawned.start
 
     def no_start(self: Any) -> None:  # pragma: no cover - only reached on a regression
         started.append(self)
@@ -44,7 +46,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
     t0 = time.monotonic()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(demo.mp.get_context("spawn").Process, "start", no_start)
+        mp.setattr(spawned, "start", no_start)
         code = main(argv)
     elapsed = time.monotonic() - t0
     out, err = capsys.readouterr()

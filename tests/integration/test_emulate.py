@@ -142,6 +142,11 @@ def test_namespaces_are_removed_when_the_body_fails() -> None:
             ["emulate", "--backend", "ucx", "--repeats", "0"],
             "repeats and baseline_repeats must be >= 1",
         ),
+        (
+            ["emulate", "--preset", "emu-dense-fp8", "--delta-density", "0.01"],
+            "delta emulation runs BF16 engines",
+        ),
+        (["emulate", "--delta-density", "2"], "delta_density must be in [0, 1]"),
     ],
 )
 def test_emulate_refuses_bad_input_in_one_line(capsys, argv: list[str], needle: str) -> None:  # type: ignore[no-untyped-def]

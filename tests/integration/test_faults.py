@@ -10,17 +10,14 @@ that the trainers' own weights are untouched. Faults:
 - the controller (trainer rank 0's process) SIGKILLed after posting its first writes;
 - an engine that stops reading (SIGSTOP; tcp): the trainer's sends block, nothing is acked.
 
-The first three run on loopback, tcp, ucx and nixl. Every child reports through its own pipe
-(`_Reporter`): a shared
-`multiprocessing.Queue` can be left locked by a child killed on purpose.
+The first three run on loopback, tcp, ucx and nixl. The children are started by
+`weight_transfer.cli.launch`: every child reports through its own pipe (a shared
+`multiprocessing.Queue` can be left locked by a child killed on purpose).
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import secrets
 import signal
@@ -31,6 +28,7 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
+from weight_transfer.cli.launch import Child, Launch
 from weight_transfer.cli.run_demo import free_port
 
 UPDATE_TIMEOUT_S = 4.0
@@ -89,10 +87,10 @@ def trainer_proc(
     token: str,
     fault: str,
     big: bool,
-    out: Any,
     paused: Any,
     resume: Any,
     finish: Any,
+    out: Any,
 ) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
     from weight_transfer.backends.base import WeightTransferError
@@ -181,61 +179,6 @@ def _exit_now(out: Any) -> None:
     os._exit(0)
 
 
-class _Reporter:
-    """A child's end of its own report pipe: JSON messages, no pickle, no lock shared with
-    other processes.
-
-    (A `multiprocessing.Queue` shared by all children is wrong here: its writers share one
-    lock, and a child SIGKILLed while its feeder thread held that lock blocks every other
-    child's reports forever. That was the intermittent "trainer rank 0 never returns" hang:
-    rank 0 had returned and reported; its report could not be written.)
-    """
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-
-    def put(self, msg: tuple[Any, ...]) -> None:
-        self._conn.send_bytes(json.dumps(msg).encode())
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-class _Inbox:
-    """The parent's side: one pipe per child, read in arrival order."""
-
-    def __init__(self, ctx: Any) -> None:
-        self._ctx = ctx
-        self._readers: list[Any] = []
-        self._writers: list[Any] = []
-        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
-
-    def reporter(self) -> _Reporter:
-        reader, writer = self._ctx.Pipe(duplex=False)
-        self._readers.append(reader)
-        self._writers.append(writer)
-        return _Reporter(writer)
-
-    def started(self) -> None:
-        """Call after the children started: drop the parent's copies of the write ends, so a
-        dead child's pipe reads EOF."""
-        for w in self._writers:
-            w.close()
-        self._writers = []
-
-    def get(self, timeout: float) -> tuple[Any, ...] | None:
-        """The next message, or None if none arrived within `timeout`."""
-        if not self._pending and self._readers:
-            for conn in mp_connection.wait(self._readers, timeout):
-                try:
-                    self._pending.append(tuple(json.loads(conn.recv_bytes())))
-                except (EOFError, OSError):  # that child exited or was killed
-                    self._readers.remove(conn)
-        elif not self._pending:
-            time.sleep(timeout)
-        return self._pending.popleft() if self._pending else None
-
-
 def _run(
     fault: str,
     backend: str,
@@ -247,35 +190,19 @@ def _run(
     stop_engine: int | None = None,
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    inbox = _Inbox(ctx)
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
     port, token = free_port(), secrets.token_hex(16)
-    procs: dict[str, Any] = {}
-    for r in range(world):
-        procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_proc,
-            args=(
-                r,
-                world,
-                engines,
-                backend,
-                port,
-                token,
-                fault,
-                big,
-                inbox.reporter(),
-                paused,
-                resume,
-                finish,
-            ),
+    children = [
+        Child(
+            f"trainer{r}",
+            trainer_proc,
+            (r, world, engines, backend, port, token, fault, big, paused, resume, finish),
         )
-    for e in range(engines):
-        procs[f"e{e}"] = ctx.Process(
-            target=engine_proc, args=(e, engines, backend, port, token, big, inbox.reporter())
-        )
-    for p in procs.values():
-        p.start()
-    inbox.started()
+        for r in range(world)
+    ] + [
+        Child(f"e{e}", engine_proc, (e, engines, backend, port, token, big)) for e in range(engines)
+    ]
+    launch = Launch(children).start()
     reports: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
     expected_dead = set()
     if fault == "kill_trainer":
@@ -284,7 +211,7 @@ def _run(
         expected_dead.add("trainer0")
     if kill_engine is not None:
         expected_dead.add(f"e{kill_engine}")
-    alive_reports = {n for n in procs if n not in expected_dead}
+    alive_reports = {n for n in launch.names if n not in expected_dead}
     deadline = time.monotonic() + 120
     pids: dict[int, int] = {}
     stopped = False
@@ -296,14 +223,14 @@ def _run(
                 and (stop_engine is None or stop_engine in pids)
             ):
                 if kill_engine is not None:
-                    procs[f"e{kill_engine}"].kill()
-                    procs[f"e{kill_engine}"].join(10)
+                    launch.kill(f"e{kill_engine}")
                 if stop_engine is not None:
                     os.kill(pids[stop_engine], signal.SIGSTOP)  # it stops reading its sockets
                     stopped = True
                 resume.set()
-            msg = inbox.get(timeout=0.1)
-            if msg is not None:
+            got = launch.get(timeout_s=0.1)
+            if got is not None:
+                msg = got[1]
                 kind = msg[0]
                 if kind == "engine_ready":
                     pids[msg[1]] = msg[2]
@@ -323,15 +250,8 @@ def _run(
             os.kill(pids[stop_engine], signal.SIGCONT)
         finish.set()
         resume.set()
-        codes = {}
-        for name, p in procs.items():
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-                codes[name] = "hung"
-            else:
-                codes[name] = p.exitcode
+        codes: dict[str, Any] = dict(launch.close(grace_s=40))
+        codes.update(dict.fromkeys(launch.killed, "hung"))
     reports["exit_codes"] = codes
     reports["expected_dead"] = expected_dead
     return reports
@@ -398,7 +318,7 @@ PG_TIMEOUT_S = 10.0
 
 
 def gather_trainer_proc(
-    rank: int, port: int, dist_port: int, token: str, out: Any, finish: Any
+    rank: int, port: int, dist_port: int, token: str, finish: Any, out: Any
 ) -> None:
     """Two ranks shard one tensor (DTensor, Shard(0), gloo); rank 1 dies inside its gather."""
     import datetime
@@ -470,42 +390,35 @@ def fp8_engine_proc(port: int, token: str, out: Any) -> None:
 
 @pytest.mark.timeout(420)
 def test_trainer_rank_killed_inside_a_gather() -> None:
-    ctx = mp.get_context("spawn")
-    inbox = _Inbox(ctx)
-    finish = ctx.Event()
+    finish = mp.get_context("spawn").Event()
     port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
-    procs = {
-        f"trainer{r}": ctx.Process(
-            target=gather_trainer_proc, args=(r, port, dist_port, token, inbox.reporter(), finish)
-        )
-        for r in range(2)
-    }
-    procs["e0"] = ctx.Process(target=fp8_engine_proc, args=(port, token, inbox.reporter()))
-    for p in procs.values():
-        p.start()
-    inbox.started()
+    launch = Launch(
+        [
+            Child(f"trainer{r}", gather_trainer_proc, (r, port, dist_port, token, finish))
+            for r in range(2)
+        ]
+        + [Child("e0", fp8_engine_proc, (port, token))]
+    ).start()
     rep: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
     # Generous: three spawned processes importing torch on a loaded 2-core CI machine can take
     # minutes to start; the bounds that matter (time from the failure to each report) are
     # asserted separately below.
     deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline and not (0 in rep["trainer"] and 0 in rep["engine"]):
-            msg = inbox.get(timeout=0.2)
-            if msg is None:
+        # Rank 0 reports "untouched" right after its outcome: wait for that too (the engine's
+        # report can come first now that it hears the failure at once).
+        while time.monotonic() < deadline and not (
+            0 in rep["trainer"] and 0 in rep["engine"] and 0 in rep["untouched"]
+        ):
+            got = launch.get(timeout_s=0.2)
+            if got is None:
                 continue
+            msg = got[1]
             rep[msg[0]][msg[1]] = msg[2:] if msg[0] in ("trainer", "engine") else msg[2]
     finally:
         finish.set()
-        codes = {}
-        for name, p in procs.items():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-                codes[name] = "hung"
-            else:
-                codes[name] = p.exitcode
+        codes: dict[str, Any] = dict(launch.close(grace_s=60))
+        codes.update(dict.fromkeys(launch.killed, "hung"))
     assert codes == {"trainer0": 0, "trainer1": -signal.SIGKILL, "e0": 0}, (codes, rep)
     assert rep["tasks"][0] > 0 and rep["tasks"][1] > 0, "the plan must gather across both ranks"
     kind, message, elapsed = rep["trainer"][0]
@@ -521,7 +434,7 @@ DRAIN_TENSORS = 4
 
 
 def raising_trainer_proc(
-    rank: int, port: int, dist_port: int, token: str, out: Any, finish: Any
+    rank: int, port: int, dist_port: int, token: str, finish: Any, out: Any
 ) -> None:
     """Two ranks shard four tensors (gloo); rank 1's quantizer raises a plain exception at its
     first unit, while gathers of later tensors are still ahead of both ranks."""
@@ -604,38 +517,26 @@ def test_plain_exception_while_gathers_remain_fails_fast() -> None:
     """The rank that raised keeps entering the gathers left in its schedule, so the other rank's
     gather completes instead of waiting out gloo's timeout; both raise naming rank 1 and the
     exception, and the next update lands."""
-    ctx = mp.get_context("spawn")
-    inbox = _Inbox(ctx)
-    finish = ctx.Event()
+    finish = mp.get_context("spawn").Event()
     port, dist_port, token = free_port(), free_port(), secrets.token_hex(16)
-    procs = {
-        f"trainer{r}": ctx.Process(
-            target=raising_trainer_proc, args=(r, port, dist_port, token, inbox.reporter(), finish)
-        )
-        for r in range(2)
-    }
-    procs["e0"] = ctx.Process(target=drain_engine_proc, args=(port, token, inbox.reporter()))
-    for p in procs.values():
-        p.start()
-    inbox.started()
+    launch = Launch(
+        [
+            Child(f"trainer{r}", raising_trainer_proc, (r, port, dist_port, token, finish))
+            for r in range(2)
+        ]
+        + [Child("e0", drain_engine_proc, (port, token))]
+    ).start()
     rep: dict[str, Any] = {"trainer": {}, "engine": {}, "tasks": {}}
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and not (len(rep["trainer"]) == 2 and rep["engine"]):
-            msg = inbox.get(timeout=0.2)
-            if msg is not None:
-                rep[msg[0]][msg[1]] = msg[2]
+            got = launch.get(timeout_s=0.2)
+            if got is not None:
+                rep[got[1][0]][got[1][1]] = got[1][2]
     finally:
         finish.set()
-        codes = {}
-        for name, p in procs.items():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-                codes[name] = "hung"
-            else:
-                codes[name] = p.exitcode
+        codes: dict[str, Any] = dict(launch.close(grace_s=60))
+        codes.update(dict.fromkeys(launch.killed, "hung"))
     assert codes == {"trainer0": 0, "trainer1": 0, "e0": 0}, (codes, rep)
     assert rep["tasks"][0] == rep["tasks"][1] == DRAIN_TENSORS, rep["tasks"]
     for r in (0, 1):

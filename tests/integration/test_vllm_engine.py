@@ -20,9 +20,7 @@ read worker state with `collective_rpc(callable)`; the plug-in itself does not n
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import queue
 import secrets
 import shutil
 import subprocess
@@ -38,6 +36,7 @@ import pytest
 import torch
 
 from tests.markers import requires_module
+from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(900)]
 
@@ -89,6 +88,19 @@ QWEN2_MOE = dict(
     tie_word_embeddings=False,
 )
 """A tiny Qwen2-MoE: routed experts plus a shared expert and its gate, qkv bias."""
+QWEN3_TIED = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=864,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+"""A tiny Qwen3 whose LM head shares the embedding (as Qwen3-0.6B to 4B do); its MLP width is
+the issue's 864."""
 PROMPTS = [[1, 5, 9, 33, 71, 2, 640, 18], [7, 300, 999, 4, 12], [250, 251, 8, 77, 3, 10, 11]]
 MAX_TOKENS = 8
 LOGPROB_ATOL = {"float32": 1e-3, "bfloat16": 0.15}
@@ -233,6 +245,39 @@ def _count_steps(self: Any, path: str) -> None:
         self.execute_model = counted
 
 
+def _log_steps_to(self: Any, path: str) -> None:
+    """`_count_steps` into `path`, also where an earlier test wrapped execute_model already."""
+    if getattr(self, "_wt_steps", None) is None:
+        _count_steps(self, path)
+    else:
+        self._wt_steps = path
+
+
+def _target_digests(self: Any) -> dict[str, str]:
+    """sha256 of every tensor the plug-in registered for writes (live storage or buffer)."""
+    from weight_transfer.receiver import tensor_digest
+
+    return {n: tensor_digest(t) for n, t in self.weight_transfer_engine._targets.items()}
+
+
+def _worker_serving(self: Any) -> dict[str, Any]:
+    """The plug-in's serving gate in this worker (`stats()["serving"]`)."""
+    state: dict[str, Any] = self.weight_transfer_engine.stats()["serving"]
+    return state
+
+
+def _break_next_refresh(self: Any) -> None:
+    """The next refresh (vLLM's processing after the writes landed) raises, once."""
+    engine = self.weight_transfer_engine
+    real = engine._refresh
+
+    def broken() -> None:
+        engine._refresh = real
+        raise RuntimeError("injected: vLLM's processing failed")
+
+    engine._refresh = broken
+
+
 def _read_steps(path: Path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
@@ -244,12 +289,12 @@ class _ProxyClient:
     """Trainer rank 0's view of the engine: each phase is run by the test process on its LLM
     (like the HTTP routes or a Ray actor would run it in production)."""
 
-    def __init__(self, req: Any, resp: Any) -> None:
-        self.req, self.resp = req, resp
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
 
     def _call(self, *msg: Any) -> None:
-        self.req.put(msg)
-        kind, value = self.resp.get(timeout=600)
+        self.channel.put(msg)
+        kind, value = self.channel.get(600)
         if kind == "err":
             raise RuntimeError(value)
 
@@ -297,8 +342,7 @@ def _trainer(
     dtype: str,
     steps: int,
     ckpt_root: str,
-    req: Any,
-    resp: Any,
+    channel: Any,
 ) -> None:
     import torch.distributed as dist
     import transformers
@@ -336,7 +380,7 @@ def _trainer(
                 vllm=VllmConfig(hf_moe_layout="fused" if moe else "per_expert"),
             )
         )
-        client = _ProxyClient(req, resp) if rank == 0 else None
+        client = _ProxyClient(channel) if rank == 0 else None
         updater = OneSidedUpdater(info, model, client)
         g = torch.Generator().manual_seed(7)
         for step in range(1, steps + 1):
@@ -354,8 +398,8 @@ def _trainer(
                 d.mkdir(parents=True)
                 save_file(_hf_checkpoint(full), str(d / "model.safetensors"))
                 shutil.copy(Path(model_dir) / "config.json", d / "config.json")
-                req.put(("check", step, str(d), stats.seconds))
-                kind, value = resp.get(timeout=600)
+                channel.put(("check", step, str(d), stats.seconds))
+                kind, value = channel.get(600)
                 assert kind == "ok", value
             dist.barrier()
         updater.close()
@@ -386,58 +430,33 @@ def _run_trainers(
     from weight_transfer.vllm import LLMWeightSyncClient
 
     client = LLMWeightSyncClient(llm)
-    ctx = mp.get_context("spawn")
-    req, resp = ctx.Queue(), ctx.Queue()
     cp_port, dist_port, token = _free_port(), _free_port(), secrets.token_hex(16)
-    procs = [
-        ctx.Process(
-            target=_trainer,
-            args=(
-                r,
-                world,
-                dist_port,
-                cp_port,
-                token,
-                num_engines,
-                str(model_dir),
-                dtype,
-                steps,
-                str(tmp),
-                req,
-                resp,
-            ),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    args = (world, dist_port, cp_port, token, num_engines, str(model_dir), dtype, steps, str(tmp))
+    launch = Launch([Child(f"trainer{r}", _trainer, (r, *args)) for r in range(world)])
     checks: list[dict[str, Any]] = []
     deadline = time.monotonic() + 800
     try:
+        launch.start()
         while len(checks) < steps and time.monotonic() < deadline:
-            try:
-                msg = req.get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
+            got = launch.get(timeout_s=1.0)
+            if got is None:
+                if launch.failure() is not None:
                     break
                 continue
+            who, msg = got
             try:
                 if msg[0] == "rpc":
                     getattr(client, msg[1])(*msg[2])
-                    resp.put(("ok", None))
+                    launch.send(who, ("ok", None))
                 else:
                     _, step, path, seconds = msg
                     checks.append(check(step, Path(path), seconds))
-                    resp.put(("ok", None))
+                    launch.send(who, ("ok", None))
             except Exception as exc:  # handed to the trainer, which fails and exits non-zero
-                resp.put(("err", f"{type(exc).__name__}: {exc}"))
+                launch.send(who, ("err", f"{type(exc).__name__}: {exc}"))
     finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert [p.exitcode for p in procs] == [0] * world
+        codes = launch.close(grace_s=120)
+    assert codes == {f"trainer{r}": 0 for r in range(world)}, (codes, launch.tracebacks)
     assert len(checks) == steps
     return checks
 
@@ -552,7 +571,7 @@ def _check(
 
 
 def _check_fresh(
-    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float
+    llm: Any, step: int, ckpt: Path, dtype: str, tp: int, seconds: float, moe: bool = True
 ) -> dict[str, Any]:
     """Compare the updated engine with a fresh vLLM engine started from the checkpoint.
 
@@ -561,7 +580,7 @@ def _check_fresh(
     (docs/vllm.md). The fresh engine is checked, then reloads the same checkpoint itself: its
     loader's hand-off to processing is the oracle for our checkpoint-layout buffers, and the
     reload's known defect is pinned (its tokens change; re-running the skipped prepack restores
-    them).
+    them) unless `moe` is False.
     """
     fresh = _start_llm(ckpt, dtype, tp, backend=False)
     try:
@@ -572,6 +591,8 @@ def _check_fresh(
         worst, near_ties = _compare_transformers(got, ckpt, dtype, step)
         captured = fresh.collective_rpc(_oracle_reload, args=(str(ckpt),))
         bad = _compare_states(ours, theirs, captured, step)
+        if not moe:
+            return _fresh_result(llm, step, bad, ours, got, worst, near_ties, seconds)
         # vLLM 0.32's own in-place reload of the same weights (pinned, not relied on): the
         # experts now hold the checkpoint layout the CPU kernel does not read...
         reloaded = fresh.collective_rpc(_probe_state, args=(step,))
@@ -590,6 +611,19 @@ def _check_fresh(
     finally:
         fresh.llm_engine.engine_core.shutdown()
         del fresh
+    return _fresh_result(llm, step, bad, ours, got, worst, near_ties, seconds)
+
+
+def _fresh_result(
+    llm: Any,
+    step: int,
+    bad: list[str],
+    ours: list[Any],
+    got: list[Any],
+    worst: float,
+    near_ties: int,
+    seconds: float,
+) -> dict[str, Any]:
     assert llm.llm_engine.get_weight_version() == str(step)
     return {
         "step": step,
@@ -705,6 +739,123 @@ class TestTP1:
         assert inside == [], f"{len(inside)} forward passes ran during the update"
         assert llm.llm_engine.get_weight_version() == "100"
 
+    def test_a_failed_update_serves_nothing_until_a_complete_one_lands(
+        self, engines: Any, tmp_path: Path
+    ) -> None:
+        """Fail closed on a running vLLM. Two failures once writes began: the transfer fails
+        after half of a batch landed (the engine's tensors then mix two updates), and vLLM's
+        refresh fails after the version word was written (new raw bytes, old derived state).
+        After each, vLLM keeps its scheduler paused: the client reports FAILED and refuses
+        (`check_serving`), the weight version stays, a request submitted meanwhile is held
+        (no forward pass runs); the next complete update resumes it, and it is answered with
+        that update's tokens, as transformers computes them from the trainer's weights."""
+        from transformers import LlamaForCausalLM
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from tests.unit.test_serving_gate import _half_then_fail
+        from weight_transfer.errors import NotServingError, WeightTransferError
+        from weight_transfer.serving import ServingState
+        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
+
+        d, llm, _ = engines
+        step_log = tmp_path / "forward_passes.txt"
+        llm.collective_rpc(_log_steps_to, args=(str(step_log),))
+        client = LLMWeightSyncClient(llm)
+        params = {n: t.clone() for n, t in _hf_state(d).items()}
+        updater = OneSidedUpdater(
+            TrainerInitInfo(
+                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
+            ),
+            params,
+            client,
+        )
+        g = torch.Generator().manual_seed(17)
+
+        def new_weights() -> None:
+            with torch.no_grad():
+                for t in params.values():
+                    t.add_(torch.randn(t.shape, generator=g) * 0.05)
+
+        held: list[Any] = []
+        gen: threading.Thread | None = None
+        try:
+            version = llm.llm_engine.get_weight_version()
+            before = llm.collective_rpc(_target_digests)[0]
+            new_weights()
+            armed = {"on": True}
+            _half_then_fail(updater.sender, armed)
+            t0 = time.monotonic()
+            with pytest.raises(WeightTransferError, match="injected after"):
+                updater.update(300)
+            t_failed = time.monotonic()
+            print(f"\nupdate 300 (failed mid-transfer) raised after {t_failed - t0:.2f} s")
+            after = llm.collective_rpc(_target_digests)[0]
+            changed = [n for n in before if after[n] != before[n]]
+            assert 0 < len(changed) < len(before), "the injected failure wrote all or nothing"
+            assert client.serving.state is ServingState.FAILED
+            with pytest.raises(NotServingError, match="update 300 failed"):
+                client.check_serving()
+            assert llm.llm_engine.get_weight_version() == version
+            (worker,) = llm.collective_rpc(_worker_serving)
+            assert worker["state"] == "failed" and worker["step"] == 300, worker
+
+            # A request submitted now is held: no forward pass runs on the mixed weights.
+            sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+            gen = threading.Thread(
+                target=lambda: held.extend(
+                    llm.generate(
+                        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False
+                    )
+                )
+            )
+            gen.start()
+            wait_until = time.monotonic() + 60
+            while llm.llm_engine.get_num_unfinished_requests() < len(PROMPTS):
+                assert time.monotonic() < wait_until, "generate did not submit its requests"
+                time.sleep(0.05)
+            time.sleep(2.0)
+            assert gen.is_alive() and not held, "vLLM served requests from mixed weights"
+
+            # The refresh fails after the writes of update 301 were all committed.
+            new_weights()
+            llm.collective_rpc(_break_next_refresh)
+            with pytest.raises(WeightTransferError, match="injected: vLLM's processing failed"):
+                updater.update(301)
+            assert client.serving.state is ServingState.FAILED and client.serving.step == 301
+            (worker,) = llm.collective_rpc(_worker_serving)
+            assert worker["state"] == "failed" and worker["step"] == 301, worker
+            assert llm.llm_engine.get_weight_version() == version
+            time.sleep(1.0)
+            assert gen.is_alive() and not held, "vLLM served requests after a failed refresh"
+
+            # A complete update: serving resumes, the held requests get its tokens.
+            new_weights()
+            t_good = time.monotonic()
+            updater.update(302)
+            gen.join(120)
+            print(f"update 302 and the held requests: {time.monotonic() - t_good:.2f} s")
+            assert not gen.is_alive() and len(held) == len(PROMPTS)
+        finally:
+            updater.close()
+            if not client.serving.serving:  # never leave the shared engine paused
+                llm.wake_up(tags=["scheduling"])
+            if gen is not None:
+                gen.join(60)
+        assert client.check_serving() == 302
+        assert llm.llm_engine.get_weight_version() == "302"
+        (worker,) = llm.collective_rpc(_worker_serving)
+        assert worker["state"] == "serving" and worker["version"] == 302, worker
+        assert [t for t in _read_steps(step_log) if t_failed <= t <= t_good] == []
+        model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        model.load_state_dict(params)
+        with torch.no_grad():
+            for p, o in zip(PROMPTS, held, strict=True):
+                seq = list(p)
+                for _ in range(MAX_TOKENS):
+                    seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                assert seq[len(p) :] == list(o.outputs[0].token_ids)
+
     def test_wrong_token_and_wrong_session_are_refused(self, engines: Any) -> None:
         from weight_transfer.config import ControllerConfig, ControlPlaneConfig, TransferConfig
         from weight_transfer.controller import Controller
@@ -782,6 +933,60 @@ class TestTP1:
                 for _ in range(MAX_TOKENS):
                     seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
                 assert seq[len(p) :] == list(o.outputs[0].token_ids)
+
+    def test_delta_updates_equal_vllms_own_loader(self, engines: Any, tmp_path: Path) -> None:
+        """Delta mode through the plug-in: the first update is full, then each update changes
+        a few percent of the weights and only the patch travels; `update_weights` applies it
+        inside vLLM's update window. After every update the engine equals vLLM's own loader
+        reading a checkpoint of the trainer's weights (and transformers' greedy tokens)."""
+        from safetensors.torch import save_file
+
+        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
+
+        d, llm, oracle = engines
+        params = {n: t.clone() for n, t in _hf_state(d).items()}
+        updater = OneSidedUpdater(
+            TrainerInitInfo(
+                rank=0,
+                world_size=1,
+                num_engines=1,
+                port=_free_port(),
+                token=secrets.token_hex(16),
+                delta_enabled=True,
+                patch_region_bytes=4 << 20,
+            ),
+            params,
+            LLMWeightSyncClient(llm),
+        )
+        g = torch.Generator().manual_seed(5)
+        modes, entries = [], []
+        t_start = time.monotonic()
+        try:
+            for step in range(301, 305):
+                with torch.no_grad():
+                    for t in params.values():
+                        mask = torch.rand(t.shape, generator=g) < 0.02
+                        t[mask] += 1e-3 * torch.randn(int(mask.sum()), generator=g)
+                stats = updater.update(step)
+                assert updater.sender.delta_stats is not None
+                modes.append(updater.sender.delta_stats.mode)
+                ckpt = tmp_path / f"step{step}"
+                ckpt.mkdir()
+                save_file(
+                    {n: t.contiguous() for n, t in params.items()}, str(ckpt / "model.safetensors")
+                )
+                shutil.copy(d / "config.json", ckpt / "config.json")
+                c = _check(llm, oracle, step, ckpt, "float32", stats.seconds)
+                assert c["bad"] == [], f"step {step}: {c['bad'][:5]}"
+                entries.append(c["stats"][0]["last_apply_entries"])
+        finally:
+            updater.close()
+        print(
+            f"\ndelta test: modes {modes}, applied entries {entries}, "
+            f"{time.monotonic() - t_start:.1f} s (start-ups shared with the class)"
+        )
+        assert modes == ["full", "delta", "delta", "delta"], modes
+        assert entries[0] == 0 and all(n > 0 for n in entries[1:]), entries
 
     def test_recipe_mismatch_is_refused_before_registering(self, engines: Any) -> None:
         _, llm, _ = engines
@@ -863,6 +1068,143 @@ class TestTP2:
                     f"{sorted(set(s['paths'].values()))}, hf max |dlogprob| "
                     f"{c['hf_logprob_max_abs']:.3f}, near-ties {c['hf_near_ties']}"
                 )
+
+
+# -- Qwen3 with tied embeddings; a trainer of another shape is refused -------------------------
+
+
+def _mismatched_trainer(
+    rank: int,
+    world: int,
+    cp_port: int,
+    token: str,
+    model_dir: str,
+    intermediate_size: int,
+    channel: Any,
+) -> None:
+    """A trainer rank whose Qwen3 has another MLP width than the engine's: report what
+    `OneSidedUpdater` raised (type and problems)."""
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+
+    torch.set_num_threads(1)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg.intermediate_size = intermediate_size
+    torch.manual_seed(rank)
+    model = Qwen3ForCausalLM(cfg).float()
+    info = TrainerInitInfo(
+        rank=rank, world_size=world, num_engines=1, port=cp_port, token=token, timeout_s=120
+    )
+    try:
+        updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
+    except Exception as exc:
+        channel.put(("outcome", type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
+        return
+    updater.close()
+    channel.put(("outcome", "no error", []))
+
+
+class TestQwen3Tied:
+    """Qwen3 with `tie_word_embeddings=True`, tp=1, float32: vLLM holds one tensor for the
+    embedding and the LM head; the FSDP2 trainer lists the head as an alias of its embedding."""
+
+    @pytest.fixture(scope="class")
+    def engine(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        d = _save_moe(
+            tmp_path_factory.mktemp("qwen3_tied"),
+            "Qwen3ForCausalLM",
+            QWEN3_TIED,
+            torch.float32,
+            seed=4,
+        )
+        t0 = time.monotonic()
+        llm = _start_llm(d, "float32", 1, backend=True)
+        print(f"\nvLLM start-up (Qwen3 tied, tp=1, float32): {time.monotonic() - t0:.1f} s")
+        yield d, llm
+        llm.llm_engine.engine_core.shutdown()
+
+    def test_tied_updates_equal_a_fresh_engine(self, engine: Any, tmp_path: Path) -> None:
+        d, llm = engine
+        before = _tokens(_generate(llm))
+        checks = _run_trainers(
+            llm,
+            None,
+            world=2,
+            num_engines=1,
+            model_dir=d,
+            dtype="float32",
+            steps=2,
+            tmp=tmp_path,
+            check=lambda step, path, s: _check_fresh(llm, step, path, "float32", 1, s, moe=False),
+        )
+        _print_checks(checks)
+        for c in checks:
+            assert c["bad"] == [], f"step {c['step']}: {c['bad'][:5]}"
+            assert c["hf_near_ties"] == 0  # float32: greedy tokens identical to transformers
+        stats = checks[0]["stats"][0]
+        assert "lm_head.weight" not in stats["paths"]  # vLLM shares the embedding's tensor
+        assert stats["paths"]["model.embed_tokens.weight"] == "in-place+reprocess"
+        assert "lm_head" in stats["reprocessed"]  # its GEMM state is rebuilt from the new rows
+        assert (
+            len({tuple(map(tuple, c["tokens"])) for c in checks} | {tuple(map(tuple, before))}) > 1
+        )
+
+    def test_trainer_of_another_mlp_width_is_refused(self, engine: Any) -> None:
+        """The issue's case: trainers with intermediate_size=896 against this engine (864) used
+        to run "successful" updates that sent the first 864 rows. Now every trainer rank raises
+        `PlanMismatchError` listing every mismatched tensor before any byte moves, and vLLM
+        keeps serving what it served."""
+        from weight_transfer.vllm import LLMWeightSyncClient
+
+        d, llm = engine
+        before = _generate(llm)
+        version = llm.llm_engine.get_weight_version()
+        client = LLMWeightSyncClient(llm)
+        cp_port, token = _free_port(), secrets.token_hex(16)
+        launch = Launch(
+            [
+                Child(f"trainer{r}", _mismatched_trainer, (r, 2, cp_port, token, str(d), 896))
+                for r in range(2)
+            ]
+        )
+        reports: dict[int, Any] = {}
+        deadline = time.monotonic() + 300
+        try:
+            launch.start()
+            while len(reports) < 2 and time.monotonic() < deadline:
+                got = launch.get(timeout_s=0.2)
+                if got is None:
+                    if launch.failure() is not None:
+                        break
+                    continue
+                who, msg = got
+                if msg[0] == "outcome":
+                    reports[int(who.removeprefix("trainer"))] = (msg[1], msg[2])
+                    continue
+                try:
+                    getattr(client, msg[1])(*msg[2])
+                    launch.send(who, ("ok", None))
+                except Exception as exc:
+                    launch.send(who, ("err", f"{type(exc).__name__}: {exc}"))
+        finally:
+            codes = launch.close(grace_s=60)
+        assert codes == {"trainer0": 0, "trainer1": 0}, (codes, launch.tracebacks)
+        want = []
+        for i in range(QWEN3_TIED["num_hidden_layers"]):
+            m = f"model.layers.{i}.mlp."
+            for src, dest, have, exp in (
+                ("down_proj", "down_proj", (256, 896), (256, 864)),
+                ("gate_proj", "gate_up_proj", (896, 256), (864, 256)),
+                ("up_proj", "gate_up_proj", (896, 256), (864, 256)),
+            ):
+                want.append(
+                    f"trainer tensor '{m}{src}.weight' is shape {have}, but engine "
+                    f"'vllm/rank0' reads it for '{m}{dest}.weight' as shape {exp}"
+                )
+        assert reports == {r: ("PlanMismatchError", sorted(want)) for r in (0, 1)}, reports
+        assert llm.llm_engine.get_weight_version() == version
+        _compare_generation(_generate(llm), before, 0)
 
 
 # -- MoE: vLLM's CPU backend prepacks the routed experts (buffer+reprocess path) ----------------

@@ -13,8 +13,6 @@ bit, weight and scales, at tp=1 and tp=2.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import pytest
 import torch
 
 from tests.markers import requires_module
+from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(600)]
 
@@ -185,26 +184,19 @@ def test_fp8_recipes_equal_vllms_fp8_loader(tp: int, tmp_path: Path) -> None:
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
     ).save_pretrained(tmp_path)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tp, port, str(tmp_path), out)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(tp):
-            rank, names, bad = out.get(timeout=300)
-            results[rank] = (names, bad)
-    except queue.Empty:
-        pytest.fail(f"only {len(results)} of {tp} ranks reported")
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    results: dict[int, tuple[list[str], list[str]]] = {}
+
+    def report(_child: str, msg: list[Any]) -> None:
+        rank, names, bad = msg
+        results[rank] = (names, bad)
+
+    outcome = Launch(
+        [Child(f"tp{r}", _worker, (r, tp, port, str(tmp_path))) for r in range(tp)]
+    ).run(timeout_s=360, grace_s=60, on_message=report)
+    assert len(results) == tp, f"only {len(results)} of {tp} ranks reported: {outcome.errors}"
     for rank, (names, bad) in sorted(results.items()):
         assert bad == [], f"tp rank {rank}: {bad}"
         # Every FP8 weight and scale of the four layers was compared.
         assert len(names) == 8 and sum(n.endswith("weight_scale_inv") for n in names) == 4
-    assert [p.exitcode for p in procs] == [0] * tp
+    assert outcome.exit_codes == {f"tp{r}": 0 for r in range(tp)}, outcome.errors

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from weight_transfer.backends import availability
 from weight_transfer.backends.base import BACKENDS, TransportUnavailableError
 from weight_transfer.cli import doctor as cli_doctor
 from weight_transfer.cli import main
@@ -23,20 +24,23 @@ def test_report_covers_every_backend_with_reasons() -> None:
         assert b.host_ok == (b.host_reason is None)
         assert b.gpu_ok == (b.gpu_reason is None)
         if not torch.cuda.is_available():
-            assert not b.gpu_ok and b.gpu_reason == "no CUDA GPU"
+            assert not b.gpu_ok and b.gpu_reason == availability.cuda_unavailable_reason()
     ib = by_name["ibverbs"]
     if not report.rdma_devices:
         assert not ib.host_ok
         assert ib.host_reason is not None
-        assert "pyverbs" in ib.host_reason or "no RDMA device" in ib.host_reason
+        assert "needs an RDMA device" in ib.host_reason or "an RDMA device" in ib.host_reason
 
 
 def test_missing_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli_doctor, "_version", lambda dist: None)
-    status = cli_doctor._status("ucx", 0, {"pyverbs": False})
+    monkeypatch.setattr(
+        availability, "module_installed", lambda name: name != availability.BACKEND_MODULES["ucx"]
+    )
+    status = cli_doctor._status("ucx", 0)
     assert not status.host_ok
     assert status.host_reason is not None
-    assert "package missing: libucx-cu13" in status.host_reason
+    assert "needs Python module 'libucx', not installed" in status.host_reason
     assert "pip install 'libucx-cu13>=1.22,<1.23'" in status.host_reason
     assert status.packages == {"libucx-cu13": None}
 
@@ -46,15 +50,19 @@ def test_construction_error_is_reported(monkeypatch: pytest.MonkeyPatch) -> None
         raise TransportUnavailableError(f"transport {name!r} could not start: no lanes\nmore")
 
     monkeypatch.setattr(cli_doctor, "load_backend", refuse)
-    status = cli_doctor._status("tcp", 0, {"pyverbs": False})
+    status = cli_doctor._status("tcp", 0)
     assert not status.host_ok
     assert status.host_reason == "transport 'tcp' could not start: no lanes"
 
 
 def test_no_rdma_device_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    status = cli_doctor._status("ibverbs", 0, {"pyverbs": True, "num_devices": 0})
-    assert status.host_reason == "no RDMA device (0 devices)"
-    assert status.gpu_reason == "no CUDA GPU"
+    monkeypatch.setattr(availability, "module_installed", lambda name: True)  # pyverbs present
+    monkeypatch.setattr(availability, "rdma_devices", lambda: [])
+    status = cli_doctor._status("ibverbs", 0)
+    assert status.host_reason == (
+        f"backend 'ibverbs' needs an RDMA device ({availability.RDMA_SYSFS} lists none)"
+    )
+    assert not status.gpu_ok
 
 
 def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:

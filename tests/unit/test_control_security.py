@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import datetime
 import secrets
+import time
 from pathlib import Path
 
 import msgpack
@@ -206,9 +207,10 @@ def test_a_value_recorded_in_an_earlier_run_is_refused() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_stranger_cannot_pre_claim_an_engine_name_or_a_join_slot() -> None:
+def test_stranger_cannot_pre_claim_an_engine_name_or_stall_a_join() -> None:
     cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    rx = tx = None
     try:
         outsider = _raw_client(cp.port)
         outsider.set("wt/default/claim/engine/e0", b"x" * 40)
@@ -218,13 +220,24 @@ def test_stranger_cannot_pre_claim_an_engine_name_or_a_join_slot() -> None:
             WeightReceiver(
                 tensors, [identity("w", "w", (4, 4))], TransferConfig(control=cp), engine="e0"
             )
-        # A forged join slot is refused, not counted: the next engine reports it.
+        # A forged join slot is nobody's: the engine and the controller skip it (they used
+        # to stop at it, the engine raising and the controller waiting out its timeout).
         outsider.set("wt/default/claim/engine_slot/0", b"y" * 40)
-        with pytest.raises(ControlPlaneAuthError, match="claim/engine_slot/0"):
-            WeightReceiver(
-                tensors, [identity("w", "w", (4, 4))], TransferConfig(control=cp), engine="e1"
-            )
+        rx = WeightReceiver(
+            tensors, [identity("w", "w", (4, 4))], TransferConfig(control=cp), engine="e1"
+        )
+        src = {"w": torch.randn(4, 4, generator=g)}
+        t0 = time.monotonic()
+        tx = WeightSender(src, TransferConfig(control=cp), controller=ctrl)
+        assert time.monotonic() - t0 < 4, "the plan waited for the forged slot"
+        assert sorted(ctrl.joins) == ["e1"]
+        tx.update(1)
+        assert rx.wait_for_version(1, 5) == 1
+        assert torch.equal(rx.tensor("w"), src["w"])
     finally:
+        for m in (tx, rx):
+            if m is not None:
+                m.close()
         ctrl.close()
 
 

@@ -7,12 +7,8 @@ on a GPU (requires_cuda). Every comparison is `torch.equal` on the fp8 bytes and
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
 import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -22,6 +18,7 @@ import torch
 
 from tests.markers import requires_cuda, requires_module
 from weight_transfer.backends.base import ConfigurationError
+from weight_transfer.cli.launch import Child, Launch
 from weight_transfer.kernels import fp8_triton
 from weight_transfer.kernels.fp8_triton import quantize_fp8, quantize_fp8_blockwise_gpu
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise, scale_shape
@@ -365,35 +362,16 @@ def _interpreter_worker(results: Any) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned child only
-    try:
-        child = ctx.Process(target=_interpreter_worker, args=(results,))
-        child.start()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
     got: dict[str, str] = {}
-    deadline = time.monotonic() + _CHILD_TIMEOUT_S
-    try:
-        while len(got) < len(INTERPRETER_CASES) and time.monotonic() < deadline:
-            try:
-                case_name, error = results.get(timeout=1.0)
-            except queue.Empty:
-                if not child.is_alive():
-                    break  # crashed (e.g. an out-of-bounds access); reported below
-                continue
-            got[case_name] = error
-    finally:
-        child.join(timeout=max(1.0, deadline - time.monotonic()))
-        if child.exitcode is None:
-            child.kill()
-            child.join(timeout=10)
-    assert child.exitcode == 0, f"interpreter child exited with {child.exitcode}; got {got}"
+    # TRITON_INTERPRET=1 reaches the spawned child only; a crash (e.g. an out-of-bounds access)
+    # is reported with its exit code.
+    outcome = Launch(
+        [Child("interpreter", _interpreter_worker)], env={"TRITON_INTERPRET": "1"}
+    ).run(
+        timeout_s=_CHILD_TIMEOUT_S,
+        on_message=lambda _child, msg: got.__setitem__(msg[0], msg[1]),
+    )
+    assert outcome.ok, f"{outcome.errors}; got {got}"
     return got
 
 

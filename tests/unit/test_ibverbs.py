@@ -754,6 +754,39 @@ def test_bad_rkey_is_a_transport_error_and_fails_batches_in_flight() -> None:
         target.close()
 
 
+def test_a_failed_batch_settles_only_once_its_other_qps_are_drained() -> None:
+    """A completion error on one QP fails the peer's batches, but the requests already posted
+    on the peer's other QPs still execute, reading their source memory (only the failed QP is
+    flushed). The failed batch used to be dropped at once (and nothing reaped the other QPs);
+    now it settles (`WriteHandle.settled`, the Transport contract) only once the last request
+    of every chain it posted completed, and then nothing of it is left on any QP."""
+    fabric = Fabric()
+    fabric.wrs_per_poll = 2  # the simulated HCA executes two requests per CQ poll
+    writer = _transport(fabric, ("num_qps", "2"), ("max_wr_bytes", "1024"), ("signal_every", "4"))
+    target = _transport(fabric)
+    try:
+        src = writer.register(_seeded(32 * 1024, 9), role=RegionRole.SOURCE)
+        dst_tensor = _seeded(32 * 1024, 10)
+        dst = target.register(dst_tensor, role=RegionRole.TARGET)
+        assert dst.descriptor is not None
+        writer.connect("engine-2", target.endpoint())
+        state = writer._peer_state["engine-2"]
+        # QP 0's remote end is gone (no acknowledgement: RETRY_EXC_ERR); QP 1's works.
+        fabric.dead_qpns.add(state.qps[0].attrs["dest_qp_num"])
+        handle = writer.post_writes("engine-2", [WriteOp(src, 0, dst.descriptor, 0, 32 * 1024)])
+        with pytest.raises(PeerLostError, match="engine-2.*RETRY_EXC_ERR"):
+            writer.wait(handle, timeout_s=5)
+        assert state.qps[1].queue, "QP 1 had nothing left to execute: the test proves nothing"
+        assert not handle.settled
+        assert writer.quiesce(handle, timeout_s=5) and handle.settled
+        assert all(not qp.queue for qp in state.qps)  # nothing of the batch can run any more
+        assert state.batches == {}
+        assert all(state.ledger.outstanding(i) == 0 for i in range(2))
+    finally:
+        writer.close()
+        target.close()
+
+
 def test_connect_rejects_wrong_cookie_and_times_out_on_silent_peer() -> None:
     fabric = Fabric()
     writer = _transport(fabric, timeout_s=0.5)

@@ -1,12 +1,15 @@
-"""tests/markers.py skips only for an absent package or absent hardware, never for a failure."""
+"""Skips come from `weight_transfer.backends.availability`, for an absent package or absent
+hardware only, never for a failure; and `weight-transfer doctor` says the same thing."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests import markers
-from weight_transfer.backends.base import TransportError
+from weight_transfer.backends import availability
+from weight_transfer.backends.base import BACKENDS, TransportError
 from weight_transfer.backends.tcp import TcpTransport
+from weight_transfer.cli import doctor
 
 
 def test_broken_constructor_is_not_a_reason_to_skip(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -14,17 +17,56 @@ def test_broken_constructor_is_not_a_reason_to_skip(monkeypatch: pytest.MonkeyPa
         raise TransportError("constructor broken on purpose")
 
     monkeypatch.setattr(TcpTransport, "__init__", broken)
-    assert markers.backend_unavailable_reason.__wrapped__("tcp") is None
+    assert availability.backend_unavailable_reason("tcp") is None
+    # The doctor does construct it, and reports the failure as its own (not as a skip reason).
+    assert doctor._status("tcp", 0).host_reason == "constructor broken on purpose"
 
 
 def test_absent_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(
-        markers._BACKEND_PACKAGES, "ucx", ("no_such_module_wt_test", "pip install it")
-    )
-    reason = markers.backend_unavailable_reason.__wrapped__("ucx")
+    monkeypatch.setitem(availability.BACKEND_MODULES, "ucx", "no_such_module_wt_test")
+    reason = availability.backend_unavailable_reason("ucx")
     assert reason is not None and "'no_such_module_wt_test', not installed" in reason
+    assert "weight-transfer[ucx]" in reason  # how to install it
 
 
 def test_unknown_backend_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
-        markers.backend_unavailable_reason.__wrapped__("nope")
+        availability.backend_unavailable_reason("nope")
+
+
+def test_markers_are_thin_users_of_availability() -> None:
+    assert markers.backend_unavailable_reason.__wrapped__ is availability.backend_unavailable_reason
+    for mark, reason in (
+        (markers.requires_cuda, availability.cuda_unavailable_reason()),
+        (markers.requires_rdma_device, availability.rdma_unavailable_reason()),
+        (markers.requires_gpus(3), availability.gpus_missing_reason(3)),
+        (markers.requires_module("no_such_module_wt_test"), "needs Python module"),
+    ):
+        skips = mark.args[0]
+        assert skips == (reason is not None), mark
+        if skips:
+            assert mark.kwargs["reason"].startswith(reason), (mark.kwargs, reason)
+    assert not markers.requires_module("msgpack").args[0]
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["this host", "package removed"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_doctor_and_markers_agree(
+    backend: str, missing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a test would skip, the doctor says "no" with the same reason; where the doctor
+    says a backend works on host memory, its tests run."""
+    if missing:
+        monkeypatch.setitem(availability.BACKEND_MODULES, backend, "no_such_module_wt_test")
+    skip_reason = markers.backend_unavailable_reason.__wrapped__(backend)  # uncached
+    status = doctor._status(backend, availability.num_cuda_gpus())
+    if skip_reason is not None:
+        assert not status.host_ok and status.host_reason == skip_reason
+    else:  # nothing missing: the doctor's verdict is the constructor's
+        assert status.host_ok or status.host_reason == doctor._try_construct(backend, None)
+    if status.host_ok:
+        assert skip_reason is None
+    if availability.num_cuda_gpus() == 0:
+        assert not status.gpu_ok and status.gpu_reason == availability.cuda_unavailable_reason()
+        assert markers.requires_cuda.kwargs["reason"] == status.gpu_reason
+    assert missing <= (skip_reason is not None)

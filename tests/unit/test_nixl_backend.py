@@ -19,6 +19,7 @@ from weight_transfer.backends.base import (
     ConfigurationError,
     RegionRole,
     TransportConfig,
+    TransportError,
     TransportUnavailableError,
     WriteOp,
 )
@@ -285,3 +286,50 @@ def test_ucx_list_options_are_set_only_while_the_agent_starts(
         rx.close()
     with pytest.raises(TransportUnavailableError):
         NixlTransport(TransportConfig(name="nixl", options=(("UCX_TLS", "sm"),)))
+
+
+@requires_module("nixl_cu13")
+def test_a_failed_batch_keeps_transfers_in_progress_until_they_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When one transfer of a batch fails, its other transfers may still be in PROC, reading
+    their memory: they used to be released at once and the batch counted as finished with. Now
+    the failed batch settles (`WriteHandle.settled`, the Transport contract) only once NIXL no
+    longer reports any of its transfers in progress, and none is released before that."""
+    from weight_transfer.backends import nixl as nixl_backend
+
+    monkeypatch.setattr(nixl_backend, "_START_BUDGET_S", 60.0)  # start every segment at once
+    opts = (("segment_bytes", "4096"),)
+    rx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    tx = NixlTransport(TransportConfig(name="nixl", options=opts))
+    released: list[object] = []
+    real_abandon = tx._abandon
+
+    def abandon(pending):
+        released.extend(xfer for _, xfer in pending)
+        real_abandon(pending)
+
+    tx._abandon = abandon  # type: ignore[method-assign]
+    try:
+        target = torch.zeros(4 * 4096, dtype=torch.uint8)
+        desc = rx.register(target, role=RegionRole.TARGET).descriptor
+        assert desc is not None
+        tx.connect("rx", rx.endpoint())
+        src = tx.register(torch.ones(4 * 4096, dtype=torch.uint8), role=RegionRole.SOURCE)
+        handle = tx.post_writes("rx", [WriteOp(src, 0, desc, 0, 4 * 4096)])
+        xfers = [xfer for _, xfer in handle.state.running]
+        assert len(xfers) == 4
+        # NIXL as it reports a transfer that failed while the others still run.
+        reported = {id(xfers[0]): "ERR", **{id(x): "PROC" for x in xfers[1:]}}
+        tx._agent.check_xfer_state = lambda xfer: reported[id(xfer)]
+        with pytest.raises(TransportError, match="'rx'.*ERR"):
+            tx.poll(handle)
+        assert not handle.settled and not tx.quiesce(handle, 0.05)
+        assert released == [xfers[0]]  # only the failed one: the others are in PROC
+        reported.update({id(x): "DONE" for x in xfers[1:]})
+        assert tx.quiesce(handle, 5) and handle.settled
+        assert sorted(map(id, released)) == sorted(map(id, xfers))
+        assert handle.state.running == []
+    finally:
+        tx.close()
+        rx.close()

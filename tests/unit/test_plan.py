@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,7 +27,6 @@ from weight_transfer.planner.types import (
     DestTensor,
     Part,
     QuantWrite,
-    Recipe,
     SliceWrite,
     SourceManifest,
     SourceTensor,
@@ -215,10 +215,10 @@ def test_mesh_groups_for_disjoint_meshes():
         ts = tuple(st(n, m, r) for n, m in sorted(layout.items()) if r in m)
         sources.append(SourceManifest(rank=r, world_size=4, host="h", tensors=ts))
     recipes, specs = [], []
-    from weight_transfer.planner.recipes import TensorSpec, with_fp8
+    from weight_transfer.planner.recipes import TensorSpec, identity, with_fp8
 
     for n in layout:
-        recipes.append(with_fp8(Recipe(n, (Part(n, ((0, 256), (0, 128)), ((0, 256), (0, 128))),))))
+        recipes.append(with_fp8(identity(n, n, (256, 128))))
         specs += [
             TensorSpec(n, (256, 128), "float8_e4m3fn"),
             TensorSpec(n + "_scale_inv", (2, 1), "float32"),
@@ -296,7 +296,11 @@ def test_shape_and_dtype_mismatch_named():
         bad.append(SourceManifest(m.rank, m.world_size, m.host, tuple(ts)))
     probs = problems_of(bad, dests)
     assert any("o_proj" in p and "int32" in p for p in probs)
-    assert any("down_proj" in p and "outside its shape" in p for p in probs)
+    assert (
+        "trainer tensor 'model.layers.0.mlp.down_proj.weight' is shape (256, 100), but engine "
+        "'engine0' reads it for 'model.layers.0.mlp.down_proj.weight' as shape (256, 704) "
+        "(and 1 more engine recipe(s))"
+    ) in probs
 
 
 def test_duplicate_names_and_engines():
@@ -314,8 +318,8 @@ def test_recipe_gap_and_overlap():
     rc = next(r for r in d.recipes if r.dest.endswith("o_proj.weight"))
     p = rc.parts[0]
     half = Part(p.source, ((0, 128), p.source_box[1]), ((0, 128), p.dest_box[1]))
-    gap = Recipe(rc.dest, (half,))
-    over = Recipe(rc.dest, (p, half))
+    gap = dataclasses.replace(rc, parts=(half,))
+    over = dataclasses.replace(rc, parts=(p, half))
     for bad_rc, word in ((gap, "cover"), (over, "cover")):
         recipes = tuple(bad_rc if r.dest == rc.dest else r for r in d.recipes)
         nd = DestManifest(d.engine, d.host, d.regions, d.tensors, recipes, d.version_region)
@@ -326,7 +330,7 @@ def test_recipe_gap_and_overlap():
 def test_engine_tensor_without_recipe_and_fp8_without_transform():
     _, sources, dests = tiny_setup(1, 1, fp8=True)
     d = dests[0]
-    no_quant = tuple(Recipe(r.dest, r.parts) for r in d.recipes)
+    no_quant = tuple(dataclasses.replace(r, quant=None) for r in d.recipes)
     nd = DestManifest(d.engine, d.host, d.regions, d.tensors, no_quant, d.version_region)
     probs = problems_of(sources, [nd])
     assert any("no FP8 transform" in p for p in probs)
@@ -343,3 +347,217 @@ def test_budget_too_small_for_gather():
     _, sources, dests = tiny_setup(3, 2, fp8=True)
     with pytest.raises(PlanMismatchError, match="memory_budget_bytes"):
         plan(sources, dests, PlannerConfig(memory_budget_bytes=64 << 10, max_write_bytes=16 << 10))
+
+
+# -- sources checked against the shapes recipes declare (issue 23) ------------------------------
+
+
+def qwen3_shape(intermediate_size: int, tie: bool = False):
+    from weight_transfer.planner.presets.models import ModelShape
+
+    return ModelShape(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=intermediate_size,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        qk_norm=True,
+        tie_word_embeddings=tie,
+    )
+
+
+def engines_for(shape, tp: int, **kw) -> list[DestManifest]:
+    return [
+        engine_manifest(
+            f"engine{e}", vllm_recipes(shape, e, tp, **kw), vllm_tensor_specs(shape, e, tp, **kw)
+        )
+        for e in range(tp)
+    ]
+
+
+@pytest.mark.parametrize("trainer_inter", [896, 800])
+def test_trainer_mlp_of_another_width_is_refused_not_truncated(trainer_inter):
+    """The issue's case: a Qwen3 trainer with intermediate_size=896 against engines built for
+    864 used to plan (every box the engine reads lies inside the larger tensor) and send the
+    first 864 rows. Every mismatched tensor is listed once, naming both shapes."""
+    sources = fsdp_sources(hf_parameter_shapes(qwen3_shape(trainer_inter)), 3)
+    probs = problems_of(sources, engines_for(qwen3_shape(864), 2))
+    want = []
+    for i in range(2):
+        p = f"model.layers.{i}.mlp."
+        for src, dest, have, expect in (
+            ("down_proj", "down_proj", (256, trainer_inter), (256, 864)),
+            ("gate_proj", "gate_up_proj", (trainer_inter, 256), (864, 256)),
+            ("up_proj", "gate_up_proj", (trainer_inter, 256), (864, 256)),
+        ):
+            want.append(
+                f"trainer tensor '{p}{src}.weight' is shape {have}, but engine 'engine0' reads "
+                f"it for '{p}{dest}.weight' as shape {expect} (and 1 more engine recipe(s))"
+            )
+    assert probs == sorted(want)
+
+
+def test_padded_trainer_vocabulary_needs_the_option_and_is_never_sent():
+    shape = qwen3_shape(864)
+    shapes = hf_parameter_shapes(shape)
+    padded = dict(shapes)
+    for n in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded[n] = (1024, 256)  # a trainer's vocabulary padded to a multiple of 128
+    sources = fsdp_sources(padded, 3)
+    dests = engines_for(shape, 2)
+    probs = problems_of(sources, dests)
+    assert len(probs) == 2 and all(
+        "is shape (1024, 256)" in p
+        and "as shape (1000, 256)" in p
+        and p.endswith("set PlannerConfig.allow_source_padding")
+        for p in probs
+    ), probs
+    schedule = plan(sources, dests, PlannerConfig(allow_source_padding=True))
+    g = torch.Generator().manual_seed(8)
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in padded.items()}
+    mems = simulate_schedule(schedule, sources, dests, full)
+    unpadded = {n: t[: shapes[n][0]] for n, t in full.items()}
+    for e, d in enumerate(dests):
+        expect = materialize(vllm_recipes(shape, e, 2), vllm_tensor_specs(shape, e, 2), unpadded)
+        for t in d.tensors:
+            n = numel(t.shape) * dtype_size(t.dtype)
+            got = torch.frombuffer(
+                bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
+            )
+            assert torch.equal(got, expect[t.name].contiguous().view(-1).view(torch.uint8))
+    # Padding rows are never read: no write touches rows >= 1000 of the trainer's vocabulary.
+    for r in schedule.ranks:
+        for t in r.tasks:
+            for w in t.writes:
+                if w.source in ("model.embed_tokens.weight", "lm_head.weight"):
+                    assert w.source_box[0][1] <= 1000
+
+
+def test_padding_is_accepted_only_along_the_padded_dimension():
+    shape = qwen3_shape(864)
+    shapes = dict(hf_parameter_shapes(shape))
+    shapes["model.embed_tokens.weight"] = (1000, 320)  # wider rows: not padding
+    shapes["model.layers.0.mlp.gate_proj.weight"] = (896, 256)  # not marked as paddable
+    probs = []
+    with pytest.raises(PlanMismatchError) as info:
+        plan(
+            fsdp_sources(shapes, 2), engines_for(shape, 2), PlannerConfig(allow_source_padding=True)
+        )
+    probs = info.value.problems
+    assert len(probs) == 2, probs
+    assert any("'model.embed_tokens.weight' is shape (1000, 320)" in p for p in probs)
+    assert any("'model.layers.0.mlp.gate_proj.weight' is shape (896, 256)" in p for p in probs)
+    assert not any("allow_source_padding" in p for p in probs)
+
+
+def test_recipe_without_declared_sources_and_exact_dtype():
+    from weight_transfer.planner.types import SourceSpec
+
+    _, sources, dests = tiny_setup(1, 1)
+    d = dests[0]
+    bare = tuple(
+        dataclasses.replace(r, sources=()) if r.dest == "model.norm.weight" else r
+        for r in d.recipes
+    )
+    probs = problems_of(sources, [dataclasses.replace(d, recipes=bare)])
+    assert probs == [
+        "engine 'engine0': recipe for 'model.norm.weight' reads trainer tensor "
+        "'model.norm.weight' but does not declare its shape (Recipe.sources; the builders in "
+        "planner.recipes fill it)"
+    ]
+    exact = tuple(
+        dataclasses.replace(r, sources=(SourceSpec("model.norm.weight", (256,), "float32"),))
+        if r.dest == "model.norm.weight"
+        else r
+        for r in d.recipes
+    )
+    probs = problems_of(sources, [dataclasses.replace(d, recipes=exact)])
+    assert probs == [
+        "trainer tensor 'model.norm.weight' is dtype bfloat16, but engine 'engine0' reads it "
+        "for 'model.norm.weight' as dtype float32"
+    ]
+
+
+# -- tied parameters: one source with aliases ---------------------------------------------------
+
+
+def tied_sources(shape, world: int) -> list[SourceManifest]:
+    """FSDP manifests of a tied model: the embedding lists ``lm_head.weight`` as its alias."""
+    out = []
+    for m in fsdp_sources(hf_parameter_shapes(shape), world):
+        ts = tuple(
+            dataclasses.replace(t, aliases=("lm_head.weight",))
+            if t.name == "model.embed_tokens.weight"
+            else t
+            for t in m.tensors
+        )
+        out.append(dataclasses.replace(m, tensors=ts))
+    return out
+
+
+@pytest.mark.parametrize("engine_tied", [True, False])
+def test_tied_trainer_is_one_source(engine_tied):
+    tied = qwen3_shape(864, tie=True)
+    sources = tied_sources(tied, 3)
+    assert all("lm_head.weight" not in {t.name for t in m.tensors} for m in sources)
+    engine_shape = tied if engine_tied else qwen3_shape(864)
+    dests = engines_for(engine_shape, 2)
+    schedule = plan(sources, dests)
+    assert {w.source for r in schedule.ranks for t in r.tasks for w in t.writes} >= {
+        "model.embed_tokens.weight"
+    }
+    assert "lm_head.weight" not in {
+        w.source for r in schedule.ranks for t in r.tasks for w in t.writes
+    }
+    g = torch.Generator().manual_seed(9)
+    full = {
+        n: torch.randn(s, generator=g).to(torch.bfloat16)
+        for n, s in hf_parameter_shapes(tied).items()
+    }
+    mems = simulate_schedule(schedule, sources, dests, full)
+    # The engine's lm_head (untied engine) is the embedding's rows, sliced by the test.
+    full["lm_head.weight"] = full["model.embed_tokens.weight"]
+    for e, d in enumerate(dests):
+        expect = materialize(
+            vllm_recipes(engine_shape, e, 2), vllm_tensor_specs(engine_shape, e, 2), full
+        )
+        assert ("lm_head.weight" in expect) is not engine_tied
+        for t in d.tensors:
+            n = numel(t.shape) * dtype_size(t.dtype)
+            got = torch.frombuffer(
+                bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
+            )
+            assert torch.equal(got, expect[t.name].contiguous().view(-1).view(torch.uint8))
+
+
+def test_untied_trainer_into_tied_engine_and_inconsistent_aliases():
+    # An untied trainer's lm_head cannot go into a tied engine: it is an extra tensor.
+    sources = fsdp_sources(hf_parameter_shapes(qwen3_shape(864)), 2)
+    probs = problems_of(sources, engines_for(qwen3_shape(864, tie=True), 2))
+    assert probs == ["trainer tensor 'lm_head.weight' is read by no engine recipe (extra tensor)"]
+    # Ranks that disagree about an alias, or list an alias as a tensor too.
+    tied = tied_sources(qwen3_shape(864, tie=True), 2)
+    ts = tuple(
+        dataclasses.replace(t, aliases=("lm_head.weight",))
+        if t.name == "model.norm.weight"
+        else dataclasses.replace(t, aliases=())
+        if t.name == "model.embed_tokens.weight"
+        else t
+        for t in tied[1].tensors
+    )
+    tied[1] = dataclasses.replace(tied[1], tensors=ts)
+    probs = problems_of(tied, engines_for(qwen3_shape(864, tie=True), 2))
+    assert any(
+        "'lm_head.weight' is an alias of 'model.norm.weight', but another rank lists it as an "
+        "alias of 'model.embed_tokens.weight'" in p
+        for p in probs
+    ), probs
+    extra = SourceTensor(
+        "lm_head.weight", (1000, 256), "bfloat16", ((0, 1000), (0, 256)), (0,), "cpu"
+    )
+    tied = tied_sources(qwen3_shape(864, tie=True), 1)
+    tied[0] = dataclasses.replace(tied[0], tensors=tied[0].tensors + (extra,))
+    probs = problems_of(tied, engines_for(qwen3_shape(864, tie=True), 1))
+    assert any("listed both as a tensor and as an alias" in p for p in probs), probs

@@ -421,3 +421,110 @@ def test_one_budget_drives_planner_and_executor() -> None:
         sender.close()
         rx.close()
         ctrl.close()
+
+
+# -- sources checked, tied parameters (issue 23) -------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_source_shape_fails_the_plan_on_every_rank() -> None:
+    """Two trainer ranks hold an `a.weight` of 41 rows where the engine's recipe was built for
+    37: both raise `PlanMismatchError` with the same list (before, the plan sent rows 0-18 of
+    the larger tensor and reported success)."""
+    import threading
+
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    recipes, tensors, _ = engine_setup(0, 2)
+    before = {n: t.clone() for n, t in tensors.items()}
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int) -> None:
+        src = trainer_tensors(r)
+        src["a.weight"] = torch.randn(41, 19).to(torch.bfloat16)
+        try:
+            WeightSender(src, config(cp), rank=r, world_size=2, controller=ctrl if r == 0 else None)
+        except BaseException as exc:  # handed to the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        want = [
+            "trainer tensor 'a.weight' is shape (41, 19), but engine 'e0' reads it for "
+            "'a.weight' as shape (37, 19)"
+        ]
+        for r in (0, 1):
+            assert isinstance(errors.get(r), PlanMismatchError), errors
+            assert errors[r].problems == want  # type: ignore[attr-defined]
+        for n in tensors:
+            assert torch.equal(tensors[n], before[n])
+        assert rx.version == 0
+    finally:
+        rx.close()
+        ctrl.close()
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding and an LM head that share one weight (``tie_word_embeddings``)."""
+
+    def __init__(self, vocab: int, hidden: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed_tokens = torch.nn.Embedding(vocab, hidden)
+        self.norm = torch.nn.Linear(hidden, hidden, bias=False)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine_tied", [True, False])
+def test_tied_module_is_sent_as_one_source(engine_tied: bool) -> None:
+    """A module whose LM head shares the embedding's weight (``named_parameters(remove_duplicate
+    =False)`` lists it twice) updates an engine that ties them too (one tensor) or one that
+    keeps a separate LM head (both filled from the one source)."""
+    model = _TiedLM(40, 16, seed=3)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert names == ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    recipes = [
+        column_shard("embed_tokens.weight", "embed_tokens.weight", (40, 16), tp_rank=1, tp_size=2),
+        identity("norm.weight", "norm.weight", (16, 16)),
+    ]
+    if not engine_tied:
+        recipes.append(identity("lm_head.weight", "lm_head.weight", (40, 16)))
+    g = torch.Generator().manual_seed(4)
+    tensors = {
+        "embed_tokens.weight": torch.randn(20, 16, generator=g),
+        "norm.weight": torch.randn(16, 16, generator=g),
+    }
+    if not engine_tied:
+        tensors["lm_head.weight"] = torch.randn(40, 16, generator=g)
+    cp = control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
+    sender = WeightSender(model, config(cp), controller=ctrl)
+    try:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.embed_tokens.weight.add_(1.0)
+                model.norm.weight.mul_(2.0)
+            stats = sender.update(step)
+            w = model.embed_tokens.weight
+            assert torch.equal(tensors["embed_tokens.weight"], w[20:40])
+            assert torch.equal(tensors["norm.weight"], model.norm.weight)
+            if not engine_tied:
+                assert torch.equal(tensors["lm_head.weight"], w)
+            assert stats.nbytes == 4 * (20 * 16 + 16 * 16 + (0 if engine_tied else 40 * 16))
+            assert rx.version == step
+    finally:
+        sender.close()
+        rx.close()
+        ctrl.close()

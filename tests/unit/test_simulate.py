@@ -414,3 +414,130 @@ def test_funnel_grows_with_trainer_ranks_and_pays_the_tree() -> None:
     load = 0.2 / 1000 / 8  # the last bucket's share of the busiest engine's copy
     assert times == pytest.approx([g + bcast + load for g in gathers])
     assert times[0] < times[1] < times[2]
+
+
+def test_control_plane_is_part_of_the_predicted_update() -> None:
+    """The update's control plane, computed by hand for 3 ranks and 2 engines, is added to the
+    data plane's prediction (`update_s`), and stays linear in the members."""
+    from weight_transfer.planner.simulate import control_plane_phases, control_plane_s
+
+    rates = Rates(control_rtt_s=100e-6, control_request_s=10e-6, control_message_s=20e-6)
+    n, m, rtt, req, msg = 3, 2, 100e-6, 10e-6, 20e-6
+    # go: the write and the woken ranks' reads (2 rtt), the store serving 2 (n - 1) requests.
+    go = 2 * rtt + 2 * (n - 1) * req
+    # each commit phase: report in and wake-up (rtt), one wait + multi_get (2 rtt), n values,
+    # n - 1 reports checked, then the verdict's fan-out (2 rtt + 2 requests per woken member).
+    phase = rtt + 2 * rtt + n * req + (n - 1) * msg
+    done = phase + 2 * rtt + 2 * (n - 1) * req
+    committed = phase + 2 * rtt + 2 * (n - 1 + m) * req
+    assert control_plane_phases(n, m, rates) == pytest.approx(
+        {"go": go, "done": done, "committed": committed}
+    )
+    b = 10 * MB
+    sched = schedule_of(
+        [[direct(r, r, [slice_write(f"e{r % 2}", b, offset=(r // 2) * b)])] for r in range(n)],
+        ("e0", "e1"),
+    )
+    r = simulate(sched, sources_of(n), {"e0": "a", "e1": "b"}, rates, memory_budget_bytes=1 << 30)
+    assert r.control_plane_s == pytest.approx(go + done + committed)
+    assert r.update_s == pytest.approx(r.predicted_s + r.control_plane_s)
+    # 256 + 128 members cost about twice 128 + 64 (no term grows faster than the members).
+    big, half = control_plane_s(256, 128, Rates()), control_plane_s(128, 64, Rates())
+    assert 1.5 < big / half < 2.1
+
+
+def test_delta_update_by_hand() -> None:
+    """A delta of one 40 MB BF16 write at 2% density: the patch's bytes over the NIC after the
+    diff, then the engine's apply; computed here from the wire format's definition."""
+    from weight_transfer.planner.delta import DeltaDensity
+
+    b = 40 * MB
+    numel = b // 2
+    sched = schedule_of([[direct(0, 0, [slice_write("e0", b)])]], ("e0",))
+    rates = Rates(**{**RATES_FIELDS, "diff_gb_per_s": 50.0, "apply_gb_per_s": 25.0})
+    full = simulate(sched, sources_of(1), {"e0": "x"}, rates, memory_budget_bytes=1 << 30)
+    d = simulate(
+        sched,
+        sources_of(1),
+        {"e0": "x"},
+        rates,
+        memory_budget_bytes=1 << 30,
+        delta=DeltaDensity(other=0.02, fp8=0.02),
+    )
+    # Sparse chunk list: 4 bytes per 65536-element chunk, 2 + 2 bytes per changed element.
+    chunks = -(-numel // 65536)
+    changed = -(-2 * numel // 100)
+    patch = 4 * chunks + 4 * changed
+    assert d.mode == "delta" and d.total_write_bytes == patch and d.full_write_bytes == b
+    diff_s = b / (50.0 * GB)
+    apply_s = patch / (25.0 * GB)
+    assert d.apply_s == pytest.approx(apply_s)
+    assert d.predicted_s == pytest.approx(diff_s + patch / (NIC * GB) + apply_s)
+    assert d.predicted_s < 0.3 * full.predicted_s
+    # Everything changed: each run goes dense (never more bytes than a full update), and the
+    # diff and apply make the delta slower than the full update.
+    dense = simulate(
+        sched,
+        sources_of(1),
+        {"e0": "x"},
+        rates,
+        memory_budget_bytes=1 << 30,
+        delta=DeltaDensity(other=1.0, fp8=1.0),
+    )
+    assert dense.total_write_bytes == b
+    assert dense.predicted_s > full.predicted_s
+
+
+def test_delta_fp8_write_sends_scales_at_their_density() -> None:
+    from weight_transfer.planner.delta import DeltaDensity, expected_wire_nbytes
+
+    w = QuantWrite(
+        engine="e0",
+        dest="q",
+        scale_dest="s",
+        block=(128, 128),
+        parts=(Part("w", ((0, 256), (0, 256)), ((0, 256), (0, 256))),),
+        dest_box=((0, 256), (0, 256)),
+        scale_box=((0, 2), (0, 2)),
+        weight_runs=(WriteRun(0, 0, 65536),),
+        scale_runs=(WriteRun(1, 0, 16),),
+    )
+    task = Task(
+        task_id=0,
+        kind="direct",
+        mesh_group=0,
+        mesh=(0,),
+        gather=(),
+        writes=(w,),
+        staging_bytes=w.nbytes,
+        scratch_bytes=0,
+        h2d_bytes=0,
+    )
+    sched = schedule_of([[task]], ("e0",))
+    d = simulate(
+        sched,
+        sources_of(1),
+        {"e0": "x"},
+        RATES,
+        memory_budget_bytes=1 << 30,
+        delta=DeltaDensity(other=0.5, fp8=0.01, scales=1.0),
+    )
+    assert d.total_write_bytes == expected_wire_nbytes(0.01, 65536, 1) + 16
+    with pytest.raises(ValueError, match="fp8"):
+        DeltaDensity(other=0.1, fp8=1.5)
+
+
+def test_cli_simulate_delta_prints_both_and_refuses_bad_density(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from weight_transfer.cli import main
+
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--delta-density", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "delta update at densities 0.01 (BF16) / 0.01 (FP8 bytes)" in out
+    # The second "predicted update" row is the full / delta table.
+    line = [ln for ln in out.splitlines() if ln.startswith("predicted update")][-1]
+    full_s, delta_s = (float(x.rstrip("s")) for x in line.split()[-2:])
+    assert 0 < delta_s and 0 < full_s and "decision: " in out
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--delta-density", "1.5"]) == 2
+    assert "--delta-density: DeltaDensity.other must be in [0, 1]" in capsys.readouterr().err

@@ -140,10 +140,13 @@ def test_a_failing_lane_fails_the_batch_naming_the_peer() -> None:
 
 
 class _FakeWorker:
-    """Stands in for UcxWorker's request bookkeeping: which requests were given up on."""
+    """Stands in for UcxWorker's request bookkeeping: which requests UCX still runs, which
+    were freed as finished, and which were given up on (cancelled and freed) while running."""
 
-    def __init__(self, flush_fails: bool) -> None:
+    def __init__(self, flush_fails: bool, in_progress: set[int]) -> None:
         self.flush_fails = flush_fails
+        self.in_progress = in_progress
+        self.freed: list[int] = []
         self.released: list[int] = []
 
     def check(self, request):
@@ -154,8 +157,9 @@ class _FakeWorker:
             raise ucx_native.UcxError("UCX request", -3, "Endpoint timeout")
         return True
 
-    def settle(self, requests):
-        return []
+    def sweep(self, requests):
+        self.freed += [r for r in requests if r not in self.in_progress]
+        return [r for r in requests if r in self.in_progress], None
 
     def release_all(self, requests):
         self.released.extend(requests)
@@ -166,17 +170,24 @@ class _FakeWorker:
             request.ptr = None
 
 
-def test_settle_releases_the_puts_when_the_flush_fails() -> None:
-    """A failed flush used to drop the batch's outstanding put requests without releasing
-    them (leaked UCX requests); now every one is given up on before the error propagates."""
+def test_a_failed_flush_keeps_the_puts_still_running_until_they_finish() -> None:
+    """A failed flush used to cancel and free the batch's outstanding puts at once; freeing a
+    UCX request does not stop its operation, so a put could still read staging memory after
+    the batch was reported failed (and its memory reused). Now the failure is recorded, the
+    puts still in progress are kept (never given up on) and freed only once they finished:
+    until then the batch is not quiet (`UcxTransport._quiesce`)."""
     from weight_transfer.backends import ucx, ucx_native
 
-    worker = _FakeWorker(flush_fails=True)
+    worker = _FakeWorker(flush_fails=True, in_progress={0x2000})
     batch = ucx._Batch(puts=[0x1000, 0x2000, 0x3000], flush=ucx_native.Request(0x9000, 1))
-    with pytest.raises(ucx_native.UcxError, match="Endpoint timeout"):
-        ucx._settle(worker, batch)
-    assert worker.released == [0x1000, 0x2000, 0x3000]
-    assert batch.puts == [] and batch.flush is None
-    ok = _FakeWorker(flush_fails=False)
+    assert ucx._settle(worker, batch) is False
+    assert batch.failure is not None and "Endpoint timeout" in batch.failure
+    assert batch.flush is None and batch.puts == [0x1000, 0x2000, 0x3000]
+    assert ucx._quiet(worker, batch) is False
+    assert batch.puts == [0x2000] and worker.freed == [0x1000, 0x3000]
+    worker.in_progress.clear()  # UCX finished the last put
+    assert ucx._quiet(worker, batch) is True
+    assert worker.freed == [0x1000, 0x3000, 0x2000] and worker.released == []
+    ok = _FakeWorker(flush_fails=False, in_progress=set())
     batch = ucx._Batch(puts=[0x1000], flush=ucx_native.Request(0x9000, 1))
-    assert ucx._settle(ok, batch) and ok.released == []
+    assert ucx._settle(ok, batch) and ok.released == [] and batch.failure is None

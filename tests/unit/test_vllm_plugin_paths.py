@@ -150,3 +150,37 @@ def test_client_keeps_the_version_where_vllm_has_none() -> None:
         ("reset_prefix_cache",),
         ("wake_up", ["scheduling"]),
     ]
+
+
+def test_client_stays_paused_after_a_failed_update_until_one_completes() -> None:
+    """Fail closed, the client's part: after `fail_weight_update` (writes had begun) the
+    scheduler is not woken, not even by an update that then fails before writing anything;
+    only a finished update resumes it. An update that fails before writing, from a whole
+    model, resumes at once."""
+    from weight_transfer.errors import NotServingError
+    from weight_transfer.serving import ServingState
+    from weight_transfer.vllm import LLMWeightSyncClient
+
+    wake = ("wake_up", ["scheduling"])
+    llm = _Llm026()
+    client = LLMWeightSyncClient(llm)
+    client.start_weight_update()
+    client.update_weights({"version": 1})
+    client.fail_weight_update("trainer rank 0: peer lost")
+    assert wake not in llm.calls
+    assert client.serving.state is ServingState.FAILED and client.serving.version == 0
+    with pytest.raises(NotServingError, match="update 1 failed.*peer lost"):
+        client.check_serving()
+    client.start_weight_update()
+    client.update_weights({"version": 2})
+    client.abort_weight_update()  # nothing of 2 was written, but 1's bytes still are
+    assert wake not in llm.calls and client.serving.state is ServingState.FAILED
+    client.start_weight_update()
+    client.update_weights({"version": 3})
+    client.finish_weight_update("3")
+    assert llm.calls[-1] == wake and client.check_serving() == 3
+    llm.calls.clear()
+    client.start_weight_update()
+    client.update_weights({"version": 4})
+    client.abort_weight_update()
+    assert llm.calls[-1] == wake and client.check_serving() == 3

@@ -1,9 +1,11 @@
-"""`weight-transfer bench transports|update`: benchmarks side by side with baselines.
+"""`weight-transfer bench transports|update|control-plane`: benchmarks beside baselines.
 
 `bench transports` runs `weight_transfer.benchmarks.transport_harness` (a receiver and a sender
 process per backend, baselines in the same run), prints a table with ratios, and optionally writes
 the JSON and a PNG plot. `bench update` runs `weight_transfer.benchmarks.bench_update` (whole
-updates on GPUs beside their ceiling and baselines).
+updates on GPUs beside their ceiling and baselines). `bench control-plane` runs
+`weight_transfer.benchmarks.bench_control_plane` (the control plane's store requests and commit
+latency at 8, 64 and 384 members, as threads of one process).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from weight_transfer.cli.command import Command
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="what", required=True, metavar="{transports,update}")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{transports,update,control-plane}")
     t = sub.add_parser(
         "transports",
         help="one-sided write throughput per backend and size, beside raw baselines",
@@ -32,6 +34,14 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench_update.build_parser(u)
+    from weight_transfer.benchmarks import bench_control_plane
+
+    c = sub.add_parser(
+        "control-plane",
+        help="the control plane's store requests and commit latency at 8, 64 and 384 members",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench_control_plane.build_parser(c)
 
 
 def _transports_args(p: argparse.ArgumentParser) -> None:
@@ -136,6 +146,10 @@ def _transports(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     if ns.what == "transports":
         return _transports(ns)
+    if ns.what == "control-plane":
+        from weight_transfer.benchmarks import bench_control_plane
+
+        return bench_control_plane.main(ns)
     from weight_transfer.benchmarks import bench_update
 
     return bench_update.main(ns)

@@ -1,10 +1,12 @@
 """`weight-transfer doctor`: which backends can run on this host, and why the others cannot.
 
-For every backend of `BACKENDS` the doctor loads its class and constructs (then closes) one
-transport with a default `TransportConfig`, once for host memory and, where CUDA is available,
-once with `device_index=0` for GPU memory. It prints the verdict with the reason of each
-failure (package missing, no RDMA device, no CUDA GPU), torch and CUDA facts, the versions of
-the optional packages, and the ibverbs backend's own device report. It always exits 0.
+For every backend of `BACKENDS` the doctor first asks `weight_transfer.backends.availability`
+(the same checks the test markers use: package missing, no RDMA device, no CUDA GPU); where that
+finds nothing missing it loads the backend's class and constructs (then closes) one transport
+with a default `TransportConfig`, once for host memory and, where CUDA is available, once with
+`device_index=0` for GPU memory. It prints the verdict with the reason of each failure, torch and
+CUDA facts, the versions of the optional packages, and the ibverbs backend's own device report.
+It always exits 0.
 """
 
 from __future__ import annotations
@@ -13,19 +15,13 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
-import os
 import platform
 from typing import Any
 
 import torch
 
-from weight_transfer.backends.base import (
-    BACKENDS,
-    EXTRAS,
-    MemoryKind,
-    TransportConfig,
-    load_backend,
-)
+from weight_transfer.backends import availability
+from weight_transfer.backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
 from weight_transfer.cli.command import Command
 
 _PACKAGES: dict[str, tuple[str, ...]] = {
@@ -33,8 +29,6 @@ _PACKAGES: dict[str, tuple[str, ...]] = {
     "nixl": ("nixl-cu13",),
 }
 """Distributions each optional backend needs (shown with their installed versions)."""
-
-_INFINIBAND_SYSFS = "/sys/class/infiniband"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,13 +72,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _rdma_devices() -> list[str]:
-    try:
-        return sorted(os.listdir(_INFINIBAND_SYSFS))
-    except OSError:
-        return []
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
@@ -116,23 +103,13 @@ def _ibverbs_info() -> dict[str, Any]:
     return info
 
 
-def _status(name: str, num_gpus: int, ib_info: dict[str, Any]) -> BackendStatus:
+def _status(name: str, num_gpus: int) -> BackendStatus:
     packages = {d: _version(d) for d in _PACKAGES.get(name, ())}
-    missing = [d for d, v in packages.items() if v is None]
-    host_reason: str | None
-    if missing:
-        host_reason = f"package missing: {', '.join(missing)} ({EXTRAS[name]})"
-    elif name == "ibverbs" and not ib_info.get("pyverbs"):
-        host_reason = "package missing: pyverbs (rdma-core's Python binding; see docs/ibverbs.md)"
-        if not _rdma_devices():
-            host_reason += f"; no RDMA device (0 devices in {_INFINIBAND_SYSFS})"
-    elif name == "ibverbs" and ib_info.get("num_devices", 0) == 0:
-        host_reason = f"no RDMA device ({ib_info.get('num_devices', 0)} devices)"
-    else:
-        host_reason = _try_construct(name, None)
+    # What is missing (the test markers skip for exactly this), else whether it constructs.
+    host_reason = availability.backend_unavailable_reason(name) or _try_construct(name, None)
     gpu_reason: str | None
     if num_gpus == 0:
-        gpu_reason = "no CUDA GPU"
+        gpu_reason = availability.cuda_unavailable_reason() or "no CUDA GPU"
     elif host_reason is not None:
         gpu_reason = host_reason
     else:
@@ -149,17 +126,15 @@ def _status(name: str, num_gpus: int, ib_info: dict[str, Any]) -> BackendStatus:
 
 def collect_report() -> DoctorReport:
     """Probe every backend on this host. Never raises for a backend that cannot run."""
-    cuda = torch.cuda.is_available()
-    num_gpus = torch.cuda.device_count() if cuda else 0
-    ib_info = _ibverbs_info()
+    num_gpus = availability.num_cuda_gpus()
     return DoctorReport(
         python=platform.python_version(),
         torch=torch.__version__,
-        cuda_available=cuda,
+        cuda_available=num_gpus > 0,
         cuda_devices=[torch.cuda.get_device_name(i) for i in range(num_gpus)],
-        rdma_devices=_rdma_devices(),
-        backends=[_status(name, num_gpus, ib_info) for name in BACKENDS],
-        ibverbs=ib_info,
+        rdma_devices=availability.rdma_devices(),
+        backends=[_status(name, num_gpus) for name in BACKENDS],
+        ibverbs=_ibverbs_info(),
     )
 
 
@@ -170,7 +145,7 @@ def format_report(report: DoctorReport) -> str:
         f"python {report.python}, torch {report.torch}",
         f"CUDA available: {'yes' if report.cuda_available else 'no'} "
         f"({len(report.cuda_devices)} GPU(s): {gpus})",
-        f"RDMA devices ({_INFINIBAND_SYSFS}): {', '.join(report.rdma_devices) or 'none'}",
+        f"RDMA devices ({availability.RDMA_SYSFS}): {', '.join(report.rdma_devices) or 'none'}",
         "",
     ]
     width = max(len(b.name) for b in report.backends)

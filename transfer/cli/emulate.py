@@ -54,6 +54,13 @@ def _emulate_args(p: argparse.ArgumentParser) -> None:
         help="fraction of a core each emulated host's copy/quantize stages get in the "
         "simulator (default: this machine's cores / trainer ranks, at most 1)",
     )
+    g.add_argument(
+        "--delta-density",
+        type=float,
+        default=0.0,
+        help="delta updates: flip the lowest bit of this fraction of the trainer's elements per "
+        "update; the timed updates are deltas, predicted as such (docs/delta.md)",
+    )
     g.add_argument("--json", dest="json_path", help="write the whole result here")
 
 
@@ -71,6 +78,14 @@ def _line(r: dict[str, Any]) -> list[str]:
         f"({sim.get('bottleneck', '-')}); measured/predicted "
         f"{r['ratio_measured_over_predicted'] or 0:.3f}",
     ]
+    if "delta" in r:
+        d = r["delta"]
+        out.append(
+            f"delta at density {d['density']:g}: modes {d['modes']}, wire "
+            f"{d['wire_fraction'].get('median', 0):.2%} of full; simulator delta "
+            f"{d['predicted_delta_s'] or 0:.3f} s (full {d['predicted_full_s'] or 0:.3f} s); "
+            f"measured/predicted {d['ratio_measured_over_predicted_delta'] or 0:.3f}"
+        )
     if "funnel" in r:
         f = r["funnel"]
         out.append(
@@ -114,6 +129,7 @@ def _emulate(ns: argparse.Namespace) -> int:
             memory_budget_bytes=int(ns.memory_budget_gib * 2**30),
             timeout_s=ns.timeout_s,
             cpu_share=ns.cpu_share,
+            delta_density=ns.delta_density,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -187,17 +187,45 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
         "(flows share links max-min fairly, as TCP does; small clusters only, "
         "docs/simulator.md)",
     )
+    d = p.add_argument_group("delta updates (docs/delta.md)")
+    d.add_argument(
+        "--delta-density",
+        type=float,
+        metavar="X",
+        help="also predict a delta update in which this fraction of the engine elements "
+        "changed (BF16 tensors, and FP8 bytes unless --delta-density-fp8 is given); "
+        "benchmarks/results/delta_density_* has measured values",
+    )
+    d.add_argument(
+        "--delta-density-fp8", type=float, metavar="X", help="fraction of FP8 bytes changed"
+    )
+    d.add_argument(
+        "--delta-scales",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="fraction of FP8 block scales changed (default 1: every scale is sent)",
+    )
 
 
 def _simulate(ns: argparse.Namespace) -> int:
     from weight_transfer.errors import WeightTransferError
+    from weight_transfer.planner.delta import DeltaDensity
     from weight_transfer.planner.presets.clusters import model_bytes
     from weight_transfer.planner.simulate import broadcast_baseline, simulate
 
     try:
-        # Bad rates are refused before the planning starts.
+        # Bad rates and densities are refused before the planning starts.
         described = _preset(ns)
         rates = _rates(ns.rates, described.rates) if ns.rates else described.rates
+        density = None
+        if ns.delta_density is not None or ns.delta_density_fp8 is not None:
+            other = ns.delta_density if ns.delta_density is not None else ns.delta_density_fp8
+            fp8 = ns.delta_density_fp8 if ns.delta_density_fp8 is not None else other
+            try:
+                density = DeltaDensity(other=other, fp8=fp8, scales=ns.delta_scales)
+            except ValueError as exc:
+                raise ValueError(f"--delta-density: {exc}") from exc
         preset, config, sources, dests, schedule = _build(ns)
     except (ValueError, OSError, WeightTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -235,10 +263,18 @@ def _simulate(ns: argparse.Namespace) -> int:
         f"{rates.write_overhead_s * 1e6:g} us, per task {rates.task_overhead_s * 1e6:g} us"
     )
     print()
+    print(
+        f"control plane: round trip {rates.control_rtt_s * 1e6:g} us, store "
+        f"{rates.control_request_s * 1e6:g} us per request, controller "
+        f"{rates.control_message_s * 1e6:g} us per rank report"
+    )
+    print()
     print(f"{'':<30}{'schedule':>12}{'rank-0 broadcast':>20}")
-    print(f"{'predicted update':<30}{r.predicted_s:>11.3f}s{base.predicted_s:>19.3f}s")
-    print(f"{'lower bound':<30}{r.lower_bound_s:>11.3f}s")
-    print(f"{'efficiency (bound/predicted)':<30}{r.efficiency:>12.1%}")
+    print(f"{'predicted update':<30}{r.update_s:>11.3f}s{base.predicted_s:>19.3f}s")
+    print(f"{'  data plane':<30}{r.predicted_s:>11.3f}s")
+    print(f"{'  control plane':<30}{r.control_plane_s:>11.3f}s")
+    print(f"{'lower bound (data plane)':<30}{r.lower_bound_s:>11.3f}s")
+    print(f"{'efficiency (bound/data plane)':<30}{r.efficiency:>12.1%}")
     print()
     print("stage bounds:")
     for k, v in r.stage_bound_s.items():
@@ -260,6 +296,37 @@ def _simulate(ns: argparse.Namespace) -> int:
         f"per rank {_gb(r.peak_memory_bytes)}, longest admission stall {r.stall_s * 1e3:.1f} ms"
     )
     print(f"bottleneck: {labels[r.bottleneck]}")
+    if density is not None:
+        _progress("simulating the delta update ...")
+        dr = simulate(
+            schedule,
+            sources,
+            {d.engine: d.host for d in dests},
+            rates,
+            memory_budget_bytes=config.memory_budget_bytes,
+            progress=_progress,
+            links=ns.links,
+            delta=density,
+        )
+        mode = "delta" if dr.predicted_s < r.predicted_s else "full (the delta is not faster)"
+        print()
+        print(
+            f"delta update at densities {density.other:g} (BF16) / {density.fp8:g} (FP8 bytes) "
+            f"/ {density.scales:g} (FP8 scales); diff {rates.diff_gb_per_s:g} GB/s, apply "
+            f"{rates.apply_gb_per_s:g} GB/s"
+        )
+        print(f"{'':<30}{'full':>12}{'delta':>12}")
+        # Both with the same control plane (delta mode's acknowledgements are not modelled).
+        print(f"{'predicted update':<30}{r.update_s:>11.4f}s{dr.update_s:>11.4f}s")
+        print(f"{'bytes written':<30}{_gb(r.total_write_bytes):>12}{_gb(dr.total_write_bytes):>12}")
+        print(f"{'lower bound':<30}{r.lower_bound_s:>11.4f}s{dr.lower_bound_s:>11.4f}s")
+        print(f"{'bottleneck':<30}{r.bottleneck:>12}{dr.bottleneck:>12}")
+        print(f"{'engine apply (busiest)':<30}{'':>12}{dr.apply_s:>11.4f}s")
+        print(f"{'snapshot advance (after)':<30}{'':>12}{dr.snapshot_advance_s:>11.4f}s")
+        print("delta stage bounds:")
+        for k, v in dr.stage_bound_s.items():
+            print(f"  {labels[k]:<28}{v:>10.3f}s  {dr.busiest[k]}")
+        print(f"decision: {mode}")
     return 0
 
 

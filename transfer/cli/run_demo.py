@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import secrets
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -406,58 +404,25 @@ def run_demo(
     cfg: DemoConfig, *, on_update: Callable[[UpdateReport], None] | None = None
 ) -> DemoResult:
     """Start the processes, wait for them (with `cfg.timeout_s`), and report what happened."""
-    from weight_transfer.cli.child_reports import ReportInbox
+    from weight_transfer.cli.launch import Child, Launch
 
-    ctx = mp.get_context("spawn")
-    inbox = ReportInbox(ctx)  # one pipe per child: a dead child cannot block the others
     port = cfg.control_port or free_port()
     dist_port = free_port()
     token = cfg.control_token or secrets.token_hex(16)
-    procs: dict[str, Any] = {}
-    for e in range(cfg.engine_ranks):
-        procs[f"engine{e}"] = ctx.Process(
-            target=engine_main, args=(e, cfg, port, token, inbox.reporter()), name=f"wt-engine{e}"
-        )
-    for r in range(cfg.train_ranks):
-        procs[f"trainer{r}"] = ctx.Process(
-            target=trainer_main,
-            args=(r, cfg, port, dist_port, token, inbox.reporter()),
-            name=f"wt-trainer{r}",
-        )
-    # The controller (trainer 0) hosts the control plane: start it first.
-    order = [f"trainer{r}" for r in range(cfg.train_ranks)] + [
-        f"engine{e}" for e in range(cfg.engine_ranks)
-    ]
-    for name in order:
-        procs[name].start()
-    inbox.started()
+    # The controller (trainer 0) hosts the control plane: the trainers start first.
+    children = [
+        Child(f"trainer{r}", trainer_main, (r, cfg, port, dist_port, token))
+        for r in range(cfg.train_ranks)
+    ] + [Child(f"engine{e}", engine_main, (e, cfg, port, token)) for e in range(cfg.engine_ranks)]
     result = DemoResult(updates=[], exit_codes={}, errors=[], engine_tensors={}, expected={})
-    deadline = time.monotonic() + cfg.timeout_s
-    try:
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            msg = inbox.get(timeout=0.2)
-            if msg is None:
-                if any(p.exitcode not in (None, 0) for p in procs.values()):
-                    break
-                continue
-            _handle(msg, result, on_update)
-        while (msg := inbox.get(timeout=0.2)) is not None:
-            _handle(msg, result, on_update)
-    finally:
-        failed = any(p.exitcode not in (None, 0) for p in procs.values())
-        for name, p in procs.items():
-            # After a failure the others get a short grace period (they raise on their own
-            # timeouts); otherwise they get what is left of the deadline.
-            grace = 15.0 if failed else max(1.0, deadline - time.monotonic())
-            p.join(timeout=grace)
-            if p.is_alive():
-                result.errors.append(f"{name} did not finish in time; killed")
-                p.kill()
-                p.join(timeout=10)
-            result.exit_codes[name] = p.exitcode
-            if p.exitcode not in (0, None):
-                result.errors.append(f"{name} exited with code {p.exitcode}")
-        inbox.close()
+    # After a failure the others get a short grace (they raise on their own timeouts).
+    outcome = Launch(children).run(
+        timeout_s=cfg.timeout_s,
+        grace_s=15.0,
+        on_message=lambda _child, msg: _handle(msg, result, on_update),
+    )
+    result.exit_codes = outcome.exit_codes
+    result.errors.extend(outcome.errors)
     if len(result.updates) != cfg.steps:
         result.errors.append(f"{len(result.updates)} of {cfg.steps} updates reported")
     return result

@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
-import queue
 import secrets
 import tempfile
 import time
@@ -99,12 +97,12 @@ def _llama_config(dtype: str) -> Any:
 class _ProxyClient:
     """Trainer rank 0's client: each vLLM phase is run by the demo's main process on its LLM."""
 
-    def __init__(self, req: Any, resp: Any, timeout_s: float) -> None:
-        self.req, self.resp, self.timeout_s = req, resp, timeout_s
+    def __init__(self, channel: Any, timeout_s: float) -> None:
+        self.channel, self.timeout_s = channel, timeout_s
 
     def _call(self, name: str, *args: Any) -> None:
-        self.req.put(("rpc", name, args))
-        kind, value = self.resp.get(timeout=self.timeout_s)
+        self.channel.put(("rpc", name, args))
+        kind, value = self.channel.get(self.timeout_s)
         if kind == "err":
             raise RuntimeError(value)
 
@@ -130,10 +128,12 @@ def trainer_main(
     model_dir: str,
     ports: tuple[int, int],
     token: str,
-    req: Any,
-    resp: Any,
+    channel: Any,
 ) -> None:
-    """One trainer process: FSDP2 Llama, AdamW step, update into vLLM, verify; K times."""
+    """One trainer process: FSDP2 Llama, AdamW step, update into vLLM, verify; K times.
+
+    Rank 0 asks the demo's process, over its launcher `channel`, to run vLLM's phases and to
+    check each update."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -178,7 +178,7 @@ def trainer_main(
             )
         )
         updater = OneSidedUpdater(
-            info, model, _ProxyClient(req, resp, cfg.timeout_s) if rank == 0 else None
+            info, model, _ProxyClient(channel, cfg.timeout_s) if rank == 0 else None
         )
         shape = get_model_shape("tiny")
         ref = (
@@ -214,8 +214,8 @@ def trainer_main(
                 with torch.no_grad():
                     for _ in range(PROBE_TOKENS):
                         seq.append(int(ref(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-                req.put(("check", step, stats.seconds, tuple(bad), seq[len(PROBE) :]))
-                kind, value = resp.get(timeout=cfg.timeout_s)
+                channel.put(("check", step, stats.seconds, tuple(bad), seq[len(PROBE) :]))
+                kind, value = channel.get(cfg.timeout_s)
                 if kind != "ok":
                     raise RuntimeError(value)
             dist.barrier()
@@ -238,6 +238,7 @@ def run_vllm_demo(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.cli.run_demo import free_port
     from weight_transfer.errors import WeightTransferError
     from weight_transfer.vllm import BACKEND, LLMWeightSyncClient
@@ -263,40 +264,33 @@ def run_vllm_demo(
         )
         log.info("vLLM started in %.1f s", time.monotonic() - t0)
         client = LLMWeightSyncClient(llm)
-        ctx = mp.get_context("spawn")
-        req, resp = ctx.Queue(), ctx.Queue()
         ports, token = (free_port(), free_port()), secrets.token_hex(16)
-        procs = [
-            ctx.Process(
-                target=trainer_main,
-                name=f"wt-trainer{r}",
-                args=(r, cfg, str(model_dir), ports, token, req, resp),
-            )
-            for r in range(cfg.train_ranks)
-        ]
-        for p in procs:
-            p.start()
+        launch = Launch(
+            [
+                Child(f"trainer{r}", trainer_main, (r, cfg, str(model_dir), ports, token))
+                for r in range(cfg.train_ranks)
+            ]
+        )
         deadline = time.monotonic() + cfg.timeout_s
         sp = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0)
         try:
+            launch.start()
             while len(reports) < cfg.steps:
                 if time.monotonic() > deadline:
                     raise WeightTransferError(f"demo-vllm: not done within {cfg.timeout_s:.0f} s")
-                try:
-                    msg = req.get(timeout=0.5)
-                except queue.Empty:
-                    failed = [p.name for p in procs if p.exitcode not in (None, 0)]
-                    if failed:
-                        raise WeightTransferError(
-                            f"demo-vllm: {failed} exited with an error"
-                        ) from None
+                got = launch.get(timeout_s=0.5)
+                if got is None:
+                    failure = launch.failure()
+                    if failure is not None:
+                        raise WeightTransferError(f"demo-vllm: {failure}") from None
                     continue
+                who, msg = got
                 if msg[0] == "rpc":
                     try:
                         getattr(client, msg[1])(*msg[2])
-                        resp.put(("ok", None))
+                        launch.send(who, ("ok", None))
                     except Exception as exc:  # handed to trainer rank 0, which raises it
-                        resp.put(("err", f"{type(exc).__name__}: {exc}"))
+                        launch.send(who, ("err", f"{type(exc).__name__}: {exc}"))
                     continue
                 _, step, seconds, bad, want = msg
                 out = llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
@@ -310,15 +304,10 @@ def run_vllm_demo(
                 reports.append(rep)
                 if on_update is not None:
                     on_update(rep)
-                resp.put(("ok", None))
+                launch.send(who, ("ok", None))
         finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
-                    p.join(10)
+            codes = launch.close(grace_s=60)
             del llm
-        codes = {p.name: p.exitcode for p in procs}
         if any(c != 0 for c in codes.values()):
             raise WeightTransferError(f"demo-vllm: trainer exit codes {codes}")
     return reports

@@ -24,6 +24,12 @@ written parameter then takes one of three paths, logged once:
   and re-runs vLLM's processing for exactly that layer (the buffer itself is never
   reallocated; vLLM builds its packed copy from it as it does at load).
 
+Tied embeddings (`tie_word_embeddings`, Qwen3-0.6B to 4B and the like): vLLM 0.32 builds a
+`ParallelLMHead` and makes its ``weight`` the embedding's own parameter, so the live model has
+one tensor, ``model.embed_tokens.weight``, and the preset has no ``lm_head`` recipe; the
+trainer's tied ``lm_head.weight`` is an alias of its embedding (one source). The LM head module
+derives its logits GEMM state from the shared weight, so it is re-processed with the embedding.
+
 `init_transfer_engine` joins the control plane (a `WeightReceiver`); `receive_weights` announces
 readiness and waits, bounded, for the update's version word; the writes land while the worker's
 thread is inside that call, so no forward pass reads a partial update.
@@ -51,6 +57,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weight_transfer.control import ControlPlane
+from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
@@ -240,6 +247,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     update_info_cls = EngineUpdateInfo
     supports_draft_weight_update = False
 
+    _delta = False
+    """Delta updates on (a patch region registered): derived values must not overwrite targets."""
+    _target_ptrs: frozenset[int] = frozenset()
+    """Addresses of the registered targets (for that check)."""
+
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module
     ) -> None:
@@ -297,7 +309,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             else:
                 assert view is not None
                 self._targets[name] = view
-        self._reprocess = sorted({p.module for p in self.paths.values() if p.path != IN_PLACE})
+        self._reprocess = sorted(
+            {p.module for p in self.paths.values() if p.path != IN_PLACE}
+            | self._tied_holders(params)
+        )
         # The parameter objects of every re-processed layer as loaded: their storage is what
         # vLLM's kernels (and captured CUDA graphs) read, so a refresh writes its results back
         # into them (`_restore_captured`).
@@ -328,7 +343,26 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.weight_version = 0
         self.last_refresh_s = 0.0
         self.last_receive_s = 0.0
+        self.last_apply: ApplyStats | None = None
         self._pending = 0
+
+    def _tied_holders(self, params: dict[str, torch.Tensor]) -> set[str]:
+        """Other modules that hold a registered parameter and derive kernel state from it.
+
+        A tied LM head (`tie_word_embeddings`: vLLM's `ParallelLMHead.tie_weights` makes
+        ``lm_head.weight`` the embedding's own parameter, so `named_parameters()` lists it once,
+        as ``model.embed_tokens.weight``) is such a module: on the CPU backend its processing
+        builds the logits GEMM's handle from that weight, so it is re-processed too.
+        """
+        owner = {id(params[name]): p.module for name, p in self.paths.items()}
+        out: set[str] = set()
+        for mod_name, module in self.model.named_modules():
+            if getattr(module, "quant_method", None) is None:
+                continue
+            for _, param in module.named_parameters(recurse=False):
+                if owner.get(id(param), mod_name) != mod_name:
+                    out.add(mod_name)
+        return out
 
     # -- construction checks ------------------------------------------------------------------
 
@@ -427,6 +461,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             WeightTransferError: the control plane refused or cannot be reached (wrong token,
                 wrong address); the engine keeps serving its current weights.
         """
+        previous = self.receiver.serving if self.receiver is not None else None
         self.shutdown()
         config = init_info.transfer_config()
         if self._shape.is_moe:
@@ -442,6 +477,11 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         engine = f"{config.vllm.engine_prefix}/rank{self.global_rank}"
         control = config.control
         self.receiver = WeightReceiver(self._targets, self.recipes, config, engine=engine)
+        self._delta = config.receiver.patch_region_bytes > 0
+        self._target_ptrs = frozenset(t.data_ptr() for t in self._targets.values())
+        if previous is not None and not previous.serving:
+            # A new trainer does not make mixed weights whole: still FAILED until it lands one.
+            self.receiver.fail_update(previous.step, previous.reason)
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
         self._publish_digests = config.vllm.publish_digests
@@ -466,22 +506,49 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         in `finish_weight_update`, so that between the first write and the refreshed state the
         worker's thread never leaves this call and no forward pass can run in between.
 
+        The receiver's serving gate (`WeightReceiver.serving`, in `stats()`) closes before
+        the engine says it is ready and opens only once the refresh succeeded; after any
+        failure it stays FAILED (the raw bytes may be new while vLLM's derived state is old,
+        or the bytes themselves mixed) until a later update completes. The trainer side keeps
+        vLLM's scheduler paused meanwhile (`LLMWeightSyncClient.fail_weight_update`).
+
         Raises:
             TransportTimeoutError: not complete within `update_info.timeout_s`.
             UpdateFailedError: the trainer aborted the update (version stays).
+            WeightTransferError: vLLM's processing moved a registered parameter.
         """
         if self.receiver is None or self._signal is None:
             raise WeightTransferError("weight_transfer: update_weights before init")
         k = update_info.version
-        self._signal.put(ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name))
-        t0 = time.perf_counter()
-        self.receiver.wait_for_version(k, update_info.timeout_s)
-        self.last_receive_s = time.perf_counter() - t0
-        # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
-        self._refresh()
+        rx = self.receiver
+        rx.begin_update(k)
+        try:
+            self._signal.put(
+                ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name)
+            )
+            t0 = time.perf_counter()
+            # Waits until update k committed, then applies the patches of a delta update in
+            # place (nothing in a full one): the one piece of per-update work delta mode asks
+            # of the engine, here inside vLLM's update window.
+            applied = rx.apply_delta(k, update_info.timeout_s, serve=False)
+            self.last_receive_s = time.perf_counter() - t0
+            self.last_apply = applied
+            # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
+            self._refresh()
+        except BaseException as exc:
+            rx.fail_update(k, f"{type(exc).__name__}: {exc}")
+            log.error(
+                "weight_transfer: rank %d: update %d failed; this engine must serve nothing "
+                "until a complete update lands: %s",
+                self.global_rank,
+                k,
+                exc,
+            )
+            raise
+        rx.end_update(k)
         self._pending = k
         if self._publish_digests:
-            self.receiver.publish_digests(k)
+            rx.publish_digests(k)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's entry point; skips the base class's device synchronize on CPU."""
@@ -553,6 +620,16 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 )
             if (new.shape, new.dtype, new.stride()) == (orig.shape, orig.dtype, orig.stride()):
                 if new.data_ptr() != orig.data_ptr():
+                    if self._delta and orig.data_ptr() in self._target_ptrs:
+                        # Delta mode patches these bytes against what the trainer last sent;
+                        # a derived value written over them would be patched as if it were
+                        # the trainer's (docs/delta.md).
+                        if not torch.equal(new.data, orig.data):
+                            raise WeightTransferError(
+                                f"weight_transfer: vLLM's processing of {mod_name!r} rewrote "
+                                f"the registered {pname!r}; delta updates cannot patch it "
+                                "(run this model with full updates: patch_region_bytes=0)"
+                            )
                     orig.data.copy_(new.data)
                 setattr(module, pname, orig)
             elif new.data_ptr() != orig.data_ptr() and new.is_cuda:
@@ -598,14 +675,30 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             self._signal.close()
             self._signal = None
 
+    def _serving(self) -> dict[str, Any] | None:
+        """The receiver's serving gate as plain values (None before init)."""
+        if self.receiver is None:
+            return None
+        status = self.receiver.serving
+        return {
+            "state": status.state.value,
+            "version": status.version,
+            "step": status.step,
+            "reason": status.reason,
+        }
+
     def stats(self) -> dict[str, Any]:
         """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
+            "reprocessed": list(self._reprocess),
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
             "last_receive_s": self.last_receive_s,
+            "last_apply_entries": self.last_apply.num_entries if self.last_apply else 0,
+            "last_apply_patch_bytes": self.last_apply.patch_bytes if self.last_apply else 0,
             "weight_version": self.weight_version,
+            "serving": self._serving(),
             "addresses": {n: int(p.data_ptr()) for n, p in self.model.named_parameters()},
         }
 

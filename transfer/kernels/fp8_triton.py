@@ -176,7 +176,8 @@ def _launch(
     """Launch over every block of `x` (>= 2 dims); recurse on leading dims that do not fold.
 
     `software_cvt` selects the integer fp8 cast instead of the hardware one (the interpreter
-    needs it; on a GPU both give the same bits: benchmarks/gpu_fp8_kernel_check.py checks that).
+    needs it; on a GPU both give the same bits: benchmarks/probes/gpu_fp8_kernel_check.py checks
+    that).
     """
     folded = [_collapse_leading(t) for t in (x, q_bytes, scale)]
     if any(f is None for f in folded) or len({f[0] for f in folded if f is not None}) != 1:
@@ -362,7 +363,7 @@ class QuantTable:
     idle. A table lists every matrix once (addresses, sizes, row strides) and maps each program
     to its matrix, so a whole group is one launch that fills the GPU. The results are those of
     `quantize_fp8_blockwise_gpu`, bit for bit (tested through triton's interpreter, and on an
-    H200 by `benchmarks/gpu_fp8_kernel_check.py`).
+    H200 by `benchmarks/probes/gpu_fp8_kernel_check.py`).
 
     The table holds raw addresses: the caller keeps every tensor alive and in place while the
     table is used (the pipeline's graph groups do). `launch` runs on the current stream.
@@ -384,9 +385,10 @@ class QuantTable:
         `sub_rows` > 0 runs the two-pass kernel over slices of that many rows (a power of two
         dividing the block's padded rows); 0 holds the whole block in registers. The defaults
         (8 warps, 32-row slices) were the fastest of 15 variants on an H200
-        (`benchmarks/results/quant_table_probe_h200_202612_call8.json`: 1.30x / 1.21x the
-        copy-rate bound for Llama-8B's matrices / Qwen3 experts, against 1.78x / 1.69x for the
-        one-pass kernel and 1.83x / 4.11x for per-matrix launches replayed from a CUDA graph).
+        (`benchmarks/results/update_h200_202612.json`, key `probes.quant_table_call8`: 1.30x /
+        1.21x the copy-rate bound for Llama-8B's matrices / Qwen3 experts, against 1.78x /
+        1.69x for the one-pass kernel and 1.83x / 4.11x for per-matrix launches replayed from a
+        CUDA graph).
 
         Raises:
             ConfigurationError: a call the table kernel cannot take (see `why_not`); nothing is

@@ -37,9 +37,9 @@ CHUNK_BYTES = 64 << 10
 BLOCK_WORDS = 8192
 """8-byte words one loop step of a program moves (a whole 64 KiB chunk: one load, one store)."""
 NUM_WARPS = 16
-"""Warps per program. Chunk, block and warps were picked by benchmarks/gpu_table_copy_probe.py
-on an H200 (1.04x torch's copy_ on 8 GiB contiguous and on 2,674 copies of 3 MiB; the first
-guess, 1024 words and 4 warps, was 1.10x-1.13x)."""
+"""Warps per program. Chunk, block and warps were picked by
+benchmarks/probes/gpu_table_copy_probe.py on an H200 (1.04x torch's copy_ on 8 GiB contiguous
+and on 2,674 copies of 3 MiB; the first guess, 1024 words and 4 warps, was 1.10x-1.13x)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from weight_transfer.backends.base import (
     UpdateAbortedError,
     WeightTransferError,
 )
+from weight_transfer.errors import UpdateInProgressError
 from weight_transfer.pipeline.graphs import GraphGroups, NotGraphable
 from weight_transfer.pipeline.prepare import BarrierFn, GatherFn, PrepareStage
 from weight_transfer.pipeline.quant import QuantFn, default_quantize
@@ -32,6 +33,10 @@ from weight_transfer.pipeline.write import WriteStage
 from weight_transfer.planner.types import RankSchedule
 
 log = logging.getLogger(__name__)
+
+STUCK_JOIN_S = 0.5
+"""How long `run` waits for the previous update's prepare thread, still running at the start
+of a new update, before refusing the new one."""
 
 
 class Executor:
@@ -144,6 +149,39 @@ class Executor:
             static=self.static,
             graphs=self.graphs,
         )
+        self._worker: threading.Thread | None = None
+        """The prepare thread of the last update that had one."""
+        self._worker_step = 0
+        self._outlived: RunState | None = None
+        """The state of an update whose prepare thread outlived it: what that thread hands
+        over after the update ended is released once it ends."""
+
+    def busy(self) -> str | None:
+        """Why a new update cannot start now: the prepare thread of update k outlived its
+        deadline and still runs (blocked in a collective), or None."""
+        worker = self._worker
+        if worker is None or not worker.is_alive():
+            return None
+        doing = self.prepare.doing or "preparing"
+        return f"the preparation of update {self._worker_step} is still running ({doing})"
+
+    def _refuse_if_busy(self, step: int) -> None:
+        """At most one update's threads are ever alive: a prepare thread that outlived its
+        update would enter this update's gathers and barriers alongside the new one."""
+        if self._worker is not None and self._worker.is_alive():
+            self._worker.join(STUCK_JOIN_S)
+        why = self.busy()
+        if why is None and self._outlived is not None:
+            self._release_ready(self._outlived)
+            self._outlived = None
+        if why is not None:
+            raise UpdateInProgressError(
+                f"trainer rank {self.rank}: update {step} refused: {why} past its deadline; "
+                "it ends when its collective returns or times out (the process group's "
+                "timeout); until then no update can start on this rank. To go on sooner, "
+                "rebuild the process group and the WeightSender",
+                step=step,
+            )
 
     def run(
         self,
@@ -173,12 +211,24 @@ class Executor:
             on_failure: called at once, before draining, with this rank's own error (the
                 sender publishes it so the other ranks stop within a poll).
 
+        At most one update's threads are alive: if the prepare thread of an earlier update
+        outlived its deadline (blocked in a collective) and does not end within
+        `STUCK_JOIN_S`, the update is refused before anything starts.
+
         Raises:
+            UpdateInProgressError: an earlier update's prepare thread still runs (reported
+                through `on_failure` first, like any failure of this rank).
             TransportTimeoutError: the update ran past `timeout_s`.
             UpdateAbortedError: `cancelled` reported another rank's failure.
             WeightTransferError: a stage failed (the message names the task and peer); any
                 other exception of a stage is raised as it is.
         """
+        try:
+            self._refuse_if_busy(step)
+        except UpdateInProgressError as exc:
+            if on_failure is not None:
+                on_failure(exc)  # the other ranks stop at once, naming this rank's reason
+            raise
         st = RunState(
             step=step,
             t0=time.perf_counter(),
@@ -201,6 +251,7 @@ class Executor:
                 name=f"wt-prepare-r{self.rank}",
                 daemon=True,
             )
+            self._worker, self._worker_step = worker, step
             # Preparation starts at once; a failure while posting the static batches sets
             # `abort`, and the prepare stage then only enters its collectives.
             worker.start()
@@ -263,13 +314,20 @@ class Executor:
         worker.join(timeout=max(0.1, st.deadline - time.monotonic()))
         if worker.is_alive():
             log.warning(
-                "trainer rank %d: preparation of update %d still running at its deadline",
+                "trainer rank %d: preparation of update %d still running at its deadline (%s); "
+                "the next update on this rank is refused until it ends",
                 self.rank,
                 st.step,
+                self.prepare.doing or "preparing",
             )
+            self._outlived = st
         for p in st.waiting:
             self.staging.release(p)
-        while True:  # prepared but never posted
+        self._release_ready(st)
+
+    def _release_ready(self, st: RunState) -> None:
+        """Release what the prepare stage prepared but the write stage never posted."""
+        while True:
             try:
                 item = st.ready.get_nowait()
             except queue.Empty:
@@ -283,7 +341,7 @@ class Executor:
 
     def close(self) -> None:
         """Release registrations made by the executor."""
-        for r in (self.arena.region, self.versions.region):
+        for r in (self.arena.region, self.versions.region, *self.versions.retired):
             try:
                 self.transport.deregister(r)
             except (ValueError, WeightTransferError):

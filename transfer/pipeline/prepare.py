@@ -37,8 +37,10 @@ from weight_transfer.planner.types import (
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
 """full_tensor(param): the whole tensor, a collective over the param's mesh."""
-BarrierFn = Callable[[int], None]
-"""barrier(mesh_group): every trainer rank reaches the start of that mesh group."""
+BarrierFn = Callable[[int, int], None]
+"""barrier(step, mesh_group): every trainer rank reaches the start of that mesh group of
+update `step` (the step is the one the stage runs, never the caller's current one: a stage
+thread that outlived its update must not enter a later update's barrier)."""
 
 Fulls = Mapping[str, torch.Tensor | Shifted]
 """A task's sources by name: gathered whole tensors, or this rank's shards in global indices."""
@@ -81,6 +83,9 @@ class PrepareStage:
         self.static = static
         self.graphs = graphs
         self._gathers_done = 0  # of the task being prepared (what a drain still owes)
+        self.doing = ""
+        """The collective the stage's thread is in ("" between collectives), for the message
+        that refuses an update while a previous one's thread is still running."""
         self.needed = schedule.num_mesh_groups > 1 or any(
             t.task_id not in static and t.task_id not in graphs.skip for t in schedule.tasks
         )
@@ -99,7 +104,7 @@ class PrepareStage:
                 # Every rank enters every group's barrier, also groups it has no task in.
                 while group < task.mesh_group:
                     group += 1
-                    self.barrier(group)
+                    self._barrier(st.step, group)
                 if failed or st.abort.is_set():
                     self._drain(task, 0)
                     continue
@@ -135,10 +140,17 @@ class PrepareStage:
                 time.sleep(0)
             while group < self.schedule.num_mesh_groups - 1:
                 group += 1
-                self.barrier(group)
+                self._barrier(st.step, group)
             st.ready.put(None)
         except BaseException as exc:  # a broken collective: handed to the write stage
             st.ready.put(exc)
+
+    def _barrier(self, step: int, group: int) -> None:
+        self.doing = f"the barrier of mesh group {group}"
+        try:
+            self.barrier(step, group)
+        finally:
+            self.doing = ""
 
     def _drain(self, task: Task, gathers_done: int) -> None:
         """Enter the collectives of `task` that have not run yet; prepare nothing."""
@@ -148,6 +160,7 @@ class PrepareStage:
 
     def _gather(self, task: Task, name: str) -> torch.Tensor:
         """`full_tensor()` of a source (a collective over its mesh)."""
+        self.doing = f"gathering {name!r} (task {task.task_id}, mesh group {task.mesh_group})"
         try:
             return self.gather(self.sources.bindings[name].param)
         except Exception as exc:
@@ -157,6 +170,8 @@ class PrepareStage:
                 f"mesh group {task.mesh_group}) failed; a trainer rank of its mesh is "
                 f"lost or timed out: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            self.doing = ""
 
     def _admit_and_prepare(
         self, task: Task, rec: TaskRecord, t0: float, deadline: float, abort: threading.Event

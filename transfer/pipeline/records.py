@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the delta layer imports the pipeline's package, not the other way round
+    from weight_transfer.delta_sender import DeltaStats
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +55,8 @@ class UpdateStats:
     """Host time the write stage spent posting (the prepare stage's host time is in records)."""
     phases: UpdatePhases | None = None
     """The sender's steps around the executor (None from `Executor.run` alone)."""
+    delta: DeltaStats | None = None
+    """Delta mode's decision and bytes for this update (`SenderConfig.delta`); None when off."""
 
 
 def trace_events(

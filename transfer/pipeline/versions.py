@@ -15,8 +15,12 @@ from weight_transfer.backends.base import (
     RegionDescriptor,
     RegionRole,
     Transport,
+    WriteHandle,
     WriteOp,
 )
+
+QUIESCE_S = 1.0
+"""After a failed version write, longest the writer waits for it to settle."""
 
 
 class VersionWriter:
@@ -36,17 +40,45 @@ class VersionWriter:
         """Per engine, the index of its version-word region among its descriptors."""
         self._buf = torch.zeros(max(1, len(self.engines)), dtype=torch.int64)
         self.region: Region = transport.register(self._buf, role=RegionRole.SOURCE)
+        self._unsettled: list[WriteHandle] = []
+        """Version writes of a failed commit that may still read `_buf`."""
+        self.retired: list[Region] = []
+        """Buffers given up because a failed write might still read them (kept registered)."""
 
     def write(self, step: int, timeout_s: float) -> None:
-        """Write `step` into every engine's version word; blocks until all landed."""
+        """Write `step` into every engine's version word; blocks until all landed.
+
+        After a failed write the buffer is reused only once that write settled: a roll-back
+        must not be overwritten by a late read of the word it replaces. A write that never
+        settles leaves its buffer registered and unused; a fresh one takes its place.
+        """
         if not self.engines:
             return
+        self._retire_if_read()
         self._buf.fill_(step)
         handles = []
-        for i, e in enumerate(self.engines):
-            vdesc = self.descriptors[e][self.version_regions[e]]
-            handles.append(
-                self.transport.post_writes(e, [WriteOp(self.region, i * 8, vdesc, 0, 8)])
-            )
-        for h in handles:
-            self.transport.wait(h, timeout_s)
+        try:
+            for i, e in enumerate(self.engines):
+                vdesc = self.descriptors[e][self.version_regions[e]]
+                handles.append(
+                    self.transport.post_writes(e, [WriteOp(self.region, i * 8, vdesc, 0, 8)])
+                )
+            for h in handles:
+                self.transport.wait(h, timeout_s)
+        except BaseException:
+            for h in handles:
+                self.transport.quiesce(h, QUIESCE_S)
+            self._unsettled = [h for h in handles if not h.settled]
+            raise
+
+    def _retire_if_read(self) -> None:
+        """Swap in a fresh buffer if a failed write may still read the current one."""
+        for h in self._unsettled:
+            self.transport.quiesce(h, 0.0)
+        if all(h.settled for h in self._unsettled):
+            self._unsettled = []
+            return
+        self.retired.append(self.region)
+        self._buf = torch.zeros_like(self._buf)
+        self.region = self.transport.register(self._buf, role=RegionRole.SOURCE)
+        self._unsettled = []

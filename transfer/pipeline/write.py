@@ -38,8 +38,9 @@ quarantines their staging memory and reports."""
 
 
 def settled(h: WriteHandle) -> bool:
-    """The batch completed or failed: the transport reads none of its memory any more."""
-    return h.done or h.error is not None
+    """The batch completed, or failed and was quiesced: the transport reads none of its
+    memory any more (`WriteHandle.settled`; a failure alone does not settle a batch)."""
+    return h.settled
 
 
 class WriteStage:
@@ -204,19 +205,9 @@ class WriteStage:
         until = time.monotonic() + QUIESCE_S
         for f in in_flight:
             for h in f.handles:
-                while True:
-                    try:
-                        if self.transport.poll(h):
-                            break
-                    except WeightTransferError:
-                        break  # failed: the transport no longer reads its memory
-                    if time.monotonic() > until:
-                        break
-                    event = self.transport.completion_event(h)
-                    if event is not None:
-                        event.wait(0.01)
-                    elif not self.transport.progress_driven:
-                        time.sleep(1e-4)
+                # A failed batch may still be running in the backend (a copy thread, requests
+                # in flight): wait until it completed or was quiesced, not just until it failed.
+                self.transport.quiesce(h, max(0.0, until - time.monotonic()))
             if all(settled(h) for h in f.handles):
                 self.staging.release(f.prepared)
             else:

@@ -1,0 +1,114 @@
+"""A plan refused for a mismatched source: every trainer process raises the same list, even when
+the process hosting the control plane exits the moment it raised (issue 23)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from weight_transfer.cli.child_reports import ReportInbox
+from weight_transfer.cli.run_demo import free_port
+
+WANT = [
+    "trainer tensor 'a.weight' is shape (41, 19), but engine 'e0' reads it for 'a.weight' as "
+    "shape (37, 19)"
+]
+
+
+def _control(port: int, token: str) -> Any:
+    from weight_transfer.config import ControlPlaneConfig
+
+    return ControlPlaneConfig(port=port, token=token, timeout_s=30)
+
+
+def trainer_proc(rank: int, port: int, token: str, out: Any) -> None:
+    """Rank 0 hosts the controller; both hold an `a.weight` wider than the engine expects.
+    Reports what it raised and exits at once (rank 0's store goes with it)."""
+    from weight_transfer.backends.base import TransportConfig
+    from weight_transfer.config import ControllerConfig
+    from weight_transfer.controller import Controller
+    from weight_transfer.sender import WeightSender
+
+    controller = None
+    if rank == 0:
+        controller = Controller(
+            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
+        )
+    src = {"a.weight": torch.randn(41, 19), "b.weight": torch.randn(5)}
+    try:
+        WeightSender(
+            src,
+            rank=rank,
+            world_size=2,
+            transport=TransportConfig(),
+            control=_control(port, token),
+            controller=controller,
+        )
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
+        return
+    out.put((rank, "no error", []))
+
+
+def engine_proc(port: int, token: str, done: Any, out: Any) -> None:
+    from weight_transfer.backends.base import TransportConfig
+    from weight_transfer.planner.recipes import column_shard, identity
+    from weight_transfer.receiver import WeightReceiver
+
+    recipes = (
+        column_shard("a.weight", "a.weight", (37, 19), tp_rank=0, tp_size=1),
+        identity("b.weight", "b.weight", (5,)),
+    )
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "a.weight": torch.randn(37, 19, generator=g),
+        "b.weight": torch.randn(5, generator=g),
+    }
+    before = {n: t.clone() for n, t in tensors.items()}
+    rx = WeightReceiver(
+        tensors, recipes, engine="e0", transport=TransportConfig(), control=_control(port, token)
+    )
+    done.wait(60)
+    unchanged = all(torch.equal(tensors[n], before[n]) for n in tensors)
+    out.put(("engine", rx.version, unchanged))
+    rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_raises_the_mismatch_even_when_the_controller_exits_at_once() -> None:
+    ctx = mp.get_context("spawn")
+    inbox = ReportInbox(ctx)
+    done = ctx.Event()
+    port, token = free_port(), secrets.token_hex(16)
+    engine = ctx.Process(target=engine_proc, args=(port, token, done, inbox.reporter()))
+    trainers = [
+        ctx.Process(target=trainer_proc, args=(r, port, token, inbox.reporter())) for r in (0, 1)
+    ]
+    for p in (*trainers, engine):
+        p.start()
+    inbox.started()
+    reports: dict[Any, Any] = {}
+    deadline = time.monotonic() + 90
+    try:
+        while len(reports) < 3 and time.monotonic() < deadline:
+            got = inbox.get(timeout=0.2)
+            if got is not None:
+                reports[got[0]] = tuple(got[1:])
+            if 0 in reports and 1 in reports:
+                done.set()
+    finally:
+        done.set()
+        for p in (*trainers, engine):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert [p.exitcode for p in (*trainers, engine)] == [0, 0, 0], reports
+    assert reports[0] == ("PlanMismatchError", WANT), reports
+    assert reports[1] == ("PlanMismatchError", WANT), reports
+    assert reports["engine"] == (0, True)  # nothing written, version 0

@@ -1,0 +1,554 @@
+"""The control plane where it used to break exactly when something failed (issue 23).
+
+Each test names the fault and failed before the change it guards:
+- a stranger's `vllm_ready` key released the vLLM path's "go" while the engine ran (a);
+- a stranger's `claim/engine_slot/N` stalled `replan` (a);
+- the store lived in the controller's process with no bound on memory or connections (b);
+- per-update keys were deleted only for `step - 8`, so a cadence of 3 leaked every key (c);
+- non-controller ranks timed out at start-up while rank 0 succeeded (d);
+- `replan` released the old plan before the new one was built (e);
+- a timed-out connect left its thread behind (f).
+Everything runs in this process (threads for ranks) over the real runtime.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weight_transfer.backends.base import (
+    ControlPlaneAuthError,
+    TransportConfig,
+    TransportTimeoutError,
+    WeightTransferError,
+)
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.control import ControlPlane
+from weight_transfer.controller import Controller
+from weight_transfer.planner.recipes import identity
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
+
+SHAPE = (8, 6)
+
+
+def _control(timeout_s: float = 10.0, **kw: Any) -> ControlPlaneConfig:
+    return ControlPlaneConfig(
+        port=free_port(), token=secrets.token_hex(16), timeout_s=timeout_s, **kw
+    )
+
+
+def _raw(port: int) -> Any:
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5), use_libuv=True
+    )
+
+
+def _engine(name: str, cp: ControlPlaneConfig, seed: int, backend: str = "loopback") -> Any:
+    g = torch.Generator().manual_seed(seed)
+    return WeightReceiver(
+        {"w": torch.randn(SHAPE, generator=g)},
+        [identity("w", "w", SHAPE)],
+        engine=name,
+        transport=TransportConfig(name=backend),
+        control=cp,
+    )
+
+
+def _source(seed: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))}
+
+
+def _sender(
+    src: dict[str, torch.Tensor],
+    cp: ControlPlaneConfig,
+    ctrl: Controller | None,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    backend: str = "loopback",
+) -> WeightSender:
+    return WeightSender(
+        src,
+        rank=rank,
+        world_size=world,
+        transport=TransportConfig(name=backend),
+        control=cp,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 16, update_timeout_s=10),
+    )
+
+
+def _on_threads(fns: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
+    """Run each function on a thread; their results or the exceptions they raised."""
+    out: list[Any] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # handed to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a member thread hung"
+    return out
+
+
+# -- (a) nothing is decided on a key's existence ----------------------------------------------
+
+
+class _FakeVllm:
+    """A `WeightSyncClient` over in-process receivers: what vLLM's workers do in each phase,
+    with each worker's forward pass (`busy_s`) still running when `update_weights` arrives."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.busy_s = busy_s
+        self.receivers: list[WeightReceiver] = []
+        self.signal: ControlPlane | None = None
+        self.ready_at: dict[int, float] = {}
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from weight_transfer.vllm import EngineInitInfo
+
+        info = EngineInitInfo(**init_info)
+        name = f"{info.engine_prefix}/rank0"
+        self.receivers.append(_engine(name, info.control(), seed=5))
+        self.signal = ControlPlane(info.control(), server=False, member=name)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        from weight_transfer.vllm import Ready, ready_key
+
+        k = int(update_info["version"])
+        time.sleep(self.busy_s)  # the forward pass in progress ends first
+        assert self.signal is not None
+        self.ready_at[k] = time.monotonic()
+        name = self.receivers[0].engine
+        self.signal.put(ready_key(k, name), Ready(step=k, engine=name))
+        self.receivers[0].wait_for_version(k, 10)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        for rx in self.receivers:
+            rx.close()
+        if self.signal is not None:
+            self.signal.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_strangers_ready_key_does_not_release_go_while_the_engine_runs() -> None:
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+
+    port = free_port()
+    info = TrainerInitInfo(
+        rank=0, world_size=1, num_engines=1, port=port, token=secrets.token_hex(16), timeout_s=10
+    )
+    client = _FakeVllm(busy_s=1.0)
+    src = _source(6)
+    updater = OneSidedUpdater(info, src, client)
+    go_at: list[float] = []
+    real_update = updater.sender.update
+
+    def update(step: int) -> Any:
+        go_at.append(time.monotonic())  # the writes start here
+        return real_update(step)
+
+    updater.sender.update = update  # type: ignore[method-assign]
+    try:
+        stranger = _raw(port)
+        stranger.set("wt/default/vllm_ready/1/vllm/rank0", b"\x00" * 64)  # "I am ready"
+        updater.update(1)
+        assert go_at and go_at[0] >= client.ready_at[1], (
+            "writes started before the engine announced it left its forward pass"
+        )
+        assert torch.equal(client.receivers[0].tensor("w"), src["w"])
+    finally:
+        updater.close()
+        client.close()
+
+
+class _FailingVllm(_FakeVllm):
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        raise RuntimeError("injected: the worker refused the update")
+
+
+@pytest.mark.timeout(90)
+def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() -> None:
+    """rank 0 blocks in the store for the engines' announcements; vLLM's call failing first
+    must end that wait now, not at the update's timeout."""
+    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+
+    info = TrainerInitInfo(
+        rank=0,
+        world_size=1,
+        num_engines=1,
+        port=free_port(),
+        token=secrets.token_hex(16),
+        timeout_s=10,
+        update_timeout_s=60,
+    )
+    client = _FailingVllm(busy_s=0.0)
+    updater = OneSidedUpdater(info, _source(6), client)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError, match="ended before every engine was ready"):
+            updater.update(1)
+        assert time.monotonic() - t0 < 5
+        assert client.receivers[0].version == 0
+    finally:
+        updater.close()
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_planted_join_slot_claim_does_not_stall_replan() -> None:
+    cp = _control(timeout_s=4)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    e0 = _engine("e0", cp, seed=1)
+    src = _source(2)
+    tx = _sender(src, cp, ctrl)
+    e1 = None
+    try:
+        tx.update(1)
+        stranger = _raw(cp.port)
+        stranger.set("wt/default/claim/engine_slot/1", b"\x01" * 64)
+        t0 = time.monotonic()
+        tx.replan(engines=["e0"])
+        assert time.monotonic() - t0 < 2.0, "replan waited for the planted slot"
+        # A new engine joins past the planted slot and the next plan includes it.
+        e1 = _engine("e1", cp, seed=3)
+        tx.replan(engines=["e0", "e1"])
+        tx.update(2)
+        for rx in (e0, e1):
+            assert rx.wait_for_version(2, 5) == 2
+            assert torch.equal(rx.tensor("w"), src["w"])
+    finally:
+        tx.close()
+        for rx in (e0, e1):
+            if rx is not None:
+                rx.close()
+        ctrl.close()
+
+
+# -- (b) the store is bounded and outside the training process ------------------------------
+
+
+def _listening_inodes(port: int) -> set[str]:
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].split(":")[1], 16) == port and f[3] == "0A":
+                found.add(f[9])
+    return found
+
+
+def _own_socket_inodes() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.timeout(120)
+def test_b_a_stranger_cannot_fill_the_training_process_memory_or_descriptors() -> None:
+    cp = _control(store_memory_bytes=32 << 20, store_max_connections=16)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    try:
+        listening = _listening_inodes(cp.port)
+        assert listening and not listening & _own_socket_inodes(), (
+            "the store's listening socket is in the training process"
+        )
+        rss0 = _rss_bytes()
+        stored = 0
+        chunk = os.urandom(4 << 20)
+        for i in range(64):  # 256 MiB offered
+            try:
+                s = _raw(cp.port)
+                for j in range(4):
+                    s.set(f"flood/{i}/{j}", chunk)
+                s.check([f"flood/{i}/3"])  # a round trip: the sets were taken
+                stored += 4 * len(chunk)
+            except (RuntimeError, dist.DistError):
+                break
+        grown = _rss_bytes() - rss0
+        assert stored < 200 << 20, f"the store took {stored >> 20} MiB past its 32 MiB budget"
+        assert grown < 48 << 20, f"the training process grew {grown >> 20} MiB"
+        # What was stored stays readable: the controller still reads its own store.
+        assert ctrl.control.exists("hello")
+        # Connections past the limit are closed by the store at once.
+        socks = [socket.create_connection(("127.0.0.1", cp.port)) for _ in range(160)]
+        time.sleep(0.5)
+        closed = 0
+        for s in socks:
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+            s.close()
+        assert closed >= 100, f"only {closed} of 160 connections past a limit of 16 were closed"
+    finally:
+        ctrl.close()
+
+
+# -- (c) per-update keys are deleted whatever the steps' numbers ------------------------------
+
+
+def _settled_num_keys(port: int) -> int:
+    """The store's key count once the controller's background deletes have stopped."""
+    c = _raw(port)
+    last, stable_since = c.num_keys(), time.monotonic()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = c.num_keys()
+        if n != last:
+            last, stable_since = n, time.monotonic()
+        elif time.monotonic() - stable_since > 0.5:
+            return int(n)
+    return int(last)
+
+
+@pytest.mark.timeout(120)
+def test_c_a_cadence_of_3_does_not_leak_keys() -> None:
+    cp = _control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    rx = _engine("e0", cp, seed=1)
+    src = [_source(2), _source(2)]
+    built = _on_threads(
+        [
+            lambda: _sender(src[0], cp, ctrl, world=2),
+            lambda: _sender(src[1], cp, None, rank=1, world=2),
+        ],
+        60,
+    )
+    for b in built:
+        if isinstance(b, BaseException):
+            raise b
+    try:
+        counts = {}
+        for i in range(1, 25):
+            step = 3 * i
+            for r in _on_threads([lambda s=step, t=t: t.update(s) for t in built], 30):
+                if isinstance(r, BaseException):
+                    raise r
+            assert rx.wait_for_version(step, 5) == step
+            if i in (12, 24):
+                counts[i] = _settled_num_keys(cp.port)
+        assert counts[24] <= counts[12], f"store keys grew from {counts[12]} to {counts[24]}"
+    finally:
+        for t in built:
+            t.close()
+        rx.close()
+        ctrl.close()
+
+
+# -- (d) non-controller ranks wait as long as the controller may ------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_d_an_engine_that_joins_late_but_in_time_fails_no_rank() -> None:
+    t = 2.0
+    cp = _control(timeout_s=t)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    src = _source(4)
+    engines: list[WeightReceiver] = []
+    t0 = time.monotonic()
+
+    def rank1() -> WeightSender:
+        return _sender(dict(src), cp, None, rank=1, world=2)
+
+    def rank0() -> WeightSender:
+        time.sleep(1.0)  # rank 0 starts planning late...
+        return _sender(dict(src), cp, ctrl, rank=0, world=2)
+
+    def engine() -> None:
+        # ...and the engine joins after rank 1's own `timeout_s` but within the controller's
+        # (its wait for engines starts when the trainer ranks joined).
+        time.sleep(max(0.0, 2.6 - (time.monotonic() - t0)))
+        engines.append(_engine("e0", cp, seed=9))
+
+    out = _on_threads([rank1, rank0, engine], 60)
+    try:
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+        r = _on_threads([lambda: out[0].update(1), lambda: out[1].update(1)], 30)
+        assert not any(isinstance(x, BaseException) for x in r), r
+        assert engines[0].wait_for_version(1, 5) == 1
+        assert torch.equal(engines[0].tensor("w"), src["w"])
+    finally:
+        for o in out[:2]:
+            if isinstance(o, WeightSender):
+                o.close()
+        for rx in engines:
+            rx.close()
+        ctrl.close()
+
+
+@pytest.mark.timeout(60)
+def test_d_a_rank_that_gives_up_fails_the_controller_too() -> None:
+    """The other way round: a rank that stops waiting makes the plan fail everywhere."""
+    cp = _control(timeout_s=1.0)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    src = _source(4)
+    try:
+        out = _on_threads([lambda: _sender(dict(src), cp, None, rank=1, world=2)], 30)
+        assert isinstance(out[0], TransportTimeoutError | WeightTransferError), out
+        rx = _engine("e0", cp, seed=9)
+        try:
+            with pytest.raises(WeightTransferError, match="trainer rank 1 gave up"):
+                _sender(dict(src), cp, ctrl, rank=0, world=2)
+        finally:
+            rx.close()
+    finally:
+        ctrl.close()
+
+
+# -- (e) a failed replan keeps the old plan working -------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_e_a_rank_that_cannot_build_the_new_plan_leaves_every_rank_on_the_old() -> None:
+    cp = _control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    e0 = _engine("e0", cp, seed=1)
+    src = _source(2)
+    built = _on_threads(
+        [
+            lambda: _sender({"w": src["w"].clone()}, cp, ctrl, world=2),
+            lambda: _sender({"w": src["w"].clone()}, cp, None, rank=1, world=2),
+        ],
+        60,
+    )
+    for b in built:
+        if isinstance(b, BaseException):
+            raise b
+    e1 = _engine("e1", cp, seed=3)
+    try:
+        assert all(
+            not isinstance(r, BaseException)
+            for r in _on_threads([lambda t=t: t.update(1) for t in built], 30)
+        )
+        real_build = built[1]._build
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: no memory for the new plan's staging")
+
+        built[1]._build = broken  # type: ignore[method-assign]
+        out = _on_threads([lambda t=t: t.replan(engines=["e0", "e1"]) for t in built], 60)
+        for o in out:
+            assert isinstance(o, WeightTransferError), o
+            assert "injected: no memory" in str(o)
+        built[1]._build = real_build  # type: ignore[method-assign]
+        with torch.no_grad():
+            for t in built:
+                t._params["w"].add_(1.0)
+        r = _on_threads([lambda t=t: t.update(2) for t in built], 30)
+        assert not any(isinstance(x, BaseException) for x in r), r
+        assert e0.wait_for_version(2, 5) == 2
+        assert torch.equal(e0.tensor("w"), src["w"] + 1.0)
+        assert e1.version == 0  # never in a plan that ran
+        # The retry builds on every rank and switches.
+        out = _on_threads([lambda t=t: t.replan(engines=["e0", "e1"]) for t in built], 60)
+        assert not any(isinstance(x, BaseException) for x in out), out
+        r = _on_threads([lambda t=t: t.update(3) for t in built], 30)
+        assert not any(isinstance(x, BaseException) for x in r), r
+        for rx in (e0, e1):
+            assert rx.wait_for_version(3, 5) == 3
+            assert torch.equal(rx.tensor("w"), src["w"] + 1.0)
+    finally:
+        for t in built:
+            t.close()
+        for rx in (e0, e1):
+            rx.close()
+        ctrl.close()
+
+
+# -- (f) a timed-out connect leaves nothing behind ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_f_a_timed_out_connect_leaves_no_thread_behind() -> None:
+    """A port held by something that accepts connections but never answers as a store."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        silent.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])
+            except TimeoutError:
+                pass
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    before = {t.ident for t in threading.enumerate()}
+    cp = ControlPlaneConfig(port=silent.getsockname()[1], token=secrets.token_hex(16), timeout_s=1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeoutError, match="TCPStore"):
+            ControlPlane(cp, server=False, member="trainer rank 1")
+        assert time.monotonic() - t0 < 3
+        left = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not left, f"thread(s) {left} outlived the failed connect"
+    finally:
+        stop.set()
+        acceptor.join(2)
+        for s in held:
+            s.close()
+        silent.close()
+
+
+def test_store_refuses_a_value_larger_than_it_accepts_naming_the_key() -> None:
+    cp = _control()
+    server = ControlPlane(cp, server=True, member="controller")
+    try:
+        from weight_transfer.protocol import Failure
+
+        with pytest.raises(WeightTransferError, match="'big'.*more than"):
+            server.put("big", Failure(message="x" * (9 << 20)))
+        with pytest.raises(ControlPlaneAuthError):
+            _raw(cp.port).set("wt/default/forged", b"\x00" * 64)
+            server.get("forged", Failure, 1)
+    finally:
+        server.close()

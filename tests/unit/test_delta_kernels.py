@@ -1,0 +1,271 @@
+"""Delta diff/encode and apply kernels: bit-exact against masks and indexing written here.
+
+Two groups: the CPU (torch ops) path, always run; the Triton kernels through triton's CPU
+interpreter in one spawned child (as tests/unit/test_fp8_kernel.py does), wherever triton imports.
+The oracle is plain tensor indexing in the test: which elements differ, bit for bit, and the
+new tensor itself after apply.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from tests.markers import requires_cuda, requires_module
+from weight_transfer.errors import ConfigurationError
+from weight_transfer.kernels import delta
+from weight_transfer.kernels.delta import (
+    CHUNK_ELEMENTS,
+    apply_changes,
+    diff_encode,
+    encoded_nbytes,
+    int_view,
+    num_chunks,
+    sparse_nbytes,
+)
+
+_CHILD_TIMEOUT_S = 300.0
+
+SHAPES_DTYPES = [
+    (5, torch.bfloat16, 0.5),
+    (CHUNK_ELEMENTS, torch.bfloat16, 0.01),
+    (CHUNK_ELEMENTS + 1, torch.float8_e4m3fn, 0.02),  # one element in a second chunk
+    (3 * CHUNK_ELEMENTS - 7, torch.float32, 0.001),
+    (200_003, torch.bfloat16, 0.3),
+    (70_000, torch.float16, 0.0),  # nothing changed
+    (70_000, torch.bfloat16, 1.0),  # everything changed
+]
+
+
+def _pair(numel: int, dtype: torch.dtype, density: float, seed: int) -> tuple[torch.Tensor, ...]:
+    """(old, new) with about `density` of the elements changed, bitwise (random bit patterns,
+    so -0.0/0.0 and NaN payloads occur too for small element sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[size]
+    info = torch.iinfo(ints)
+    old = torch.randint(info.min, info.max, (numel,), generator=g, dtype=torch.int64).to(ints)
+    new = old.clone()
+    mask = torch.rand(numel, generator=g) < density
+    # Every masked element gets a different bit pattern (add an odd non-zero value).
+    new[mask] = (
+        new[mask].to(torch.int64) + 1 + 2 * torch.randint(0, 100, (int(mask.sum()),), generator=g)
+    ).to(ints)
+    return old.view(dtype), new.view(dtype), mask
+
+
+def _encode_apply_roundtrip(numel: int, dtype: torch.dtype, density: float, seed: int) -> None:
+    old, new, mask = _pair(numel, dtype, density, seed)
+    a, b = int_view(new), int_view(old)
+    want = (a != b).nonzero().reshape(-1)
+    assert torch.equal(want, mask.nonzero().reshape(-1))
+    offsets = torch.full((num_chunks(numel) + 1,), -1, dtype=torch.int64)
+    index = torch.full((numel,), 0x5A5A, dtype=torch.int16)
+    values = torch.empty(numel, dtype=a.dtype)
+    total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+    assert total == want.numel()
+    # Oracle: per chunk, the changed positions in order, their 16-bit offsets and new values.
+    chunk = want // CHUNK_ELEMENTS
+    want_offsets = torch.zeros(num_chunks(numel) + 1, dtype=torch.int64)
+    want_offsets[1:] = torch.cumsum(torch.bincount(chunk, minlength=num_chunks(numel)), 0)
+    assert torch.equal(offsets, want_offsets)
+    got_index = index[:total].to(torch.int64) & 0xFFFF
+    assert torch.equal(got_index, want % CHUNK_ELEMENTS)
+    assert torch.equal(values[:total], a[want])
+    assert bool((index[total:] == 0x5A5A).all()), "wrote past the entries"
+    dst = old.clone()
+    apply_changes(int_view(dst), offsets, index, values)
+    assert torch.equal(int_view(dst), a), "apply did not reproduce the new bytes"
+
+
+@pytest.mark.parametrize(("numel", "dtype", "density"), SHAPES_DTYPES)
+def test_cpu_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float) -> None:
+    assert not delta._use_triton(torch.zeros(1)) or os.environ.get("TRITON_INTERPRET")
+    _encode_apply_roundtrip(numel, dtype, density, seed=numel)
+
+
+def test_signed_zero_and_nan_payloads_count_as_changes() -> None:
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0, 3.0], dtype=torch.bfloat16)
+    new = old.clone()
+    new[0] = -0.0
+    new.view(torch.int16)[2] = old.view(torch.int16)[2] + 1  # another NaN
+    a, b = int_view(new), int_view(old)
+    offsets = torch.empty(2, dtype=torch.int64)
+    index = torch.empty(5, dtype=torch.int16)
+    values = torch.empty(5, dtype=torch.int16)
+    assert diff_encode(a, b, index=index, values=values, offsets=offsets) == 2
+    assert index[:2].tolist() == [0, 2]
+    dst = old.clone()
+    apply_changes(int_view(dst), offsets, index, values)
+    assert torch.equal(dst.view(torch.int16), new.view(torch.int16))
+
+
+def test_over_capacity_writes_nothing_but_offsets() -> None:
+    old, new, mask = _pair(100_000, torch.bfloat16, 0.05, seed=3)
+    cap = int(mask.sum()) - 1
+    index = torch.full((cap,), 7, dtype=torch.int16)
+    values = torch.full((cap,), 9, dtype=torch.int16)
+    offsets = torch.empty(num_chunks(100_000) + 1, dtype=torch.int64)
+    total = diff_encode(int_view(new), int_view(old), index=index, values=values, offsets=offsets)
+    assert total == int(mask.sum())
+    assert bool((index == 7).all()) and bool((values == 9).all())
+
+
+def test_bad_arguments_raise_before_writing() -> None:
+    a = torch.zeros(10, dtype=torch.int16)
+    with pytest.raises(ConfigurationError, match="differ"):
+        diff_encode(
+            a,
+            torch.zeros(11, dtype=torch.int16),
+            index=torch.empty(10, dtype=torch.int16),
+            values=torch.empty(10, dtype=torch.int16),
+            offsets=torch.empty(2, dtype=torch.int64),
+        )
+    with pytest.raises(ConfigurationError, match="flat integer"):
+        diff_encode(
+            torch.zeros(10, dtype=torch.bfloat16),
+            torch.zeros(10, dtype=torch.bfloat16),
+            index=torch.empty(10, dtype=torch.int16),
+            values=torch.empty(10, dtype=torch.int16),
+            offsets=torch.empty(2, dtype=torch.int64),
+        )
+    with pytest.raises(ConfigurationError, match="contiguous"):
+        int_view(torch.zeros(4, 4)[:, 1])
+    dst = torch.zeros(10, dtype=torch.int16)
+    offsets = torch.tensor([0, 1], dtype=torch.int64)
+    with pytest.raises(ConfigurationError, match="outside"):
+        # Index 12 of a 10-element run: refused, nothing written.
+        apply_changes(
+            dst,
+            offsets,
+            torch.tensor([12], dtype=torch.int16),
+            torch.tensor([5], dtype=torch.int16),
+        )
+    assert bool((dst == 0).all())
+
+
+def test_encoded_nbytes_formulas() -> None:
+    mask = torch.zeros(256, 256, dtype=torch.bool)
+    mask[0, 0] = mask[200, 3] = mask[255, 255] = True
+    assert encoded_nbytes("index32", mask, value_bytes=2) == 3 * 6
+    assert (
+        encoded_nbytes("chunk_index16", mask, value_bytes=2) == sparse_nbytes(3, 65536, 2) == 4 + 12
+    )
+    assert encoded_nbytes("bitmap", mask, value_bytes=1) == 65536 // 8 + 3
+    # Blocks (0,0), (1,0), (1,1) changed; three whole 128x128 blocks plus their indices.
+    assert encoded_nbytes("blocks128", mask, value_bytes=2) == 3 * 128 * 128 * 2 + 12
+    # Runs of 256 elements: rows 0, 200, 255 (one run each), plus a bitmap of 256 runs.
+    assert encoded_nbytes("runs256", mask, value_bytes=2) == 32 + 3 * 512
+    assert encoded_nbytes("hybrid16", mask, value_bytes=2) == 4 + 3 * 2 + 3 * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels through triton's CPU interpreter (a spawned child with TRITON_INTERPRET=1).
+# ---------------------------------------------------------------------------------------------
+
+
+def _case_roundtrips() -> None:
+    assert delta._use_triton(torch.zeros(1)), "the child should run the interpreted kernels"
+    for numel, dtype, density in SHAPES_DTYPES:
+        try:
+            _encode_apply_roundtrip(numel, dtype, density, seed=numel + 1)
+        except AssertionError as exc:
+            raise AssertionError(f"{numel} {dtype} {density}: {exc}") from exc
+
+
+def _case_triton_equals_cpu() -> None:
+    # The interpreted kernels and the torch path produce the same entries (order included).
+    old, new, _ = _pair(150_000, torch.bfloat16, 0.1, seed=11)
+    a, b = int_view(new), int_view(old)
+    offsets = torch.empty(num_chunks(150_000) + 1, dtype=torch.int64)
+    index = torch.empty(150_000, dtype=torch.int16)
+    values = torch.empty(150_000, dtype=torch.int16)
+    total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+    want = (a != b).nonzero().reshape(-1)
+    assert torch.equal(index[:total].to(torch.int64) & 0xFFFF, want % CHUNK_ELEMENTS)
+    assert torch.equal(values[:total], a[want])
+
+
+INTERPRETER_CASES = {"roundtrips": _case_roundtrips, "triton_equals_cpu": _case_triton_equals_cpu}
+
+
+def _interpreter_worker(results: Any) -> None:
+    """Spawned child (TRITON_INTERPRET=1 inherited): run every case, report name -> error."""
+    for case_name, case in INTERPRETER_CASES.items():
+        try:
+            case()
+        except Exception:  # every failure reported by name; the parent asserts per case
+            results.put((case_name, traceback.format_exc()))
+        else:
+            results.put((case_name, ""))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned child only
+    try:
+        child = ctx.Process(target=_interpreter_worker, args=(results,))
+        child.start()
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    got: dict[str, str] = {}
+    deadline = time.monotonic() + _CHILD_TIMEOUT_S
+    try:
+        while len(got) < len(INTERPRETER_CASES) and time.monotonic() < deadline:
+            try:
+                case_name, error = results.get(timeout=1.0)
+            except queue.Empty:
+                if not child.is_alive():
+                    break
+                continue
+            got[case_name] = error
+    finally:
+        child.join(timeout=max(1.0, deadline - time.monotonic()))
+        if child.exitcode is None:
+            child.kill()
+            child.join(timeout=10)
+    assert child.exitcode == 0, f"interpreter child exited with {child.exitcode}; got {got}"
+    return got
+
+
+@requires_module("triton")
+@pytest.mark.parametrize("case_name", list(INTERPRETER_CASES))
+def test_interpreter(interpreter_results: dict[str, str], case_name: str) -> None:
+    error = interpreter_results[case_name]
+    assert not error, f"interpreted kernel, case {case_name}:\n{error}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernels on a GPU (skipped here; docs/gpu_runs.md has the command that runs them).
+# ---------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize(("numel", "dtype", "density"), SHAPES_DTYPES)
+def test_cuda_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float) -> None:
+    old, new, mask = _pair(numel, dtype, density, seed=numel + 2)
+    old, new = old.cuda(), new.cuda()
+    a, b = int_view(new), int_view(old)
+    offsets = torch.empty(num_chunks(numel) + 1, dtype=torch.int64, device="cuda")
+    index = torch.empty(numel, dtype=torch.int16, device="cuda")
+    values = torch.empty(numel, dtype=a.dtype, device="cuda")
+    total = diff_encode(a, b, index=index, values=values, offsets=offsets)
+    want = mask.nonzero().reshape(-1)
+    assert total == want.numel()
+    assert torch.equal(index[:total].cpu().to(torch.int64) & 0xFFFF, want % CHUNK_ELEMENTS)
+    dst = old.clone()
+    apply_changes(int_view(dst), offsets, index, values)
+    assert torch.equal(int_view(dst).cpu(), a.cpu())

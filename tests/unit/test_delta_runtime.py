@@ -1,0 +1,313 @@
+"""Delta updates through the real runtime in one process (controller, sender, receivers).
+
+Oracle: what each engine tensor must hold is computed here by slicing the trainer tensors by
+hand (tp shards of a fused qkv, a row-parallel o_proj, a fused gate_up quantized to FP8 with
+the reference quantizer `planner.fp8`), never with the project's recipes. Every update is
+compared bit for bit, deltas and full updates alike, over many steps of sparse changes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from weight_transfer import delta_sender
+from weight_transfer.backends.base import TransportConfig, WeightTransferError
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    DeltaConfig,
+    ReceiverConfig,
+    SenderConfig,
+)
+from weight_transfer.controller import Controller
+from weight_transfer.delta import PatchError
+from weight_transfer.manifest import torch_dtype
+from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.recipes import (
+    engine_tensor_specs,
+    fused_gate_up,
+    fused_qkv,
+    identity,
+    row_shard,
+    with_fp8,
+)
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
+
+H, HEADS, KV, HD, INTER, TP = 256, 4, 2, 64, 384, 2
+
+
+def _trainer(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "q": (HEADS * HD, H),
+        "k": (KV * HD, H),
+        "v": (KV * HD, H),
+        "o": (H, HEADS * HD),
+        "gate": (INTER, H),
+        "up": (INTER, H),
+        "norm": (H,),
+    }
+    return {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def _recipes(r: int) -> tuple[Any, ...]:
+    return (
+        fused_qkv(
+            "qkv",
+            "q",
+            "k",
+            "v",
+            num_heads=HEADS,
+            num_kv_heads=KV,
+            head_dim=HD,
+            trailing=(H,),
+            tp_rank=r,
+            tp_size=TP,
+        ),
+        row_shard("o_proj", "o", (H, HEADS * HD), tp_rank=r, tp_size=TP),
+        with_fp8(fused_gate_up("gate_up", "gate", "up", shape=(INTER, H), tp_rank=r, tp_size=TP)),
+        identity("norm", "norm", (H,)),
+    )
+
+
+def _expected(src: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
+    """Engine rank r's tensors, by hand: vLLM's tp conventions (ANCHORS.md)."""
+    qr, kr, ir = HEADS * HD // TP, KV * HD // TP, INTER // TP
+    qkv = torch.cat(
+        [
+            src["q"][r * qr : (r + 1) * qr],
+            src["k"][r * kr : (r + 1) * kr],
+            src["v"][r * kr : (r + 1) * kr],
+        ]
+    )
+    o = src["o"][:, r * (HEADS * HD // TP) : (r + 1) * (HEADS * HD // TP)]
+    gate_up = torch.cat([src["gate"][r * ir : (r + 1) * ir], src["up"][r * ir : (r + 1) * ir]])
+    q, s = quantize_fp8_blockwise(gate_up)
+    return {"qkv": qkv, "o_proj": o, "gate_up": q, "gate_up_scale_inv": s, "norm": src["norm"]}
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def _perturb(src: dict[str, torch.Tensor], step: int, density: float) -> None:
+    """An RL-like step: a fraction `density` of each tensor's elements moves by a few ulps."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for t in src.values():
+            mask = torch.rand(t.shape, generator=g) < density
+            t[mask] = (t[mask].float() * (1 + 0.02 * torch.randn(int(mask.sum()), generator=g))).to(
+                t.dtype
+            )
+
+
+class Setup:
+    def __init__(self, backend: str, delta: DeltaConfig, patch_bytes: int = 1 << 20) -> None:
+        cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20.0)
+        self.ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=TP), cp)
+        self.engines: list[dict[str, torch.Tensor]] = []
+        self.receivers: list[WeightReceiver] = []
+        for r in range(TP):
+            recipes = _recipes(r)
+            g = torch.Generator().manual_seed(50 + r)
+            tensors = {
+                s.name: torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype))
+                for s in engine_tensor_specs(recipes)
+            }
+            self.engines.append(tensors)
+            self.receivers.append(
+                WeightReceiver(
+                    tensors,
+                    recipes,
+                    engine=f"e{r}",
+                    transport=TransportConfig(name=backend),
+                    control=cp,
+                    config=ReceiverConfig(patch_region_bytes=patch_bytes),
+                )
+            )
+        self.src = _trainer(1)
+        self.sender = WeightSender(
+            self.src,
+            rank=0,
+            world_size=1,
+            transport=TransportConfig(name=backend),
+            control=cp,
+            controller=self.ctrl,
+            config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20, delta=delta),
+        )
+
+    def update(self, step: int) -> str:
+        self.sender.update(step)
+        for rx in self.receivers:
+            rx.apply_delta(step, 20.0)
+        assert self.sender.delta_stats is not None
+        return self.sender.delta_stats.mode
+
+    def check(self, src: dict[str, torch.Tensor] | None = None) -> None:
+        for r, tensors in enumerate(self.engines):
+            for name, want in _expected(src or self.src, r).items():
+                assert _same(tensors[name], want), f"engine {r} {name}"
+
+    def close(self) -> None:
+        self.sender.close()
+        for rx in self.receivers:
+            rx.close()
+
+
+@pytest.fixture(params=["loopback", "tcp"])
+def setup(request: Any) -> Iterator[Setup]:
+    s = Setup(request.param, DeltaConfig(enabled=True, anchor_every_updates=5))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(180)
+def test_bit_exact_over_many_steps_with_anchors(setup: Setup) -> None:
+    modes = []
+    for step in range(1, 14):
+        _perturb(setup.src, step, 0.02)
+        modes.append(setup.update(step))
+        setup.check()
+        stats = setup.sender.delta_stats
+        assert stats is not None
+        if stats.mode == "delta":
+            assert 0 < stats.wire_bytes < 0.25 * stats.full_bytes, stats
+    # First update full, then deltas, a full anchor after every 5 deltas.
+    assert modes == ["full"] + ["delta"] * 5 + ["full"] + ["delta"] * 5 + ["full"], modes
+
+
+@pytest.mark.timeout(120)
+def test_dense_step_falls_back_to_full(setup: Setup) -> None:
+    _perturb(setup.src, 1, 0.02)
+    assert setup.update(1) == "full"
+    _perturb(setup.src, 2, 0.02)
+    assert setup.update(2) == "delta"
+    _perturb(setup.src, 3, 0.6)  # most elements change: a delta is no smaller than full
+    assert setup.update(3) == "delta"
+    setup.check()
+    stats = setup.sender.delta_stats
+    assert stats is not None and stats.wire_bytes > 0.5 * stats.full_bytes
+    _perturb(setup.src, 4, 0.02)
+    assert setup.update(4) == "full"
+    assert "dense" in setup.sender.delta_stats.reason  # type: ignore[union-attr]
+    setup.check()
+    _perturb(setup.src, 5, 0.02)
+    assert setup.update(5) == "delta"
+    setup.check()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["delta", "full"])
+def test_failure_in_the_middle_nothing_drifts(setup: Setup, which: str, monkeypatch: Any) -> None:
+    for step in (1, 2):
+        _perturb(setup.src, step, 0.02)
+        setup.update(step)
+    before = {n: t.clone() for n, t in setup.src.items()}
+    if which == "full":
+        setup.sender._delta._updates_since_full = 99  # type: ignore[union-attr]  # anchor now
+    calls = {"n": 0}
+    real_take = delta_sender.DeltaSession.take
+
+    def failing_take(self: Any, peer: str, ops: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first batch went through
+            raise WeightTransferError("injected failure in the middle of the update")
+        return real_take(self, peer, ops)
+
+    monkeypatch.setattr(delta_sender.DeltaSession, "take", failing_take)
+    _perturb(setup.src, 3, 0.02)
+    with pytest.raises(WeightTransferError, match="injected"):
+        setup.sender.update(3)
+    assert calls["n"] >= 2
+    for rx in setup.receivers:
+        assert rx.applied_version == 2
+        with pytest.raises(WeightTransferError):
+            rx.apply_delta(3, 2.0)
+    if which == "delta":
+        # A failed delta wrote only patch slots: the engines still hold update 2 exactly.
+        setup.check(before)
+    monkeypatch.setattr(delta_sender.DeltaSession, "take", real_take)
+    _perturb(setup.src, 4, 0.02)
+    mode = setup.update(4)
+    # After a failed delta the next can be a delta; after a failed full it must be full.
+    assert mode == ("delta" if which == "delta" else "full")
+    setup.check()
+    _perturb(setup.src, 5, 0.02)
+    setup.update(5)
+    setup.check()
+
+
+@pytest.mark.timeout(120)
+def test_engine_that_did_not_apply_is_waited_for() -> None:
+    s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=1.0))
+    try:
+        s.update(1)
+        _perturb(s.src, 2, 0.02)
+        s.sender.update(2)  # a delta; engine 1 never applies it
+        s.receivers[0].apply_delta(2, 20.0)
+        _perturb(s.src, 3, 0.02)
+        with pytest.raises(WeightTransferError, match=r"'e1'.*did not apply delta update 2"):
+            s.sender.update(3)
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_patch_slot_overflow_fails_cleanly_then_full() -> None:
+    # A patch region too small for a dense step: that delta fails with nothing applied, and
+    # the next update is full.
+    s = Setup("loopback", DeltaConfig(enabled=True), patch_bytes=16 << 10)
+    try:
+        _perturb(s.src, 1, 0.02)
+        s.update(1)
+        _perturb(s.src, 2, 0.001)
+        assert s.update(2) == "delta"
+        s.check()
+        before = {n: t.clone() for n, t in s.src.items()}
+        _perturb(s.src, 3, 0.5)
+        with pytest.raises(WeightTransferError, match="too dense"):
+            s.sender.update(3)
+        s.check(before)
+        _perturb(s.src, 4, 0.001)
+        assert s.update(4) == "full"
+        s.check()
+    finally:
+        s.close()
+
+
+def test_patch_error_is_a_weight_transfer_error() -> None:
+    assert issubclass(PatchError, WeightTransferError)
+
+
+@pytest.mark.timeout(180)
+def test_verification_catches_a_corrupted_engine_and_the_next_update_repairs_it() -> None:
+    s = Setup("loopback", DeltaConfig(enabled=True, verify=True))
+    try:
+        for step in (1, 2, 3):  # full, delta, delta: each verified at the start of the next
+            _perturb(s.src, step, 0.02)
+            s.update(step)
+        s.check()
+        # A byte of engine 1 changes behind the trainers' back (not through any update).
+        s.engines[1]["o_proj"].view(torch.uint8).view(-1)[17] ^= 0x40
+        _perturb(s.src, 4, 0.02)
+        s.update(4)  # verifies update 3 first: it was intact then
+        _perturb(s.src, 5, 0.02)
+        with pytest.raises(WeightTransferError, match=r"verification of update 4: engine\(s\) e1 "):
+            s.sender.update(5)
+        _perturb(s.src, 6, 0.02)
+        assert s.update(6) == "full"  # every byte rewritten
+        s.check()
+        _perturb(s.src, 7, 0.02)
+        assert s.update(7) == "delta"  # and update 6 verified clean
+        s.check()
+    finally:
+        s.close()

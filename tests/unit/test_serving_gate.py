@@ -1,0 +1,179 @@
+"""The generic receiver's serving gate: no request is served from a model that never existed.
+
+A sender in this process writes into a `WeightReceiver` (loopback); a failure is injected in
+the middle of an update, after part of its writes landed. The engine's tensors then mix update
+1 with the weights it started with (checked: some bytes new, some old), while its version word
+still reads 0. The gate must say so: FAILED, `check_serving` refuses, `wait_serving` does not
+return; a following complete update opens it again, on exactly the trainer's tensors.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from weight_transfer.backends.base import TransportConfig, WeightTransferError, WriteOp
+from weight_transfer.cli.run_demo import free_port
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.controller import Controller
+from weight_transfer.errors import NotServingError, TransportTimeoutError
+from weight_transfer.planner.recipes import identity
+from weight_transfer.receiver import WeightReceiver
+from weight_transfer.sender import WeightSender
+from weight_transfer.serving import ServingGate, ServingState
+
+SHAPES = {"a.weight": (96, 64), "b.weight": (64, 64), "c.weight": (128,)}
+
+
+class Boom(Exception):
+    """The injected failure (not one of ours)."""
+
+
+def _half_then_fail(sender: WeightSender, armed: dict[str, Any]) -> None:
+    """The first batch posted while armed writes only its first half of ops, then raises."""
+    tr: Any = sender._transport
+    real_post, real_prepared = tr.post_writes, tr.post_prepared
+
+    def fail_after_half(peer: str, ops: list[WriteOp]) -> None:
+        armed["on"] = False
+        tr.wait(real_post(peer, list(ops[: max(1, len(ops) // 2)])), 10)
+        armed["t_fail"] = time.monotonic()
+        raise Boom(f"injected after {max(1, len(ops) // 2)} of {len(ops)} writes to {peer}")
+
+    def post_writes(peer: str, ops: list[WriteOp]) -> Any:
+        if armed["on"]:
+            fail_after_half(peer, ops)
+        return real_post(peer, ops)
+
+    def post_prepared(prepared: Any) -> Any:
+        if armed["on"]:
+            fail_after_half(prepared.peer, list(prepared.ops))
+        return real_prepared(prepared)
+
+    tr.post_writes, tr.post_prepared = post_writes, post_prepared
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_update_closes_the_gate_until_a_complete_one_lands() -> None:
+    g = torch.Generator().manual_seed(5)
+    start = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    live = {n: t.clone() for n, t in start.items()}
+    src = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    rx = WeightReceiver(
+        live,
+        [identity(n, n, s) for n, s in SHAPES.items()],
+        engine="e0",
+        transport=TransportConfig(name="loopback"),
+        control=cp,
+    )
+    sender = WeightSender(
+        src,
+        rank=0,
+        world_size=1,
+        transport=TransportConfig(name="loopback"),
+        control=cp,
+        controller=ctrl,
+        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
+    )
+    armed: dict[str, Any] = {"on": True}
+    _half_then_fail(sender, armed)
+    try:
+        assert rx.serving.state is ServingState.SERVING and rx.check_serving() == 0
+
+        engine_error: list[BaseException] = []
+
+        def engine() -> None:
+            try:
+                rx.wait_for_version(1, timeout_s=20)
+            except BaseException as exc:  # the test checks it
+                armed["t_engine"] = time.monotonic()
+                engine_error.append(exc)
+
+        th = threading.Thread(target=engine)
+        th.start()
+        with pytest.raises(WeightTransferError, match="injected after"):
+            sender.update(1)
+        th.join(30)
+        assert not th.is_alive() and engine_error, "the engine did not hear of the failure"
+        print(
+            f"\nengine's gate FAILED {armed['t_engine'] - armed['t_fail']:.3f} s after the failure"
+        )
+        # The tensors hold a model that never existed: part update 1, part the start.
+        flat_live = torch.cat([live[n].flatten() for n in SHAPES])
+        flat_new = torch.cat([src[n].flatten() for n in SHAPES])
+        flat_old = torch.cat([start[n].flatten() for n in SHAPES])
+        assert bool((flat_live == flat_new).any()) and bool((flat_live == flat_old).any())
+        assert rx.version == 0
+        status = rx.serving
+        assert status.state is ServingState.FAILED and status.step == 1 and status.version == 0
+        assert "injected after" in status.reason
+        with pytest.raises(NotServingError, match="update 1 failed"):
+            rx.check_serving()
+        with pytest.raises(TransportTimeoutError, match="not serving"):
+            rx.wait_serving(0.2)
+
+        # A thread that serves waits on the gate; the next complete update releases it.
+        served: list[int] = []
+        waiter = threading.Thread(target=lambda: served.append(rx.wait_serving(30)))
+        waiter.start()
+        for t in src.values():
+            t.add_(1.0)
+        th = threading.Thread(target=lambda: served.append(rx.wait_for_version(2, 20)))
+        th.start()
+        sender.update(2)
+        th.join(30)
+        waiter.join(30)
+        assert sorted(served) == [2, 2]
+        assert rx.serving.state is ServingState.SERVING and rx.check_serving() == 2
+        for n in SHAPES:
+            assert torch.equal(live[n], src[n]), n
+
+        # An engine with post-processing keeps the gate closed until it is done.
+        for t in src.values():
+            t.mul_(0.5)
+        rx.begin_update(3)
+        assert rx.serving.state is ServingState.UPDATING
+        th = threading.Thread(target=lambda: rx.wait_for_version(3, 20, serve=False))
+        th.start()
+        sender.update(3)
+        th.join(30)
+        assert rx.serving.state is ServingState.UPDATING
+        with pytest.raises(ValueError, match="update 4 is not complete"):
+            rx.end_update(4)
+        rx.end_update(3)
+        assert rx.check_serving() == 3
+
+        # A wait that times out with nothing decided leaves the gate closed (UPDATING).
+        with pytest.raises(TransportTimeoutError):
+            rx.wait_for_version(4, timeout_s=0.2)
+        assert rx.serving.state is ServingState.UPDATING and rx.serving.version == 3
+    finally:
+        sender.close()
+        rx.close()
+        ctrl.close(linger_s=0)
+
+
+def test_gate_transitions() -> None:
+    gate = ServingGate()
+    assert gate.check() == 0
+    gate.begin(1)
+    with pytest.raises(NotServingError, match="update 1 being written"):
+        gate.check()
+    gate.reopen()  # nothing was written: back to the weights it served
+    assert gate.check() == 0
+    gate.begin(2)
+    gate.fail(2, "peer lost")
+    gate.begin(3)  # a later window does not make a failed gate look merely "updating"
+    assert gate.status.state is ServingState.FAILED
+    gate.reopen()  # nor does a window that wrote nothing
+    with pytest.raises(NotServingError, match="update 2 failed.*peer lost"):
+        gate.check()
+    gate.commit(3)
+    assert gate.check() == 3 and gate.status.reason == ""

@@ -1,0 +1,487 @@
+"""Delta updates: the patch region's format, the trainer's snapshot, encoding and apply.
+
+A trainer rank in delta mode keeps a *snapshot*: the engine-format bytes it last sent, every
+run of its schedule one after another in one flat buffer (the one full-size copy it keeps; on
+its GPU or in pinned host memory). Per update it compares the new bytes of each run with the
+snapshot (`weight_transfer.kernels.delta`), writes the encoded *patch* one-sided into its slot of
+the engine's *patch region*, and, once the controller says every version word was written,
+applies the same patch to its snapshot. The engine applies the patch to its own memory after it
+saw the update complete (`apply_patch_region`); its weights are untouched until then, so a
+failed delta leaves it at the old version.
+
+Patch region (registered once by the engine, after its version word; int64 little-endian words):
+
+    region header  [MAGIC, num_slots, slot_bytes, 0, 0, 0, 0, 0]          64 bytes
+    slot s         at 64 + s * slot_bytes; trainer rank s writes it
+      header       [MAGIC, step, base_step, used_bytes, num_segments, table_offset, rank, 0]
+      data         per segment: sparse = offsets int64[chunks + 1], index int16[n], values;
+                   dense = the run's bytes; each part padded to 8 bytes
+      table        per segment 8 words: [region, dest_offset, elem_size, numel, kind,
+                   num_entries, data_offset, 0]   (kind 0 sparse, 1 dense)
+
+Every writer writes the same region header; a slot whose header does not name the committed
+step was not written in that update (that rank sends nothing to this engine) and is skipped.
+Offsets inside a slot are relative to the slot. The format carries no pointers, only offsets
+into the engine's own registered regions, and everything is bounds-checked before anything is
+applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from weight_transfer.errors import ConfigurationError, WeightTransferError
+from weight_transfer.kernels.delta import (
+    CHUNK_ELEMENTS,
+    apply_changes,
+    count_changes,
+    diff_encode,
+    encode_changes,
+    int_view,
+    num_chunks,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x48435441_50445457  # "WTDPATCH" little-endian
+"""First word of the region header and of every slot header."""
+HEADER_BYTES = 64
+"""Region header and slot header size."""
+SEGMENT_BYTES = 64
+"""One entry of a slot's segment table."""
+SPARSE, DENSE = 0, 1
+"""Segment kinds."""
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PatchError(WeightTransferError):
+    """A patch does not fit its slot, or a patch region's content is not a valid patch."""
+
+
+def applied_key(step: int, engine: str) -> str:
+    """Control-plane key where `engine` says whether it applied update `step`."""
+    return f"applied/{step}/{engine}"
+
+
+def verify_key_key(step: int) -> str:
+    """Control-plane key of the secret a delta verification of update `step` uses."""
+    return f"dverify/{step}"
+
+
+def engine_digest_key(step: int, engine: str) -> str:
+    """Where `engine` publishes its position digest of update `step`."""
+    return f"ddigest/{step}/{engine}"
+
+
+def rank_digest_key(step: int, engine: str, rank: int) -> str:
+    """Where trainer `rank` publishes its partial digest of `engine` for update `step`."""
+    return f"dpart/{step}/{engine}/{rank}"
+
+
+def verdict_key(step: int) -> str:
+    """Where the controller's rank publishes the verification verdict of update `step`."""
+    return f"dverdict/{step}"
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def slot_layout(region_nbytes: int, num_slots: int) -> int:
+    """Bytes of each of `num_slots` equal slots in a patch region of `region_nbytes`."""
+    if num_slots < 1:
+        raise ConfigurationError("a patch region needs at least one slot")
+    slot = ((region_nbytes - HEADER_BYTES) // num_slots) & ~63
+    if slot < HEADER_BYTES + SEGMENT_BYTES:
+        raise ConfigurationError(
+            f"patch region of {region_nbytes} bytes is too small for {num_slots} slots"
+        )
+    return slot
+
+
+def region_header(num_slots: int, slot_bytes: int) -> torch.Tensor:
+    """The 64-byte region header every writer writes (as uint8)."""
+    return torch.tensor([MAGIC, num_slots, slot_bytes, 0, 0, 0, 0, 0], dtype=torch.int64).view(
+        torch.uint8
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """One run of engine bytes in a patch: where it lands and how it is encoded."""
+
+    region: int
+    dest_offset: int
+    elem_size: int
+    numel: int
+    kind: int
+    num_entries: int
+    data_offset: int
+    snapshot_offset: int
+    """Where the run lives in the sender's snapshot (sender side only; not on the wire)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the run in engine memory."""
+        return self.numel * self.elem_size
+
+
+class PatchBuilder:
+    """Encodes runs into one slot's bytes in a staging buffer (trainer side).
+
+    Not thread-safe. The staging buffer is owned by the builder's caller, lives on the device
+    the runs are on (or pinned host memory for a CPU run), and is the patch's only storage
+    until the update commits (`Snapshot.advance` reads it then).
+    """
+
+    def __init__(self, staging: torch.Tensor) -> None:
+        if staging.dtype != torch.uint8 or staging.dim() != 1:
+            raise ConfigurationError("patch staging must be a flat uint8 tensor")
+        self.staging = staging
+        self.capacity = staging.numel()
+        self.segments: list[Segment] = []
+        self.cursor = HEADER_BYTES
+        self._offsets = torch.empty(0, dtype=torch.int64)
+
+    def reset(self) -> None:
+        """Forget the previous patch (its update committed or failed)."""
+        self.segments = []
+        self.cursor = HEADER_BYTES
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of the patch so far, table and header included."""
+        return self.cursor + SEGMENT_BYTES * len(self.segments)
+
+    def _take(self, nbytes: int, what: str) -> int:
+        at = self.cursor
+        need = at + _pad8(nbytes) + SEGMENT_BYTES * (len(self.segments) + 1)
+        if need > self.capacity:
+            raise PatchError(
+                f"patch needs more than its slot's {self.capacity} bytes at {what} "
+                f"(changes too dense for a delta; the next update is full)"
+            )
+        self.cursor = at + _pad8(nbytes)
+        return at
+
+    @staticmethod
+    def count(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Start encoding a run on its device without synchronizing: the exclusive prefix sum
+        of its per-chunk change counts (int64, chunks + 1; the total is the last entry). Hand
+        it to `add_counted` once the total is known (read many totals with one sync)."""
+        a, b = int_view(new), int_view(old)
+        offsets = torch.empty(num_chunks(a.numel()) + 1, dtype=torch.int64, device=a.device)
+        offsets[0] = 0
+        count_changes(a, b, offsets[1:])
+        torch.cumsum(offsets[1:], 0, out=offsets[1:])
+        return offsets
+
+    def add(
+        self,
+        new: torch.Tensor,
+        old: torch.Tensor,
+        *,
+        region: int,
+        dest_offset: int,
+        snapshot_offset: int,
+    ) -> int:
+        """Encode the run `new` (contiguous, any dtype) against `old` (its snapshot bytes, same
+        dtype and size) landing at `dest_offset` of engine region `region`. Sparse where that
+        is smaller, dense otherwise; nothing is added when nothing changed. Synchronizes once
+        on a GPU (to read the count; `count` + `add_counted` batch that). Returns the bytes
+        added.
+
+        Raises:
+            PatchError: the slot is full (nothing of this run was added).
+        """
+        a, b = int_view(new), int_view(old)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ConfigurationError("new and snapshot bytes of a run differ in size")
+        if a.is_cuda:
+            offsets = self.count(a, b)
+            return self.add_counted(
+                a,
+                b,
+                offsets,
+                int(offsets[-1]),
+                region=region,
+                dest_offset=dest_offset,
+                snapshot_offset=snapshot_offset,
+            )
+        # CPU: one pass into scratch no larger than the slot (a sparse run is never larger
+        # than a dense one, so at most n / 2 entries are worth keeping), then copied in.
+        n, esize = a.numel(), a.element_size()
+        chunks = num_chunks(n)
+        if self._offsets.numel() < chunks + 1:
+            self._offsets = torch.empty(chunks + 1, dtype=torch.int64)
+        offsets = self._offsets[: chunks + 1]
+        cap = min(n // 2 + 1, self.capacity // (2 + esize) + 1)
+        index_tmp = torch.empty(cap, dtype=torch.int16)
+        values_tmp = torch.empty(cap, dtype=a.dtype)
+        total = diff_encode(a, b, index=index_tmp, values=values_tmp, offsets=offsets)
+        entries = (index_tmp[:total], values_tmp[:total]) if total <= cap else None
+        return self.add_counted(
+            a,
+            b,
+            offsets,
+            total,
+            region=region,
+            dest_offset=dest_offset,
+            snapshot_offset=snapshot_offset,
+            entries=entries,
+        )
+
+    def add_counted(
+        self,
+        new: torch.Tensor,
+        old: torch.Tensor,
+        offsets: torch.Tensor,
+        total: int,
+        *,
+        region: int,
+        dest_offset: int,
+        snapshot_offset: int,
+        entries: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> int:
+        """`add` for a run whose `offsets` (from `count`) and `total` are known; `entries`
+        (index, values) when they were already encoded elsewhere. Returns the bytes added.
+
+        Raises:
+            PatchError: the slot is full (nothing of this run was added).
+        """
+        a, b = int_view(new), int_view(old)
+        if total == 0:
+            return 0
+        n, esize = a.numel(), a.element_size()
+        chunks = num_chunks(n)
+        before = self.wire_bytes
+        sparse = 8 * (chunks + 1) + _pad8(2 * total) + _pad8(esize * total)
+        if sparse < n * esize:
+            at = self._take(sparse, f"a run of {n} elements")
+            view = self.staging[at : at + sparse]
+            view[: 8 * (chunks + 1)].view(torch.int64).copy_(offsets)
+            i0 = 8 * (chunks + 1)
+            index = view[i0 : i0 + 2 * total].view(torch.int16)
+            v0 = i0 + _pad8(2 * total)
+            values = view[v0 : v0 + esize * total].view(a.dtype)
+            if entries is not None:
+                index.copy_(entries[0])
+                values.copy_(entries[1])
+            else:
+                encode_changes(a, b, offsets, index, values)
+            kind, num = SPARSE, total
+        else:
+            at = self._take(n * esize, f"a dense run of {n} elements")
+            self.staging[at : at + n * esize].view(a.dtype).copy_(a)
+            kind, num = DENSE, n
+        self.segments.append(Segment(region, dest_offset, esize, n, kind, num, at, snapshot_offset))
+        return self.wire_bytes - before
+
+    def finish(self, *, step: int, base_step: int, rank: int) -> int:
+        """Write the segment table and the slot header; returns the slot's bytes to send
+        (`staging[:n]`)."""
+        table_at = self.cursor
+        need = table_at + SEGMENT_BYTES * len(self.segments)
+        if need > self.capacity:
+            raise PatchError(f"patch table does not fit its slot of {self.capacity} bytes")
+        rows = [
+            [s.region, s.dest_offset, s.elem_size, s.numel, s.kind, s.num_entries, s.data_offset, 0]
+            for s in self.segments
+        ]
+        if rows:
+            table = torch.tensor(rows, dtype=torch.int64).view(torch.uint8).reshape(-1)
+            self.staging[table_at:need].copy_(table)
+        header = torch.tensor(
+            [MAGIC, step, base_step, need, len(self.segments), table_at, rank, 0],
+            dtype=torch.int64,
+        )
+        self.staging[:HEADER_BYTES].copy_(header.view(torch.uint8))
+        return need
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ApplyStats:
+    """What `apply_patch_region` did."""
+
+    step: int
+    num_slots: int
+    """Slots that held a patch of `step`."""
+    num_segments: int
+    num_entries: int
+    """Sparse entries scattered plus dense elements copied."""
+    patch_bytes: int
+    """Bytes of patch read."""
+
+
+def _words(t: torch.Tensor, offset: int, count: int) -> list[int]:
+    return [int(x) for x in t[offset : offset + 8 * count].view(torch.int64).cpu().tolist()]
+
+
+def apply_patch_region(
+    patch: torch.Tensor,
+    regions: Sequence[torch.Tensor],
+    step: int,
+    *,
+    base_step: int | None = None,
+) -> ApplyStats:
+    """Apply every slot of `patch` (the engine's patch region, uint8) that holds a patch of
+    `step` to the engine's registered `regions` (uint8 views, by region index). In place.
+
+    Everything is checked before anything is written: magic words, steps, bounds of every
+    segment inside its slot and its destination region, kinds and element sizes. With
+    `base_step`, every slot must also say it was encoded against that step (the version the
+    engine holds). Runs on the device of the tensors (the kernels of
+    `weight_transfer.kernels.delta`); synchronizes once to read the headers.
+
+    Raises:
+        PatchError: the region holds no valid patch of `step` (naming slot and segment);
+            nothing was written.
+    """
+    if patch.dtype != torch.uint8 or patch.dim() != 1 or patch.numel() < HEADER_BYTES:
+        raise PatchError("patch region must be a flat uint8 tensor of at least 64 bytes")
+    magic, num_slots, slot_bytes = _words(patch, 0, 3)
+    if magic == 0 and num_slots == 0 and slot_bytes == 0:
+        # Never written: every update so far was full.
+        return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+    if magic != MAGIC:
+        raise PatchError(f"patch region has no header (magic {magic:#x}): nothing was written")
+    if (
+        num_slots < 1
+        or slot_bytes < HEADER_BYTES
+        or HEADER_BYTES + num_slots * slot_bytes > patch.numel()
+    ):
+        raise PatchError(f"patch region header is inconsistent ({num_slots} x {slot_bytes})")
+    plan: list[tuple[int, list[int]]] = []
+    used_slots = 0
+    patch_bytes = 0
+    for s in range(num_slots):
+        base = HEADER_BYTES + s * slot_bytes
+        h = _words(patch, base, 8)
+        if h[0] != MAGIC or h[1] != step:
+            continue
+        _, _, slot_base_step, used, nseg, table_at, _rank, _ = h
+        if base_step is not None and slot_base_step != base_step:
+            raise PatchError(
+                f"patch slot {s} was encoded against version {slot_base_step}, the engine "
+                f"holds {base_step}: nothing was written"
+            )
+        if not (HEADER_BYTES <= table_at and table_at + nseg * SEGMENT_BYTES == used <= slot_bytes):
+            raise PatchError(f"patch slot {s}: table or size out of bounds")
+        used_slots += 1
+        patch_bytes += used
+        rows = _words(patch, base + table_at, 8 * nseg)
+        for i in range(nseg):
+            row = rows[8 * i : 8 * i + 8]
+            region, dest, esize, numel, kind, entries, data_at, _ = row
+            where = f"patch slot {s} segment {i}"
+            if not 0 <= region < len(regions) or esize not in _INT_OF_SIZE or numel <= 0:
+                raise PatchError(f"{where}: bad region {region} or element size {esize}")
+            if dest < 0 or dest % esize or dest + numel * esize > regions[region].numel():
+                raise PatchError(f"{where}: destination outside region {region}")
+            if kind == SPARSE:
+                size = 8 * (num_chunks(numel) + 1) + _pad8(2 * entries) + _pad8(esize * entries)
+                if not 0 < entries <= numel:
+                    raise PatchError(f"{where}: {entries} entries for {numel} elements")
+            elif kind == DENSE:
+                size = numel * esize
+                if entries != numel:
+                    raise PatchError(f"{where}: dense segment of {entries} != {numel}")
+            else:
+                raise PatchError(f"{where}: unknown kind {kind}")
+            if data_at < HEADER_BYTES or data_at % 8 or data_at + size > table_at:
+                raise PatchError(f"{where}: data outside the slot")
+            if kind == SPARSE:
+                offs = patch[base + data_at : base + data_at + 8 * (num_chunks(numel) + 1)]
+                o = offs.view(torch.int64)
+                if int(o[0]) != 0 or int(o[-1]) != entries or bool((o[1:] < o[:-1]).any()):
+                    raise PatchError(f"{where}: chunk offsets are not a prefix sum")
+                if bool(((o[1:] - o[:-1]) > CHUNK_ELEMENTS).any()):
+                    raise PatchError(f"{where}: a chunk has more entries than elements")
+            plan.append((base, row))
+    num_entries = 0
+    for base, (region, dest, esize, numel, kind, entries, data_at, _) in plan:
+        itype = _INT_OF_SIZE[esize]
+        dst = regions[region][dest : dest + numel * esize].view(itype)
+        data = patch[base + data_at :]
+        if kind == DENSE:
+            dst.copy_(data[: numel * esize].view(itype))
+        else:
+            c = num_chunks(numel)
+            offsets = data[: 8 * (c + 1)].view(torch.int64)
+            i0 = 8 * (c + 1)
+            index = data[i0 : i0 + 2 * entries].view(torch.int16)
+            v0 = i0 + _pad8(2 * entries)
+            values = data[v0 : v0 + esize * entries].view(itype)
+            apply_changes(dst, offsets, index, values)
+        num_entries += entries
+    return ApplyStats(
+        step=step,
+        num_slots=used_slots,
+        num_segments=len(plan),
+        num_entries=num_entries,
+        patch_bytes=patch_bytes,
+    )
+
+
+class Snapshot:
+    """The engine-format bytes a trainer rank last sent, all its runs in one flat buffer.
+
+    `valid` is False until a full update committed; it turns False again after a full update
+    that failed (the engine's bytes are then unknown). Not thread-safe.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device, *, pin: bool = False) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.valid = False
+        self.step = 0
+        """The update whose bytes the snapshot holds (meaningful while `valid`)."""
+
+    def advance(self, builder: PatchBuilder) -> None:
+        """Apply the committed patch in `builder` to the snapshot (same kernels as the engine)."""
+        for seg in builder.segments:
+            itype = _INT_OF_SIZE[seg.elem_size]
+            dst = self.buffer[seg.snapshot_offset : seg.snapshot_offset + seg.nbytes].view(itype)
+            if seg.kind == DENSE:
+                size = seg.nbytes
+            else:
+                size = 8 * (num_chunks(seg.numel) + 1) + _pad8(2 * seg.num_entries)
+                size += seg.elem_size * seg.num_entries
+            data = builder.staging[seg.data_offset : seg.data_offset + size]
+            if data.device != dst.device:
+                # A host snapshot of a GPU patch: bring this segment over (patch-sized).
+                data = data.to(dst.device)
+            if seg.kind == DENSE:
+                dst.copy_(data[: seg.nbytes].view(itype))
+                continue
+            c = num_chunks(seg.numel)
+            offsets = data[: 8 * (c + 1)].view(torch.int64)
+            i0 = 8 * (c + 1)
+            index = data[i0 : i0 + 2 * seg.num_entries].view(torch.int16)
+            v0 = i0 + _pad8(2 * seg.num_entries)
+            values = data[v0 : v0 + seg.elem_size * seg.num_entries].view(itype)
+            apply_changes(dst, offsets, index, values)
+
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "SEGMENT_BYTES",
+    "ApplyStats",
+    "PatchBuilder",
+    "PatchError",
+    "Segment",
+    "Snapshot",
+    "apply_patch_region",
+    "applied_key",
+    "engine_digest_key",
+    "rank_digest_key",
+    "verdict_key",
+    "verify_key_key",
+    "region_header",
+    "slot_layout",
+]
