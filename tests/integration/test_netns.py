@@ -26,6 +26,7 @@ reconnect.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import re
@@ -386,7 +387,7 @@ def _host_toml(backend: str, control_host: str, port: int) -> str:
     )
 
 
-def _config(path: str, token: str) -> Any:
+def _file_config(path: str, token: str) -> Any:
     from weight_transfer.config import config_from_mapping, merge, read_toml
 
     return config_from_mapping(merge(read_toml(path), {"control": {"token": token}}))
@@ -398,29 +399,14 @@ def toml_trainer_proc(
     """A trainer rank on its own host, configured only by that host's file. Update 2 starts once
     the test has read update 1 from the engines (`checked`)."""
     enter_host(ns)
-    from weight_transfer.config import ControllerConfig
-    from weight_transfer.controller import Controller
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
-    cfg = _config(path, token)
+    cfg = dataclasses.replace(_file_config(path, token), num_engines=NUM_ENGINES)
     own = cfg.transport_config()
     out.put(("bound", "trainer", rank, own.listen_host, own.advertise_host))
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=world, num_engines=NUM_ENGINES), cfg.control
-        )
     src = _src(1)
-    tx = WeightSender(
-        src,
-        rank=rank,
-        world_size=world,
-        transport=own,
-        control=cfg.control,
-        controller=controller,
-        config=cfg.sender,
-    )
+    tx = WeightSender(src, cfg, rank=rank, world_size=world)  # rank 0 hosts the control plane
     try:
         for step in (1, 2):
             if step == 2:
@@ -433,8 +419,6 @@ def toml_trainer_proc(
             out.put(("trainer", rank, step, stats.nbytes))
     finally:
         tx.close()
-        if controller is not None:
-            controller.close()
 
 
 def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> None:
@@ -444,7 +428,7 @@ def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> 
     from weight_transfer.receiver import WeightReceiver, tensor_digest
 
     torch.set_num_threads(1)
-    cfg = _config(path, token)
+    cfg = _file_config(path, token)
     own = cfg.transport_config()
     out.put(("bound", "engine", tp_rank, own.listen_host, own.advertise_host))
     full = _src(0)
@@ -459,14 +443,7 @@ def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> 
         "b.weight": torch.randn(full["b.weight"].shape, generator=g),
         "c.bias": torch.randn(full["c.bias"].shape, generator=g),
     }
-    rx = WeightReceiver(
-        tensors,
-        recipes,
-        engine=f"e{tp_rank}",
-        transport=own,
-        control=cfg.control,
-        config=cfg.receiver,
-    )
+    rx = WeightReceiver(tensors, recipes, cfg, engine=f"e{tp_rank}")
     try:
         for step in (1, 2):
             rx.wait_for_version(step, CONTROL_TIMEOUT_S)
@@ -693,6 +670,7 @@ def vllm_trainer_proc(
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
+    from weight_transfer.config import ControlPlaneConfig, TransferConfig
     from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
@@ -711,14 +689,14 @@ def vllm_trainer_proc(
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         info = TrainerInitInfo(
+            config=TransferConfig(
+                transport="tcp",
+                num_engines=1,
+                # The control plane, on this (trainer rank 0's) host.
+                control=ControlPlaneConfig(host=ip, port=cp_port, token=token, timeout_s=300),
+            ),
             rank=rank,
             world_size=world,
-            num_engines=1,
-            host=ip,  # the control plane, on this (trainer rank 0's) host
-            port=cp_port,
-            token=token,
-            timeout_s=300,
-            transport="tcp",
         )
         updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
         updater.update(1)

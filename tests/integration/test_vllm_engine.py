@@ -19,6 +19,7 @@ read worker state with `collective_rpc(callable)`; the plug-in itself does not n
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
@@ -764,9 +765,7 @@ class TestTP1:
         client = LLMWeightSyncClient(llm)
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
-            TrainerInitInfo(
-                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
-            ),
+            TrainerInitInfo(config=_config(1), rank=0, world_size=1),
             params,
             client,
         )
@@ -941,19 +940,20 @@ class TestTP1:
         reading a checkpoint of the trainer's weights (and transformers' greedy tokens)."""
         from safetensors.torch import save_file
 
+        from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
         from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
 
         d, llm, oracle = engines
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
             TrainerInitInfo(
+                config=dataclasses.replace(
+                    _config(1),
+                    sender=SenderConfig(delta=DeltaConfig(enabled=True)),
+                    receiver=ReceiverConfig(patch_region_bytes=4 << 20),
+                ),
                 rank=0,
                 world_size=1,
-                num_engines=1,
-                port=_free_port(),
-                token=secrets.token_hex(16),
-                delta_enabled=True,
-                patch_region_bytes=4 << 20,
             ),
             params,
             LLMWeightSyncClient(llm),
@@ -1086,7 +1086,12 @@ def _mismatched_trainer(
     `OneSidedUpdater` raised (type and problems)."""
     from transformers import AutoConfig, Qwen3ForCausalLM
 
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import (
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+    )
 
     torch.set_num_threads(1)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -1094,7 +1099,11 @@ def _mismatched_trainer(
     torch.manual_seed(rank)
     model = Qwen3ForCausalLM(cfg).float()
     info = TrainerInitInfo(
-        rank=rank, world_size=world, num_engines=1, port=cp_port, token=token, timeout_s=120
+        config=TransferConfig(
+            num_engines=1, control=ControlPlaneConfig(port=cp_port, token=token, timeout_s=120)
+        ),
+        rank=rank,
+        world_size=world,
     )
     try:
         updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)

@@ -13,6 +13,7 @@ import pytest
 from weight_transfer.config import (
     PUBLISHED_SAMPLE_TOKENS,
     ControlPlaneConfig,
+    DeltaConfig,
     ReceiverConfig,
     SenderConfig,
     TransferConfig,
@@ -35,6 +36,8 @@ TOML = f"""
 transport = "tcp"
 connect_timeout_s = 5.0
 num_engines = 4
+listen_host = "127.0.0.1"
+advertise_host = "127.0.0.1"
 [control]
 host = "127.0.0.1"
 port = 29811
@@ -42,8 +45,12 @@ token = "{TOKEN}"
 [sender]
 update_timeout_s = 12.5
 record_trace = false
+[sender.delta]
+enabled = true
+anchor_every_updates = 4
 [receiver]
 allow_unwritten = true
+patch_region_bytes = 1048576
 [planner]
 max_write_bytes = 1048576
 memory_budget_bytes = 268435456
@@ -62,8 +69,13 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
     cfg = load_toml(path)
     assert cfg.transport == "tcp" and cfg.connect_timeout_s == 5.0 and cfg.num_engines == 4
     assert cfg.control == ControlPlaneConfig(host="127.0.0.1", port=29811, token=TOKEN)
-    assert cfg.sender == SenderConfig(update_timeout_s=12.5, record_trace=False)
-    assert cfg.receiver == ReceiverConfig(allow_unwritten=True)
+    assert (cfg.listen_host, cfg.advertise_host) == ("127.0.0.1", "127.0.0.1")
+    assert cfg.sender == SenderConfig(
+        update_timeout_s=12.5,
+        record_trace=False,
+        delta=DeltaConfig(enabled=True, anchor_every_updates=4),
+    )
+    assert cfg.receiver == ReceiverConfig(allow_unwritten=True, patch_region_bytes=1 << 20)
     assert cfg.planner == PlannerConfig(memory_budget_bytes=256 << 20, max_write_bytes=1 << 20)
     assert cfg.vllm == VllmConfig(
         engine_prefix="rollout", publish_digests=True, hf_moe_layout="fused"
@@ -204,7 +216,10 @@ def test_vllm_init_infos_are_derived_from_the_config_and_hide_the_token(tmp_path
     engine = info.engine_init_info()
     # What vLLM does with the dict it receives: EngineInitInfo(**init_info).
     rebuilt = EngineInitInfo(**engine.to_dict())
-    assert rebuilt.transfer_config() == cfg
+    # All of it but this trainer rank's own addresses: each worker resolves its own.
+    assert rebuilt.transfer_config() == dataclasses.replace(
+        cfg, listen_host=None, advertise_host=None
+    )
     for shown in (repr(info), str(info), repr(engine), repr(rebuilt), str(engine.to_dict)):
         assert TOKEN not in shown, shown
     # The engine side has no defaults of its own: nothing but the config.
