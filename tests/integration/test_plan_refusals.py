@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.cli.child_reports import ReportInbox
+from weight_transfer.cli.launch import Child, Launch
 from weight_transfer.cli.run_demo import free_port
 
 WANT = [
@@ -74,33 +74,31 @@ def engine_proc(port: int, token: str, done: Any, out: Any) -> None:
 @pytest.mark.timeout(120)
 def test_every_rank_raises_the_mismatch_even_when_the_controller_exits_at_once() -> None:
     ctx = mp.get_context("spawn")
-    inbox = ReportInbox(ctx)
     done = ctx.Event()
     port, token = free_port(), secrets.token_hex(16)
-    engine = ctx.Process(target=engine_proc, args=(port, token, done, inbox.reporter()))
-    trainers = [
-        ctx.Process(target=trainer_proc, args=(r, port, token, inbox.reporter())) for r in (0, 1)
-    ]
-    for p in (*trainers, engine):
-        p.start()
-    inbox.started()
+    launch = Launch(
+        [
+            *(Child(f"trainer{r}", trainer_proc, (r, port, token)) for r in (0, 1)),
+            Child("engine", engine_proc, (port, token, done)),
+        ]
+    )
     reports: dict[Any, Any] = {}
     deadline = time.monotonic() + 90
     try:
+        launch.start()
         while len(reports) < 3 and time.monotonic() < deadline:
-            got = inbox.get(timeout=0.2)
+            got = launch.get(timeout_s=0.2)
             if got is not None:
-                reports[got[0]] = tuple(got[1:])
+                msg = got[1]
+                reports[msg[0]] = tuple(msg[1:])
+            elif launch.failure() is not None:
+                break
             if 0 in reports and 1 in reports:
                 done.set()
     finally:
         done.set()
-        for p in (*trainers, engine):
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert [p.exitcode for p in (*trainers, engine)] == [0, 0, 0], reports
+        codes = launch.close(grace_s=30)
+    assert codes == dict.fromkeys(launch.names, 0), (codes, reports, launch.tracebacks)
     assert reports[0] == ("PlanMismatchError", WANT), reports
     assert reports[1] == ("PlanMismatchError", WANT), reports
     assert reports["engine"] == (0, True)  # nothing written, version 0
