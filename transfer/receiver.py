@@ -453,7 +453,9 @@ class WeightReceiver:
         if not decision.ok:
             if decision.step != step:
                 return  # another update failed: keep waiting for this one
-            if v >= decision.step:
+            if v == decision.step:
+                # Its version words were written here, then set back by the trainers (a later
+                # update's word, read before this verdict, says nothing about this one's).
                 raise UpdateFailedError(
                     f"engine {self.engine!r}: update {decision.step} failed while its version "
                     f"words were written and is rolled back (waiting for {step}): "
@@ -462,7 +464,7 @@ class WeightReceiver:
                 )
             raise UpdateFailedError(
                 f"engine {self.engine!r}: update {decision.step} failed and was not applied "
-                f"(version stays {v}): {decision.error}",
+                f"(version is {v}): {decision.error}",
                 step=decision.step,
             )
         if v < decision.step or decision.step <= self._known_complete:
