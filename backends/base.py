@@ -299,6 +299,16 @@ class TransportConfig:
             raise ConfigurationError("connect_timeout_s must be positive")
         if self.device_index is not None and self.device_index < 0:
             raise ConfigurationError("device_index must be >= 0")
+        for key, value in self.options:
+            if not key.strip():
+                raise ConfigurationError(f"{self.name}: a transport option has an empty name")
+            if not value.strip():
+                # UCX, for one, takes an empty list and fails later, naming no option
+                # ("ucp_init failed: No such element").
+                raise ConfigurationError(
+                    f"{self.name}: transport option {key!r} is empty: give it a value or leave "
+                    "it out"
+                )
 
     def option(self, key: str, default: str | None = None) -> str | None:
         """The value of a backend option, or `default`."""
@@ -771,11 +781,15 @@ BACKENDS: dict[str, str] = {
 """Backend name -> "module:Class", imported on first use."""
 
 EXTRAS: dict[str, str] = {
-    "ucx": "pip install 'weight-transfer[ucx]'",
-    "nixl": "pip install 'weight-transfer[nixl]'",
+    "ucx": "pip install 'libucx-cu13>=1.22,<1.23' (from a checkout of weight-transfer: "
+    "pip install '.[ucx]')",
+    "nixl": "pip install nixl-cu13==1.5.1 (from a checkout of weight-transfer: "
+    "pip install '.[nixl]')",
     "ibverbs": "apt-get install python3-pyverbs (rdma-core); see docs/ibverbs.md",
 }
-"""How to install what each optional backend needs."""
+"""How to install what each optional backend needs (the one place every hint comes from).
+weight-transfer itself is not on PyPI, so a hint names the package to install, and the extra
+for a checkout."""
 
 
 def load_backend(name: str) -> type[Transport]:

@@ -110,6 +110,7 @@ import torch
 
 from weight_transfer.backends._memory import cut_at
 from weight_transfer.backends.base import (
+    EXTRAS,
     ConfigurationError,
     MemoryKind,
     PeerLostError,
@@ -129,7 +130,7 @@ __all__ = ["NixlTransport"]
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = "pip install 'weight-transfer[nixl]'"
+_INSTALL_HINT = EXTRAS["nixl"]
 _ENDPOINT_TAG = "nixl"
 _PLUGIN_OPTIONS = ("ucx_error_handling_mode", "ucx_devices", "num_workers")
 _OWN_OPTIONS = ("segment_bytes", "window", "lanes")

@@ -95,6 +95,7 @@ import torch
 
 from weight_transfer.backends._memory import cut_at
 from weight_transfer.backends.base import (
+    EXTRAS,
     ConfigurationError,
     MemoryKind,
     PeerLostError,
@@ -114,7 +115,7 @@ __all__ = ["UcxTransport"]
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = "pip install 'weight-transfer[ucx]'"
+_INSTALL_HINT = EXTRAS["ucx"]
 _PAGE_BYTES = 4096
 _CLOSE_TIMEOUT_S = 5.0
 _POLL_BUDGET_S = 0.004
@@ -393,7 +394,10 @@ class UcxTransport(Transport):
                 f"transport 'ucx' could not load libucp ({exc}); reinstall with: {_INSTALL_HINT}"
             ) from exc
         except ucx_native.UcxError as exc:
-            raise TransportUnavailableError(f"transport 'ucx' could not start UCX: {exc}") from exc
+            given = ", ".join(f"{k}={v!r}" for k, v in config.options) or "none"
+            raise TransportUnavailableError(
+                f"transport 'ucx' could not start UCX: {exc} (options given: {given})"
+            ) from exc
         self._token = os.urandom(16)
         self._address = self._worker.address()
         self._region_state: dict[int, _RegionState] = {}

@@ -229,9 +229,10 @@ def run_cluster(
     import torch
 
     import weight_transfer.pipeline as pipeline
-    from weight_transfer.backends.base import Transport, TransportConfig
-    from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+    from weight_transfer.backends.base import Transport
+    from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
     from weight_transfer.controller import Controller
+    from weight_transfer.planner.plan import PlannerConfig
     from weight_transfer.planner.recipes import identity
     from weight_transfer.receiver import WeightReceiver
     from weight_transfer.sender import WeightSender
@@ -241,7 +242,13 @@ def run_cluster(
     control = ControlPlaneConfig(
         port=_free_port(), token=secrets.token_hex(16), timeout_s=cfg.timeout_s
     )
-    transport = TransportConfig(name="loopback")
+    config = TransferConfig(
+        transport="loopback",
+        num_engines=m,
+        control=control,
+        sender=SenderConfig(update_timeout_s=cfg.timeout_s),
+        planner=PlannerConfig(memory_budget_bytes=1 << 16),
+    )
     g = torch.Generator().manual_seed(members)
     per_engine = -(-n // m) + 1  # enough writes that every trainer rank gets one
     full = {
@@ -292,7 +299,7 @@ def run_cluster(
     undo = _install_counting()
     t_build = time.perf_counter()
     _as("controller", "controller")
-    controller = Controller(ControllerConfig(num_trainer_ranks=n, num_engines=m), control)
+    controller = Controller(config.controller_config(n), control)
     receivers: list[Any] = [None] * m
     senders: list[Any] = [None] * n
     errors: list[BaseException] = []
@@ -304,9 +311,8 @@ def run_cluster(
             receivers[e] = WeightReceiver(
                 {f"w{i}": torch.randn(shape, generator=rng) for i in range(per_engine)},
                 [identity(f"w{i}", f"t{e}_{i}", shape) for i in range(per_engine)],
+                config,
                 engine=f"e{e}",
-                transport=transport,
-                control=control,
             )
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
@@ -316,11 +322,9 @@ def run_cluster(
         try:
             senders[r] = WeightSender(
                 {k: v.clone() for k, v in full.items()},
+                config,
                 rank=r,
                 world_size=n,
-                transport=transport,
-                control=control,
-                config=SenderConfig(memory_budget_bytes=1 << 16, update_timeout_s=cfg.timeout_s),
                 controller=controller if r == 0 else None,
             )
         except BaseException as exc:  # reported by the main thread

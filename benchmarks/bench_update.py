@@ -222,6 +222,33 @@ def _n_engines(cfg: BenchUpdateConfig) -> int:
     return 2 if cfg.layout == "colocated" else 1
 
 
+def _transfer_config(cfg: BenchUpdateConfig, control: Any, patch_region_bytes: int = 0) -> Any:
+    """The run's `TransferConfig`: its backend and options, the one memory budget, delta mode
+    (`patch_region_bytes`: the engine's patch region; the trainers ignore it)."""
+    from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig, TransferConfig
+    from weight_transfer.planner.plan import PlannerConfig
+
+    return TransferConfig(
+        transport=cfg.backend,
+        transport_options=cfg.transport_options,
+        num_engines=_n_engines(cfg),
+        control=control,
+        sender=SenderConfig(
+            update_timeout_s=cfg.timeout_s,
+            delta=DeltaConfig(
+                enabled=cfg.delta_density > 0,
+                anchor_every_updates=cfg.delta_anchor,
+                max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                snapshot_memory=cfg.delta_snapshot,
+                apply_timeout_s=cfg.timeout_s,
+            ),
+            table_quantize=cfg.table_quantize,
+        ),
+        receiver=ReceiverConfig(patch_region_bytes=patch_region_bytes),
+        planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
+    )
+
+
 def _trainer_gpu(cfg: BenchUpdateConfig, rank: int) -> int:
     return rank
 
@@ -291,13 +318,7 @@ def trainer_main(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.config import (
-        ControllerConfig,
-        ControlPlaneConfig,
-        DeltaConfig,
-        SenderConfig,
-    )
+    from weight_transfer.config import ControlPlaneConfig
     from weight_transfer.controller import Controller
     from weight_transfer.sender import WeightSender
 
@@ -335,41 +356,12 @@ def trainer_main(
         base_mem = torch.cuda.memory_allocated(dev)
         nbytes_model = sum(p.numel() * p.element_size() for p in model.parameters())
         control = ControlPlaneConfig(port=ports["control"], token=token, timeout_s=cfg.timeout_s)
-        controller = None
-        if rank == 0:
-            from weight_transfer.planner.plan import PlannerConfig
-
-            controller = Controller(
-                ControllerConfig(
-                    num_trainer_ranks=world,
-                    num_engines=_n_engines(cfg),
-                    planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
-                ),
-                control,
-            )
+        config = _transfer_config(cfg, control)
+        # Made here, not by the sender: the harness reads its schedule.
+        controller = Controller(config.controller_config(world), control) if rank == 0 else None
         torch.cuda.reset_peak_memory_stats(dev)
         sender = WeightSender(
-            model,
-            rank=rank,
-            world_size=world,
-            transport=TransportConfig(
-                name=cfg.backend, device_index=gpu, options=cfg.transport_options
-            ),
-            control=control,
-            controller=controller,
-            device=dev,
-            config=SenderConfig(
-                memory_budget_bytes=cfg.memory_budget_bytes,
-                update_timeout_s=cfg.timeout_s,
-                delta=DeltaConfig(
-                    enabled=cfg.delta_density > 0,
-                    anchor_every_updates=cfg.delta_anchor,
-                    max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
-                    snapshot_memory=cfg.delta_snapshot,
-                    apply_timeout_s=cfg.timeout_s,
-                ),
-                table_quantize=cfg.table_quantize,
-            ),
+            model, config, rank=rank, world_size=world, controller=controller, device=dev
         )
         if controller is not None:
             assert controller.schedule is not None
@@ -633,8 +625,7 @@ def engine_main(
 ) -> None:
     """Engine rank: vLLM-layout tensors on its GPU, registered once; then the baseline."""
     os.environ.update(NCCL_ENV)
-    from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
+    from weight_transfer.config import ControlPlaneConfig
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.protocol import Digests
     from weight_transfer.receiver import WeightReceiver
@@ -661,15 +652,13 @@ def engine_main(
     patch_bytes = (
         int(cfg.patch_region_fraction * engine_bytes) + (1 << 20) if cfg.delta_density else 0
     )
+    config = _transfer_config(cfg, control, patch_region_bytes=patch_bytes)
     rx = WeightReceiver(
         tensors,
         recipes,
+        config,
         engine=f"engine{rank}",
-        transport=TransportConfig(
-            name=cfg.backend, device_index=gpu, options=cfg.transport_options
-        ),
-        control=control,
-        config=ReceiverConfig(patch_region_bytes=patch_bytes),
+        transport=config.transport_config(device_index=gpu),
     )
     apply_s: list[float] = []
     for step in range(1, cfg.warmups + cfg.repeats + 1):
@@ -1045,7 +1034,7 @@ def check_runnable(cfg: BenchUpdateConfig) -> str | None:
             f"(torch {torch.__version__})"
         )
     if cfg.plot_path and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'weight-transfer[plot]'"
+        return "--plot needs matplotlib: pip install 'matplotlib>=3.7'"
     return None
 
 

@@ -277,7 +277,7 @@ def _trainer(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
-    from weight_transfer.config import ControllerConfig, DeltaConfig, SenderConfig
+    from weight_transfer.config import DeltaConfig, SenderConfig, TransferConfig
     from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.delta import DeltaDensity
@@ -335,22 +335,10 @@ def _trainer(
         fill(0)
         gather_s = _gather_probe(meshes, rank)
         control = _control(ips[0], token, cfg.timeout_s)
-        controller = None
-        if rank == 0:
-            controller = Controller(
-                ControllerConfig(num_trainer_ranks=n, num_engines=m, planner=planner_config(cfg)),
-                control,
-            )
-        sender = WeightSender(
-            params,
-            rank=rank,
-            world_size=n,
-            transport=_transport(cfg.backend, ips[rank]),
+        config = TransferConfig(
+            num_engines=m,
             control=control,
-            controller=controller,
-            device="cpu",
-            config=SenderConfig(
-                memory_budget_bytes=cfg.memory_budget_bytes,
+            sender=SenderConfig(
                 update_timeout_s=min(cfg.timeout_s, 300.0),
                 delta=DeltaConfig(
                     enabled=cfg.delta_density > 0,
@@ -358,6 +346,18 @@ def _trainer(
                     apply_timeout_s=min(cfg.timeout_s, 300.0),
                 ),
             ),
+            planner=planner_config(cfg),
+        )
+        # Made here, not by the sender: the simulator below reads its manifests and schedule.
+        controller = Controller(config.controller_config(n), control) if rank == 0 else None
+        sender = WeightSender(
+            params,
+            config,
+            rank=rank,
+            world_size=n,
+            controller=controller,
+            device="cpu",
+            transport=_transport(cfg.backend, ips[rank]),  # this host's own address
         )
         if controller is not None:
             assert controller.schedule is not None
@@ -567,7 +567,7 @@ def engine_main(
 
 
 def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any) -> None:
-    from weight_transfer.config import ReceiverConfig
+    from weight_transfer.config import ReceiverConfig, TransferConfig
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.clusters import dest_manifests, source_manifests
     from weight_transfer.receiver import WeightReceiver
@@ -581,12 +581,14 @@ def _engine(index: int, cfg: EmulateConfig, ips: list[str], token: str, out: Any
     rx = WeightReceiver(
         tensors,
         dm.recipes,
-        engine=dm.engine,
-        transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),
-        control=_control(ips[0], token, cfg.timeout_s),
-        config=ReceiverConfig(
-            patch_region_bytes=nbytes // 2 + (1 << 20) if cfg.delta_density else 0
+        TransferConfig(
+            control=_control(ips[0], token, cfg.timeout_s),
+            receiver=ReceiverConfig(
+                patch_region_bytes=nbytes // 2 + (1 << 20) if cfg.delta_density else 0
+            ),
         ),
+        engine=dm.engine,
+        transport=_transport(cfg.backend, ips[cfg.num_trainers + index]),  # its own address
     )
     try:
         steps = cfg.warmups + cfg.repeats

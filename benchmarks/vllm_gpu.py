@@ -405,7 +405,14 @@ def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float
 
 def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     """bf16 / fp8 / moe (module docstring)."""
-    from weight_transfer.vllm import BACKEND, OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import (
+        BACKEND,
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+        VllmConfig,
+    )
 
     fp8 = cfg.case == "fp8"
     arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if cfg.case == "moe" else ("llama", TINY_LLAMA)
@@ -426,12 +433,11 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     client = _TimedClient(llm)
     updater = OneSidedUpdater(
         TrainerInitInfo(
-            rank=0,
-            world_size=1,
-            num_engines=1,
-            port=_free_port(),
-            token=secrets.token_hex(16),
-            hf_moe_layout="fused" if arch == "qwen3_moe" else "per_expert",
+            config=TransferConfig(
+                num_engines=1,
+                control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+                vllm=VllmConfig(hf_moe_layout="fused" if arch == "qwen3_moe" else "per_expert"),
+            )
         ),
         trainer,
         client,
@@ -605,7 +611,14 @@ def _ray_placeholder() -> bool:
 
 def run_timing(cfg: RunConfig) -> dict[str, Any]:
     """timing (module docstring)."""
-    from weight_transfer.vllm import BACKEND, OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.planner.plan import PlannerConfig
+    from weight_transfer.vllm import (
+        BACKEND,
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+    )
 
     if not cfg.gpu:
         raise SystemExit("the timing case needs a GPU (Llama-3.1-8B shapes)")
@@ -628,12 +641,11 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
     client = _TimedClient(ours)
     updater = OneSidedUpdater(
         TrainerInitInfo(
-            rank=0,
-            world_size=1,
-            num_engines=1,
-            port=_free_port(),
-            token=secrets.token_hex(16),
-            memory_budget_bytes=4 << 30,
+            config=TransferConfig(
+                num_engines=1,
+                control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+                planner=PlannerConfig(memory_budget_bytes=4 << 30),
+            )
         ),
         params,
         client,

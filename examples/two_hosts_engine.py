@@ -27,10 +27,8 @@ shape = get_model_shape("tiny")
 receiver = WeightReceiver(
     allocate_engine_tensors(vllm_tensor_specs(shape, tp_rank, tp_size)),
     vllm_recipes(shape, tp_rank, tp_size),
+    cfg,
     engine=f"hostb/tp{tp_rank}",
-    transport=own,
-    control=cfg.control,
-    config=cfg.receiver,
 )
 try:
     for step in range(1, 4):

@@ -9,18 +9,17 @@ import sys
 
 import torch
 
-from weight_transfer import Controller, ControllerConfig, WeightSender, get_model_shape
+from weight_transfer import WeightSender, get_model_shape
 from weight_transfer.config import config_from_mapping, merge, read_toml
 from weight_transfer.planner.presets.models import hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
 from weight_transfer.planner.reference import materialize
 
-NUM_ENGINES = 2  # host B's tensor-parallel ranks
-
 # This host's file, plus the token from the environment (never in a file others may read).
 cfg = config_from_mapping(
     merge(read_toml(sys.argv[1]), {"control": {"token": os.environ["WT_TOKEN"]}})
 )
+NUM_ENGINES = cfg.num_engines  # host B's tensor-parallel ranks (num_engines in the file)
 own = cfg.transport_config()
 print(
     f"host A: control plane on {cfg.control.host}:{cfg.control.port}; transport "
@@ -31,19 +30,8 @@ print(
 shape = get_model_shape("tiny")
 g = torch.Generator().manual_seed(0)
 params = {n: torch.randn(s, generator=g) for n, s in hf_parameter_shapes(shape).items()}
-controller = Controller(
-    ControllerConfig(num_trainer_ranks=1, num_engines=NUM_ENGINES, planner=cfg.planner),
-    cfg.control,
-)
-sender = WeightSender(
-    params,
-    rank=0,
-    world_size=1,
-    transport=own,
-    control=cfg.control,
-    controller=controller,
-    config=cfg.sender,
-)
+sender = WeightSender(params, cfg)  # rank 0 of 1: hosts the control plane and plans
+assert sender.controller is not None and NUM_ENGINES is not None
 try:
     for step in range(1, 4):
         for t in params.values():  # stands in for an optimizer step
@@ -57,7 +45,7 @@ try:
             )
             for r in range(NUM_ENGINES)
         }
-        bad = controller.verify(step, expected, timeout_s=60)
+        bad = sender.controller.verify(step, expected, timeout_s=60)
         print(
             f"update {step}: {stats.nbytes} bytes in {stats.seconds * 1e3:.1f} ms, "
             + (f"MISMATCH {bad}" if bad else f"verified on {NUM_ENGINES} engines"),
@@ -66,5 +54,4 @@ try:
         if bad:
             sys.exit(1)
 finally:
-    sender.close()
-    controller.close()
+    sender.close()  # and the control plane it hosts

@@ -11,9 +11,11 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 from weight_transfer.vllm import (
+    ControlPlaneConfig,
     LLMWeightSyncClient,
     OneSidedUpdater,
     TrainerInitInfo,
+    TransferConfig,
 )
 
 
@@ -43,13 +45,12 @@ def main() -> None:
     with socket.socket() as s:  # a free port for the control plane
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    updater = OneSidedUpdater(
-        TrainerInitInfo(
-            rank=0, world_size=1, num_engines=1, port=port, token=secrets.token_hex(16)
-        ),
-        trainer,
-        LLMWeightSyncClient(llm),
+    transfer = TransferConfig(
+        num_engines=1,  # vLLM worker processes (tensor parallel x data parallel)
+        # One trainer process, which hands the token to vLLM itself: it may make its own.
+        control=ControlPlaneConfig(port=port, token=secrets.token_hex(16)),
     )
+    updater = OneSidedUpdater(TrainerInitInfo(config=transfer), trainer, LLMWeightSyncClient(llm))
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     for step in (1, 2, 3):
         tokens = torch.randint(0, config.vocab_size, (2, 16))

@@ -69,9 +69,12 @@ class PlannerConfig:
     """Knobs of the planner."""
 
     memory_budget_bytes: int = 1 << 30
-    """Temporary memory per trainer rank (staging + scratch) that tasks in flight may use."""
-    max_write_bytes: int = 64 << 20
-    """Largest single direct write; larger pieces are split so the pipeline can overlap them."""
+    """Temporary memory per trainer rank (staging + scratch) that tasks in flight may use. The
+    one memory budget of a transfer: the schedule carries it, and every trainer rank's executor
+    runs within it (half a registered staging arena, half scratch)."""
+    max_write_bytes: int | None = None
+    """Largest single direct write; larger pieces are split so the pipeline can overlap them.
+    None (default): 64 MiB, or a quarter of `memory_budget_bytes` if that is smaller."""
     task_target_bytes: int = 16 << 20
     """Small direct writes of one rank are batched into tasks of about this size."""
     allow_unused_sources: bool = False
@@ -85,15 +88,22 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.memory_budget_bytes <= 0:
             raise ValueError("memory_budget_bytes must be positive")
-        if self.max_write_bytes <= 0:
+        if self.max_write_bytes is not None and self.max_write_bytes <= 0:
             raise ValueError("max_write_bytes must be positive")
         if self.task_target_bytes <= 0:
             raise ValueError("task_target_bytes must be positive")
-        if self.max_write_bytes > self.memory_budget_bytes // 2:
+        if self.write_limit_bytes > self.memory_budget_bytes // 2:
             raise ValueError(
                 "max_write_bytes must be at most half of memory_budget_bytes "
-                f"({self.max_write_bytes} > {self.memory_budget_bytes // 2})"
+                f"({self.write_limit_bytes} > {self.memory_budget_bytes // 2})"
             )
+
+    @property
+    def write_limit_bytes(self) -> int:
+        """`max_write_bytes`, or its default for this budget."""
+        if self.max_write_bytes is not None:
+            return self.max_write_bytes
+        return max(1, min(64 << 20, self.memory_budget_bytes // 4))
 
 
 _Holder = tuple[int, Box | None, tuple[int, ...], bool]
@@ -741,7 +751,7 @@ def _direct_template(
             cands = tuple(sorted({h[RANK] for h in holders}))
             boxes = {h[RANK]: h[LOCAL_BOX] for h in holders if h[LOCAL_BOX]}
             offl = {h[RANK]: h[OFFLOADED] for h in holders}
-            for chunk in _split_box(piece, max(out_size, isz), config.max_write_bytes):
+            for chunk in _split_box(piece, max(out_size, isz), config.write_limit_bytes):
                 dbox = map_subbox(p, chunk)
                 runs = dest_runs(dt.shape, dbox, out_size, dt.offset_bytes, dt.region)
                 pieces.append(
@@ -1314,6 +1324,7 @@ class _Planning:
                 tasks=tuple(self.per_rank[rank]),
                 peers=tuple(sorted(peers_of[rank] | set(version_engines[rank]))),
                 version_engines=tuple(version_engines[rank]),
+                memory_budget_bytes=self.config.memory_budget_bytes,
                 num_mesh_groups=num_groups,
             )
             for rank in range(world)

@@ -325,6 +325,9 @@ class RankSchedule:
     """Engines this rank writes to (connect once at setup)."""
     version_engines: tuple[str, ...]
     """Engines whose version word this rank writes after every update completed."""
+    memory_budget_bytes: int
+    """The temporary memory this schedule was planned for (`PlannerConfig.memory_budget_bytes`);
+    the rank's executor runs within it, so planner and executor cannot disagree."""
     num_mesh_groups: int = 1
     """Mesh groups of the whole schedule: every rank enters every group's barrier."""
 

@@ -1,17 +1,23 @@
 """weight-transfer: move RL trainer weights into inference-engine memory with one-sided writes.
 
-The names below are the public API; everything else under `weight_transfer` may change.
-Importing this package never imports a concrete backend (ucx, nixl, pyverbs) or vLLM.
+The names below are the public API; everything else under `weight_transfer` may change
+(`weight_transfer.vllm` is public too: what a vLLM user imports). Importing this package never
+imports a concrete backend (ucx, nixl, pyverbs) or vLLM.
+
+One config (`TransferConfig`, or `load_toml` of a file that maps onto it) for both sides.
 
 Engine side::
 
-    from weight_transfer import (ControlPlaneConfig, TransportConfig, WeightReceiver,
-                                 allocate_engine_tensors, get_model_shape, vllm_recipes,
-                                 vllm_tensor_specs)
+    layout = VllmLayout(hf_config, tp_rank, tp_size)
+    receiver = WeightReceiver(layout.allocate(), layout, config, engine=f"tp{tp_rank}")
 
-Trainer side::
+Trainer side (every rank; rank 0 hosts the controller itself)::
 
-    from weight_transfer import Controller, ControllerConfig, SenderConfig, WeightSender
+    sender = WeightSender(model, config)
+    sender.update(step)
+
+Advanced: `Controller` / `ControllerConfig` (a controller made by hand), `TransportConfig` (a
+process's own transport settings), the recipe presets (`vllm_recipes`, `vllm_tensor_specs`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from weight_transfer.config import (
     ReceiverConfig,
     SenderConfig,
     TransferConfig,
+    VllmConfig,
     load_toml,
 )
 from weight_transfer.controller import Controller
@@ -37,10 +44,13 @@ from weight_transfer.errors import (
     TransportTimeoutError,
     TransportUnavailableError,
     UpdateAbortedError,
+    UpdateFailedError,
     UpdateInProgressError,
     WeightTransferError,
 )
+from weight_transfer.layouts import Layout, VllmLayout
 from weight_transfer.manifest import allocate_engine_tensors
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.presets.models import (
     MODEL_SHAPES,
     ModelShape,
@@ -61,11 +71,13 @@ __all__ = [
     "ControlPlaneConfig",
     "Controller",
     "ControllerConfig",
+    "Layout",
     "DeltaConfig",
     "ModelShape",
     "NotServingError",
     "PeerLostError",
     "PlanMismatchError",
+    "PlannerConfig",
     "ReceiverConfig",
     "SenderConfig",
     "ServingGate",
@@ -77,6 +89,9 @@ __all__ = [
     "TransportTimeoutError",
     "TransportUnavailableError",
     "UpdateAbortedError",
+    "UpdateFailedError",
+    "VllmConfig",
+    "VllmLayout",
     "UpdateInProgressError",
     "WeightReceiver",
     "WeightSender",

@@ -1,9 +1,12 @@
 """Configuration dataclasses of every runtime component, and their TOML / CLI mapping.
 
 One frozen dataclass per component, units in field names, a one-line docstring per field,
-`__post_init__` raising `ValueError` on bad values. A TOML file and CLI flags fill the same
-dataclasses (`load_toml`, `config_from_mapping`); nothing is configurable in only one of them.
-The library never reads environment variables.
+`__post_init__` raising `ConfigurationError` (a `ValueError`) on bad values. `TransferConfig`
+holds them all and is what `WeightSender`, `WeightReceiver` and the vLLM plug-in take; a TOML
+file maps onto it completely (`load_toml`; every table and key is a field, anything else is
+refused naming it), CLI flags fill the same dataclasses (`config_from_mapping`), and
+`config_to_mapping` is the inverse. Nothing is configurable in only one of them. The library
+never reads environment variables.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any
 
 from weight_transfer.addresses import check_host_settings, member_address
 from weight_transfer.backends.base import BACKENDS, TransportConfig
+from weight_transfer.errors import ConfigurationError
 from weight_transfer.planner.plan import PlannerConfig
+from weight_transfer.planner.presets.models import MOE_LAYOUTS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,6 +35,11 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 MIN_TOKEN_BITS = 128
 """Least randomness a control plane token must carry (as `token_bits` estimates it)."""
+
+PUBLISHED_SAMPLE_TOKENS = frozenset({"xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"})
+"""Tokens this project prints as samples (the README's TOML example): anyone can read them, so
+none is accepted as a real one. tests/unit/test_config.py checks that every sample token in the
+README and docs is listed here."""
 
 
 def new_token() -> str:
@@ -86,28 +96,33 @@ class ControlPlaneConfig:
 
     def __post_init__(self) -> None:
         if self.store_memory_bytes <= 0:
-            raise ValueError("store_memory_bytes must be positive")
+            raise ConfigurationError("store_memory_bytes must be positive")
         if self.store_max_connections <= 0:
-            raise ValueError("store_max_connections must be positive")
+            raise ConfigurationError("store_max_connections must be positive")
         if not self.host:
-            raise ValueError("control plane host must be non-empty")
+            raise ConfigurationError("control plane host must be non-empty")
         if not 0 < self.port < 65536:
-            raise ValueError(f"control plane port {self.port} is out of range")
+            raise ConfigurationError(f"control plane port {self.port} is out of range")
         if not self.token:
-            raise ValueError(
+            raise ConfigurationError(
                 "control plane token is required (there is no default): make one with "
                 "`weight-transfer token` and give every member the same"
             )
+        if self.token in PUBLISHED_SAMPLE_TOKENS:
+            raise ConfigurationError(
+                "control plane token is the sample printed in this project's docs, which anyone "
+                "can read: make your own with `weight-transfer token`"
+            )
         bits = token_bits(self.token)
         if bits < MIN_TOKEN_BITS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"control plane token carries about {bits:.0f} bits of randomness, fewer than "
                 f"the {MIN_TOKEN_BITS} required: make one with `weight-transfer token`"
             )
         if self.timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+            raise ConfigurationError("timeout_s must be positive")
         if not self.session or "/" in self.session:
-            raise ValueError("session must be non-empty and contain no '/'")
+            raise ConfigurationError("session must be non-empty and contain no '/'")
 
 
 SNAPSHOT_MEMORY = ("auto", "device", "host")
@@ -143,26 +158,25 @@ class DeltaConfig:
 
     def __post_init__(self) -> None:
         if self.anchor_every_updates < 0:
-            raise ValueError("delta.anchor_every_updates must be >= 0")
+            raise ConfigurationError("delta.anchor_every_updates must be >= 0")
         if not 0.0 < self.max_wire_fraction <= 1.0:
-            raise ValueError("delta.max_wire_fraction must be in (0, 1]")
+            raise ConfigurationError("delta.max_wire_fraction must be in (0, 1]")
         if self.snapshot_memory not in SNAPSHOT_MEMORY:
-            raise ValueError(
+            raise ConfigurationError(
                 f"delta.snapshot_memory must be one of {SNAPSHOT_MEMORY}, "
                 f"got {self.snapshot_memory!r}"
             )
         if self.snapshot_device_budget_bytes < 0:
-            raise ValueError("delta.snapshot_device_budget_bytes must be >= 0")
+            raise ConfigurationError("delta.snapshot_device_budget_bytes must be >= 0")
         if self.apply_timeout_s <= 0:
-            raise ValueError("delta.apply_timeout_s must be positive")
+            raise ConfigurationError("delta.apply_timeout_s must be positive")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SenderConfig:
-    """Settings of a trainer rank's `WeightSender`."""
+    """Settings of a trainer rank's `WeightSender` (its memory budget is the planner's:
+    `PlannerConfig.memory_budget_bytes`, which the schedule carries to every rank)."""
 
-    memory_budget_bytes: int = 1 << 30
-    """Temporary memory (staging + gathered tensors) in flight at once on this rank."""
     update_timeout_s: float = 300.0
     """Longest one update may take on this rank before it fails."""
     record_trace: bool = True
@@ -174,10 +188,8 @@ class SenderConfig:
     dtype; False captures one kernel per quantize call instead (the benchmarks' comparison)."""
 
     def __post_init__(self) -> None:
-        if self.memory_budget_bytes <= 0:
-            raise ValueError("memory_budget_bytes must be positive")
         if self.update_timeout_s <= 0:
-            raise ValueError("update_timeout_s must be positive")
+            raise ConfigurationError("update_timeout_s must be positive")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,12 +204,13 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         if self.patch_region_bytes < 0:
-            raise ValueError("patch_region_bytes must be >= 0")
+            raise ConfigurationError("patch_region_bytes must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ControllerConfig:
-    """Settings of the `Controller` (hosted by trainer rank 0)."""
+    """Settings of the `Controller` (hosted by trainer rank 0's `WeightSender` unless one is
+    made by hand; `TransferConfig.controller_config` derives it)."""
 
     num_trainer_ranks: int
     """Trainer ranks that will send."""
@@ -208,24 +221,55 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         if self.num_trainer_ranks <= 0:
-            raise ValueError("num_trainer_ranks must be positive")
+            raise ConfigurationError("num_trainer_ranks must be positive")
         if self.num_engines <= 0:
-            raise ValueError("num_engines must be positive")
+            raise ConfigurationError("num_engines must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class VllmConfig:
+    """Settings of the vLLM plug-in (`weight_transfer.vllm`): the `[vllm]` table."""
+
+    engine_prefix: str = "vllm"
+    """vLLM worker ranks are named `{engine_prefix}/rank{global worker rank}` (one prefix per
+    vLLM deployment sharing a control plane)."""
+    publish_digests: bool = False
+    """Verification mode: after each update every vLLM worker publishes a sha256 of every tensor
+    it received (one read of all of them) for `Controller.verify`."""
+    hf_moe_layout: str = "per_expert"
+    """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
+    (transformers >= 5 modules)."""
+
+    def __post_init__(self) -> None:
+        if not self.engine_prefix or "/" in self.engine_prefix:
+            raise ConfigurationError("vllm.engine_prefix must be non-empty and contain no '/'")
+        if self.hf_moe_layout not in MOE_LAYOUTS:
+            raise ConfigurationError(
+                f"vllm.hf_moe_layout must be one of {', '.join(MOE_LAYOUTS)}, "
+                f"got {self.hf_moe_layout!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TransferConfig:
-    """Everything a deployment configures, as one TOML file maps it.
+    """Everything a deployment configures; the one config both sides take, as a TOML file maps it.
 
     ```toml
     transport = "tcp"            # loopback | tcp | ucx | nixl | ibverbs
+    num_engines = 8              # engine ranks, all replicas (the trainer side needs it)
     # listen_host = "10.0.0.2"   # this member's address (default: its route to control.host)
     [control]
     host = "10.0.0.1"
     port = 29700
-    token = "..."
-    [sender]
+    token = "..."                # `weight-transfer token`
+    [planner]
     memory_budget_bytes = 1073741824
+    [sender]
+    update_timeout_s = 300.0
+    [receiver]
+    allow_unwritten = false
+    [vllm]
+    engine_prefix = "vllm"
     [transport_options]
     UCX_TLS = "rc,cuda_ipc"
     ```
@@ -237,6 +281,9 @@ class TransferConfig:
     """Backend-specific options (key, value)."""
     connect_timeout_s: float = 30.0
     """How long connecting to a peer may take."""
+    num_engines: int | None = None
+    """Engine ranks that receive, all replicas together. The trainer rank that hosts the
+    controller (rank 0) needs it; engines ignore it."""
     listen_host: str | None = None
     """Address this member's transport binds: an address, ``0.0.0.0`` / ``::`` for every
     interface, or unset for the address this host routes to `control.host` from
@@ -251,18 +298,36 @@ class TransferConfig:
     receiver: ReceiverConfig = dataclasses.field(default_factory=ReceiverConfig)
     """Engine-side settings."""
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
-    """Planner settings."""
+    """Planner settings, with the one memory budget per trainer rank."""
+    vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
+    """vLLM plug-in settings."""
 
     def __post_init__(self) -> None:
         if self.transport not in BACKENDS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"unknown transport {self.transport!r}; choose one of {sorted(BACKENDS)}"
             )
+        if self.connect_timeout_s <= 0:
+            raise ConfigurationError("connect_timeout_s must be positive")
+        if self.num_engines is not None and self.num_engines <= 0:
+            raise ConfigurationError("num_engines must be positive")
+        # Lists arrive from JSON (the vLLM init info): normalise to the frozen form.
+        object.__setattr__(
+            self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
+        )
+        # The options, checked where the file is read (one line); the member's addresses are
+        # resolved only when a process asks for its transport (a route lookup).
+        TransportConfig(
+            name=self.transport,
+            connect_timeout_s=self.connect_timeout_s,
+            options=self.transport_options,
+        )
         check_host_settings(self.listen_host, self.advertise_host)
 
     def transport_config(self, device_index: int | None = None) -> TransportConfig:
-        """The `TransportConfig` for one process on this host: it binds and advertises this
-        member's own address (`weight_transfer.addresses.member_address`).
+        """The `TransportConfig` for one process on this host (`device_index`: its CUDA device,
+        if any): it binds and advertises this member's own address
+        (`weight_transfer.addresses.member_address`).
 
         Raises:
             ConfigurationError: no route to the control plane host where one is needed.
@@ -277,6 +342,22 @@ class TransferConfig:
             options=self.transport_options,
         )
 
+    def controller_config(self, num_trainer_ranks: int) -> ControllerConfig:
+        """The `ControllerConfig` of the controller trainer rank 0 hosts.
+
+        Raises:
+            ConfigurationError: `num_engines` is not set.
+        """
+        if self.num_engines is None:
+            raise ConfigurationError(
+                "num_engines is not set: trainer rank 0 hosts the controller and must know how "
+                "many engine ranks (all replicas together) receive (TransferConfig.num_engines, "
+                "`num_engines = N` in the TOML file)"
+            )
+        return ControllerConfig(
+            num_trainer_ranks=num_trainer_ranks, num_engines=self.num_engines, planner=self.planner
+        )
+
 
 _SCALARS: dict[Any, tuple[type, ...]] = {
     int: (int,),
@@ -289,15 +370,22 @@ _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 def _checked(where: str, tp: Any, value: Any) -> Any:
     """`value` if it has the field's scalar type (so the error names the field, not a `<`)."""
+    args = typing.get_args(tp)
+    if type(None) in args:  # `int | None`: TOML has no null, so a given value is the int
+        (tp,) = (a for a in args if a is not type(None))
     accepted = _SCALARS.get(tp)
     if accepted is None:
         return value
     # bool is an int subclass in Python, but `port = true` is a mistake, not 1.
     if isinstance(value, bool) and tp is not bool or not isinstance(value, accepted):
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}: expected {_TYPE_WORDS[tp]}, got {type(value).__name__} {value!r}"
         )
     return float(typing.cast(float, value)) if tp is float else value
+
+
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
@@ -306,11 +394,18 @@ def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            raise ValueError(f"{path}: unknown setting {key!r}; known: {sorted(fields)}")
+            tables = sorted(k for k in fields if _is_config(hints[k]) or k == "transport_options")
+            settings = sorted(k for k in fields if k not in tables)
+            if isinstance(value, Mapping):
+                raise ConfigurationError(
+                    f"{path}: unknown table [{key}]; known tables: "
+                    + (", ".join(f"[{t}]" for t in tables) or "none")
+                )
+            raise ConfigurationError(f"{path}: unknown setting {key!r}; known: {settings}")
         tp = hints[key]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if _is_config(tp):
             if not isinstance(value, Mapping):
-                raise ValueError(f"{path}.{key}: expected a table")
+                raise ConfigurationError(f"{path}.{key}: expected a table")
             kwargs[key] = _build(tp, value, f"{path}.{key}")
         elif key == "transport_options":
             if isinstance(value, Mapping):
@@ -321,17 +416,36 @@ def _build(cls: type[Any], data: Mapping[str, Any], path: str) -> Any:
             kwargs[key] = _checked(f"{path}.{key}", tp, value)
     try:
         return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{path}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"{path}: {exc}") from None
 
 
 def config_from_mapping(data: Mapping[str, Any]) -> TransferConfig:
     """Build a `TransferConfig` from nested plain data (a parsed TOML file or CLI overrides).
 
     Raises:
-        ValueError: unknown keys or bad values, naming the setting.
+        ConfigurationError: unknown tables or keys, or bad values, naming the setting.
     """
     return typing.cast(TransferConfig, _build(TransferConfig, data, "config"))
+
+
+def config_to_mapping(config: Any) -> dict[str, Any]:
+    """The nested plain data of a config (the inverse of `config_from_mapping`; TOML-shaped:
+    tables as dicts, `transport_options` as a table, unset optional values left out)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[f.name] = config_to_mapping(value)
+        elif f.name == "transport_options":
+            out[f.name] = dict(value)
+        else:
+            out[f.name] = value
+    return out
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -340,11 +454,16 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         try:
             return tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+            raise ConfigurationError(f"{path}: not valid TOML: {exc}") from exc
 
 
 def load_toml(path: str | Path) -> TransferConfig:
-    """Read a TOML configuration file."""
+    """Read a TOML configuration file (every table and key maps onto `TransferConfig`).
+
+    Raises:
+        ConfigurationError: not TOML, an unknown table or key, or a bad value (one line naming
+            it).
+    """
     return config_from_mapping(read_toml(path))
 
 

@@ -1,5 +1,18 @@
 """One hierarchy of errors for the whole project (a neutral module: planner, transfer and
-backends all import it, and it imports none of them)."""
+backends all import it, and it imports none of them).
+
+What an integrator catches, by what it can do about it:
+
+* `UpdateFailedError`: an update failed and no engine advanced; retryable (call `update` again
+  with a larger step; if an engine is gone, `replan` first). Raised on every trainer rank and in
+  every engine waiting for that update.
+* `ConfigurationError`: a setting or argument is wrong; fix it (nothing was started).
+* `PeerLostError`: a peer (named) disconnected: restart or replan around it.
+* `TransportTimeoutError`: a wait ran out (what and whom it waited for are named).
+* `ControlPlaneAuthError`: a member holds another token, or someone tampers with the store.
+
+All derive from `WeightTransferError`.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +28,7 @@ __all__ = [
     "TransportUnavailableError",
     "NotServingError",
     "UpdateAbortedError",
+    "UpdateFailedError",
     "UpdateInProgressError",
     "WeightTransferError",
 ]
@@ -58,13 +72,36 @@ class ControlPlaneAuthError(WeightTransferError):
     """A control-plane message failed authentication (wrong token or tampered data)."""
 
 
+class UpdateFailedError(WeightTransferError):
+    """An update failed and no engine advanced to it; the message names the failing rank or peer.
+
+    Retryable: the sender (and every engine) stays usable, and the next `update` with a larger
+    step uses the same plan (after `WeightSender.replan` if an engine is gone). Raised by
+    `WeightSender.update` on every trainer rank and by `WeightReceiver.wait_for_version` in
+    every engine that waits for the update; `__cause__` is this process's own failure, if any.
+    """
+
+    retryable = True
+    """Always True: the transfer can be tried again with a later step."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+        """The update that failed."""
+
+
 class UpdateAbortedError(WeightTransferError):
-    """This rank stopped an update because another rank failed (named in the message)."""
+    """This rank stopped an update because another rank failed (named in the message).
+
+    Internal to an update: `WeightSender.update` turns it into the `UpdateFailedError` every
+    rank raises."""
 
 
-class UpdateInProgressError(WeightTransferError):
+class UpdateInProgressError(UpdateFailedError):
     """A new update was refused: a previous update's thread on this rank (named in the message,
-    with the collective it is blocked in) outlived its deadline and still runs."""
+    with the collective it is blocked in) outlived its deadline and still runs.
+
+    An `UpdateFailedError` (no engine advanced): retry once that thread ended."""
 
 
 class NotServingError(WeightTransferError):

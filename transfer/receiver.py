@@ -25,7 +25,7 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.config import ControlPlaneConfig, ReceiverConfig
+from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.delta import (
     ApplyStats,
@@ -35,6 +35,8 @@ from weight_transfer.delta import (
     engine_digest_key,
     verify_key_key,
 )
+from weight_transfer.errors import UpdateFailedError
+from weight_transfer.layouts import Layout
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
 from weight_transfer.planner.types import (
     DestManifest,
@@ -82,32 +84,39 @@ class WeightReceiver:
     def __init__(
         self,
         tensors: nn.Module | Mapping[str, torch.Tensor],
-        recipes: Sequence[Recipe],
+        layout: Layout | Sequence[Recipe],
+        config: TransferConfig,
         *,
         engine: str,
-        transport: TransportConfig,
-        control: ControlPlaneConfig,
-        config: ReceiverConfig | None = None,
         rejoin: bool = False,
+        transport: TransportConfig | None = None,
     ) -> None:
         """Register and publish.
 
         Args:
             tensors: the engine's live parameters (module) or a name -> tensor mapping.
-            recipes: how each engine tensor is built (a layout preset or the engine's own).
+            layout: how each engine tensor is built: a layout (`VllmLayout`, or anything with
+                `recipes`) or the recipes themselves (the engine's own).
+            config: the transfer's configuration (control plane, transport, receiver settings).
             engine: unique name of this engine rank ("engine0", "replica1/tp3").
-            transport: backend selection and options.
-            control: where the control plane is, and its token.
             rejoin: this engine restarted (new memory, new registrations) under a name that
                 joined before; the trainers use it after their next `WeightSender.replan`.
+            transport: this process's `TransportConfig`, for settings the config file does
+                not carry per process (a listen address of its own); default:
+                `config.transport_config()`.
 
         Raises:
             ConfigurationError: a recipe names a missing tensor, a tensor is not contiguous, a
                 tensor no recipe writes (unless allowed), the engine name is taken (or, with
                 `rejoin`, was never registered).
         """
+        recipes = layout.recipes if isinstance(layout, Layout) else layout
+        control = config.control
+        if transport is None:
+            transport = config.transport_config()
         self.engine = engine
-        self.config = config or ReceiverConfig()
+        self.config: ReceiverConfig = config.receiver
+        """This receiver's own settings (`config.receiver`)."""
         self.recipes = tuple(recipes)
         self._tensors = named_tensors(tensors)
         self._check_tensors()
@@ -339,8 +348,9 @@ class WeightReceiver:
 
         Raises:
             TransportTimeoutError: not reached within `timeout_s`.
-            WeightTransferError: the controller aborted update `step` (this engine's version
-                did not advance), or rolled it back.
+            UpdateFailedError: the controller aborted update `step` (this engine's version
+                did not advance, or the update was rolled back; the trainers may retry with a
+                later step).
             PeerLostError: the controller is gone.
         """
         if timeout_s <= 0:
@@ -446,14 +456,16 @@ class WeightReceiver:
             if v == decision.step:
                 # Its version words were written here, then set back by the trainers (a later
                 # update's word, read before this verdict, says nothing about this one's).
-                raise WeightTransferError(
+                raise UpdateFailedError(
                     f"engine {self.engine!r}: update {decision.step} failed while its version "
                     f"words were written and is rolled back (waiting for {step}): "
-                    f"{decision.error}"
+                    f"{decision.error}",
+                    step=decision.step,
                 )
-            raise WeightTransferError(
+            raise UpdateFailedError(
                 f"engine {self.engine!r}: update {decision.step} failed and was not applied "
-                f"(version is {v}): {decision.error}"
+                f"(version is {v}): {decision.error}",
+                step=decision.step,
             )
         if v < decision.step or decision.step <= self._known_complete:
             return

@@ -27,11 +27,11 @@ from weight_transfer.backends.base import (
     WeightTransferError,
     create_transport,
 )
-from weight_transfer.config import ControlPlaneConfig, SenderConfig
+from weight_transfer.config import SenderConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key, stage_key
 from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
-from weight_transfer.errors import UpdateInProgressError
+from weight_transfer.errors import ConfigurationError, UpdateFailedError, UpdateInProgressError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (
     Executor,
@@ -153,10 +153,19 @@ class _Outcome:
     cause: BaseException | None = None
 
 
+def _process_group_rank() -> tuple[int, int]:
+    """(rank, world size) in the default torch.distributed process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 class WeightSender:
     """One trainer rank's sender. Every trainer rank makes one; `update` is collective.
 
-    Construction publishes the source manifest, (on the rank that hosts the `Controller`)
+    Construction publishes the source manifest, (on rank 0, which hosts the `Controller`)
     plans, fetches this rank's schedule, registers staging memory and the local shards that are
     sent without copies, and connects to the engines it writes to.
     """
@@ -164,48 +173,76 @@ class WeightSender:
     def __init__(
         self,
         params: nn.Module | Mapping[str, torch.Tensor],
+        config: TransferConfig,
         *,
-        rank: int,
-        world_size: int,
-        transport: TransportConfig,
-        control: ControlPlaneConfig,
-        config: SenderConfig | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
         controller: Controller | None = None,
         device: torch.device | str | None = None,
+        transport: TransportConfig | None = None,
     ) -> None:
-        """Join, plan (rank hosting the controller), and connect.
+        """Join, plan (rank 0), and connect.
 
         Args:
             params: the trainer's parameters (FSDP2 module with DTensor params, or a mapping);
                 a module's persistent buffers are sources too (the float32 router bias of
                 DeepSeek-V3 / GLM-4.5-MoE is one in transformers).
-            rank, world_size: this rank in the trainer world (DTensor meshes use these ranks).
-            transport: backend selection.
-            control: control plane address and token.
-            controller: the `Controller`, on exactly one rank (it hosts the control plane).
+            config: the transfer's configuration (control plane, transport, planner with the
+                memory budget, sender settings; `num_engines` on rank 0).
+            rank, world_size: this rank in the trainer world (DTensor meshes use these ranks);
+                default: the default torch.distributed process group's, or 0 and 1 without one.
+            controller: a `Controller` made by hand, passed on rank 0 only. Default: rank 0
+                hosts one itself (from `config.controller_config`), and closes it in `close`.
             device: where this rank computes ("cuda:0" or "cpu"); default: the params' device.
+            transport: this process's `TransportConfig`, for settings the config file does
+                not carry per process (a listen address of its own); default:
+                `config.transport_config()` on this rank's device.
 
         Raises:
+            ConfigurationError: a bad rank, or `config.num_engines` unset on rank 0.
             PlanMismatchError: the plan failed (the same message on every rank).
             TransportTimeoutError: a peer or the control plane did not answer in time.
         """
+        if rank is None or world_size is None:
+            group_rank, group_world = _process_group_rank()
+            rank = group_rank if rank is None else rank
+            world_size = group_world if world_size is None else world_size
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            raise ConfigurationError(f"rank {rank} is outside world_size {world_size}")
         self.rank = rank
         self.world_size = world_size
-        self.config = config or SenderConfig()
-        self.controller = controller
+        self.transfer_config = config
+        """The configuration this sender was built with."""
+        self.config: SenderConfig = config.sender
+        """This sender's own settings (`config.sender`)."""
         self._params = named_tensors(params, persistent_buffers=True)
         if device is None:
             first = next(iter(self._params.values()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self._owns_controller = controller is None and rank == 0
+        if self._owns_controller:
+            controller = Controller(config.controller_config(world_size), config.control)
+        self.controller = controller
+        try:
+            self._join(config, controller, transport)
+        except BaseException:
+            if self._owns_controller and controller is not None:
+                controller.close(linger_s=0)
+            raise
+
+    def _join(
+        self,
+        config: TransferConfig,
+        controller: Controller | None,
+        transport: TransportConfig | None,
+    ) -> None:
+        rank, world_size = self.rank, self.world_size
         self._control = (
             controller.control
             if controller
-            else ControlPlane(control, server=False, member=f"trainer rank {rank}")
+            else ControlPlane(config.control, server=False, member=f"trainer rank {rank}")
         )
-        self._transport_config = transport
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, float, Any]] = []
@@ -227,6 +264,13 @@ class WeightSender:
         rp = self._fetch_plan(0)
         self.schedule = rp.schedule
         self.fingerprint = rp.fingerprint
+        if transport is None:
+            index = self.device.index if self.device.type == "cuda" else None
+            if self.device.type == "cuda" and index is None:
+                index = torch.cuda.current_device()
+            transport = config.transport_config(device_index=index)
+        self._transport_config: TransportConfig = transport
+        """This rank's transport settings (a re-plan builds its new transport from them)."""
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
         self._watch: _FailureWatch | None = None
@@ -464,7 +508,8 @@ class WeightSender:
             descriptors=descriptors,
             version_regions={e.name: e.version_region for e in rp.engines},
             device=self.device,
-            memory_budget_bytes=self.config.memory_budget_bytes,
+            # The budget the plan was made for: planner and executor cannot disagree.
+            memory_budget_bytes=self.schedule.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
             barrier=lambda step, g: self._control.barrier(
                 f"group/{step}/{g}", self.world_size, self.rank
@@ -486,11 +531,12 @@ class WeightSender:
 
         Raises:
             ValueError: `step` is not larger than the previous one.
-            UpdateInProgressError: refused on this rank: an earlier update's prepare thread
-                outlived its deadline and still runs (the other ranks raise
-                `WeightTransferError` naming this rank).
-            WeightTransferError: this or another rank failed (message names them).
-            TransportTimeoutError: a wait ran past `config.update_timeout_s`.
+            UpdateInProgressError: (an `UpdateFailedError`) refused on this rank: an earlier
+                update's prepare thread outlived its deadline and still runs (the other ranks
+                raise `UpdateFailedError` naming this rank).
+            UpdateFailedError: this or another rank failed (message names them); no engine
+                advanced, and a later `update` may retry.
+            TransportTimeoutError: a wait for the controller ran past `config.update_timeout_s`.
         """
         if step <= self._last_step:
             raise ValueError(
@@ -517,8 +563,8 @@ class WeightSender:
                 self._delta.failed()
             message = f"update {step} failed, no engine advanced: {decision.error}"
             if isinstance(ran.cause, UpdateInProgressError):  # this rank refused it
-                raise UpdateInProgressError(message) from ran.cause
-            raise WeightTransferError(message) from ran.cause
+                raise UpdateInProgressError(message, step=step) from ran.cause
+            raise UpdateFailedError(message, step=step) from ran.cause
         # A commit verdict needs every rank's success, this one's too: `ran` holds no error.
         t_done = time.perf_counter()
         written = self._commit_versions(step, timeout)
@@ -537,8 +583,8 @@ class WeightSender:
             if self._delta is not None:
                 self._delta.failed()
             self._roll_back(step, timeout)
-            raise WeightTransferError(
-                f"update {step}: version words not all written: {result.error}"
+            raise UpdateFailedError(
+                f"update {step}: version words not all written: {result.error}", step=step
             ) from written.cause
         self._committed_step = step
         assert ran.stats is not None
@@ -580,7 +626,8 @@ class WeightSender:
                 refused = UpdateInProgressError(
                     f"trainer rank {self.rank}: update {step} refused: "
                     f"{self._outlived[0].busy()} (before a re-plan) past its deadline; until "
-                    "it ends no update can start on this rank"
+                    "it ends no update can start on this rank",
+                    step=step,
                 )
                 cp.put(f"abort/{step}", Failure(message=self._describe(refused)))
                 raise refused
@@ -679,13 +726,18 @@ class WeightSender:
         Path(path).write_text(json.dumps({"traceEvents": self.trace_events()}))
 
     def close(self) -> None:
-        """Release registrations and connections."""
-        if self._watch is not None:
-            self._watch.close()
-        self._executor.close()
-        if self._delta is not None:
-            self._delta.close()
-        self._transport.close()
+        """Release registrations and connections (and the controller this rank hosts, if it
+        made it: it lingers, bounded, until the engines saw the last update)."""
+        try:
+            if self._watch is not None:
+                self._watch.close()
+            self._executor.close()
+            if self._delta is not None:
+                self._delta.close()
+            self._transport.close()
+        finally:
+            if self._owns_controller and self.controller is not None:
+                self.controller.close()
 
     def __enter__(self) -> WeightSender:
         return self

@@ -7,7 +7,7 @@ below for an in-process `vllm.LLM`). `OneSidedUpdater` maps them onto this proje
 `Controller` and `WeightSender`:
 
 1. once: trainer rank 0 hosts the control plane (`Controller`) and calls
-   `init_weight_transfer_engine` with an `EngineInitInfo` (address, token, session): every vLLM
+   `init_weight_transfer_engine` with an `EngineInitInfo` (the transfer's config): every vLLM
    worker builds a `WeightReceiver` over its live model and joins; then every trainer rank
    builds its `WeightSender` (the controller plans once the engines have joined);
 2. per update k: rank 0 calls `start_weight_update`, then `update_weights({"version": k})` on a
@@ -31,7 +31,14 @@ that completes resumes scheduling, and the held requests run on its weights. A c
 
 Trainer processes without vLLM installed use this module directly with any client object (for
 example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm` wraps it as
-vLLM's `TrainerWeightTransferEngine` for those that have vLLM.
+vLLM's `TrainerWeightTransferEngine` for those that have vLLM. This module never imports vLLM
+and re-exports the configuration classes a vLLM user needs, so one import serves:
+
+    from weight_transfer.vllm import (ControlPlaneConfig, LLMWeightSyncClient,
+                                      OneSidedUpdater, TrainerInitInfo, TransferConfig)
+
+Settings all come from the transfer's one `TransferConfig` (its `[vllm]` table holds the
+plug-in's own); `TrainerInitInfo` and `EngineInitInfo` are derived from it.
 """
 
 from __future__ import annotations
@@ -46,24 +53,37 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from weight_transfer.addresses import check_host_settings, member_address
-from weight_transfer.backends.base import TransportConfig
 from weight_transfer.config import (
-    ControllerConfig,
     ControlPlaneConfig,
-    DeltaConfig,
-    SenderConfig,
+    TransferConfig,
+    VllmConfig,
+    config_from_mapping,
+    config_to_mapping,
 )
 from weight_transfer.controller import Controller
 from weight_transfer.errors import (
     ConfigurationError,
     ControlPlaneAuthError,
     TransportTimeoutError,
+    UpdateFailedError,
     WeightTransferError,
 )
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
 from weight_transfer.serving import ServingGate, ServingStatus
+
+__all__ = [
+    "BACKEND",
+    "ControlPlaneConfig",
+    "EngineInitInfo",
+    "EngineUpdateInfo",
+    "LLMWeightSyncClient",
+    "OneSidedUpdater",
+    "TrainerInitInfo",
+    "TransferConfig",
+    "VllmConfig",
+    "WeightSyncClient",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,87 +111,34 @@ def ready_key(step: int, engine: str) -> str:
 class EngineInitInfo:
     """What every vLLM worker needs to join the transfer (`init_weight_transfer_engine`).
 
-    Plain JSON-safe values only: it travels over vLLM's RPC or HTTP route as a dict.
+    The transfer's one `TransferConfig` as plain JSON-safe data (it travels over vLLM's RPC or
+    HTTP route as a dict, and vLLM rebuilds it with ``EngineInitInfo(**init_info)``). Built
+    from the config (`from_config`, or `TrainerInitInfo.engine_init_info`), never by hand, so
+    it has no defaults of its own. Its repr never shows the token.
     """
 
-    host: str
-    """Address of the control plane (trainer rank 0 hosts it)."""
-    port: int
-    """TCP port of the control plane."""
-    token: str
-    """Shared secret of the control plane (at least 8 characters)."""
-    session: str = "default"
-    """Control-plane session (namespace)."""
-    timeout_s: float = 60.0
-    """Longest any control-plane wait may take on the engine side."""
-    transport: str = "loopback"
-    """Backend name (loopback | tcp | ucx | nixl | ibverbs)."""
-    transport_options: tuple[tuple[str, str], ...] = ()
-    """Backend options (key, value)."""
-    engine_prefix: str = "vllm"
-    """Engine ranks are named `{engine_prefix}/rank{global worker rank}`."""
-    publish_digests: bool = False
-    """Verification mode: after each update every engine rank publishes a sha256 of every
-    tensor it received (one read of all of them) for `Controller.verify`."""
-    hf_moe_layout: str = "per_expert"
-    """How the trainer holds MoE experts: "per_expert" (HF checkpoints) or "fused"
-    (transformers >= 5 modules); see `planner.presets.models`."""
-    listen_host: str | None = None
-    """Address every vLLM worker's transport binds. Unset (the default and what a deployment
-    over several hosts wants): each worker binds and advertises the address its host routes to
-    `host` from (`weight_transfer.addresses`); ``0.0.0.0`` binds every interface."""
-    advertise_host: str | None = None
-    """Address the workers advertise; unset: the bound (or, for a wildcard, routed) one."""
-    patch_region_bytes: int = 0
-    """Delta updates: bytes of the patch region each worker registers (0: none; full updates
-    only). `update_weights` applies the patches (docs/delta.md)."""
+    config: Mapping[str, Any]
+    """`config_to_mapping` of the transfer's `TransferConfig` (control plane, transport,
+    receiver and `[vllm]` settings)."""
 
     def __post_init__(self) -> None:
-        if self.patch_region_bytes < 0:
-            raise ValueError("patch_region_bytes must be >= 0")
-        # Lists arrive from JSON: normalise to the frozen form.
-        object.__setattr__(
-            self, "transport_options", tuple((str(k), str(v)) for k, v in self.transport_options)
-        )
-        self.control()  # validates host, port, token, session, timeout
-        check_host_settings(self.listen_host, self.advertise_host)
-        if not self.engine_prefix or "/" in self.engine_prefix:
-            raise ValueError("engine_prefix must be non-empty and contain no '/'")
-        if self.hf_moe_layout not in ("per_expert", "fused"):
-            raise ValueError(
-                f"hf_moe_layout must be per_expert or fused, got {self.hf_moe_layout!r}"
-            )
+        self.transfer_config()  # validates every field, naming the bad one
 
-    def control(self) -> ControlPlaneConfig:
-        """The `ControlPlaneConfig` this describes."""
-        return ControlPlaneConfig(
-            host=self.host,
-            port=self.port,
-            token=self.token,
-            session=self.session,
-            timeout_s=self.timeout_s,
-        )
+    @classmethod
+    def from_config(cls, config: TransferConfig) -> EngineInitInfo:
+        """The init info of `config`."""
+        return cls(config=config_to_mapping(config))
 
-    def transport_config(self) -> TransportConfig:
-        """The `TransportConfig` of the worker calling it: its own address, resolved on its
-        host (`weight_transfer.addresses.member_address`), never the control plane's.
-
-        Raises:
-            ConfigurationError: no route to `host` where one is needed.
-        """
-        own = member_address(self.host, self.listen_host, self.advertise_host)
-        return TransportConfig(
-            name=self.transport,
-            listen_host=own.listen_host,
-            advertise_host=own.advertise_host,
-            options=self.transport_options,
-        )
+    def transfer_config(self) -> TransferConfig:
+        """The `TransferConfig` this carries."""
+        return config_from_mapping(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form for `init_weight_transfer_engine`."""
-        d = dataclasses.asdict(self)
-        d["transport_options"] = [list(kv) for kv in self.transport_options]
-        return d
+        return {"config": config_to_mapping(self.transfer_config())}
+
+    def __repr__(self) -> str:
+        return f"EngineInitInfo(config={self.transfer_config()!r})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,95 +159,60 @@ class EngineUpdateInfo:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerInitInfo:
-    """Trainer-side settings of one update stream into one vLLM deployment.
+    """One trainer rank's side of an update stream into one vLLM deployment.
 
-    Frozen and standalone (vLLM's own `TrainerInitInfo` base is a mutable dataclass, and a frozen
-    dataclass cannot derive from it); `backend` and `is_sender` are what vLLM's factory reads.
+    The transfer's `TransferConfig` (control plane, transport, planner budget, `num_engines` =
+    vLLM workers receiving, `[vllm]` settings) and this rank. Frozen and standalone (vLLM's own
+    `TrainerInitInfo` base is a mutable dataclass, and a frozen dataclass cannot derive from
+    it); `backend` and `is_sender` are what vLLM's factory reads. Its repr never shows the token.
     """
 
     backend: ClassVar[str] = BACKEND
-    rank: int
-    """This trainer process's rank (rank 0 hosts the control plane and drives vLLM)."""
-    world_size: int
-    """Trainer ranks (every one calls `update`)."""
-    num_engines: int
-    """vLLM worker processes that receive (tensor-parallel size times data-parallel replicas)."""
-    host: str = "127.0.0.1"
-    """Address rank 0 hosts the control plane on, reachable from the vLLM workers."""
-    port: int = 29700
-    """TCP port of the control plane."""
-    token: str
-    """Shared secret (at least 8 characters)."""
-    session: str = "default"
-    """Control-plane session (namespace)."""
-    timeout_s: float = 120.0
-    """Longest a control-plane wait may take (joins, plan)."""
-    update_timeout_s: float = 300.0
-    """Longest one update may take."""
-    transport: str = "loopback"
-    """Backend name."""
-    transport_options: tuple[tuple[str, str], ...] = ()
-    """Backend options (key, value)."""
-    memory_budget_bytes: int = 1 << 30
-    """Per-rank temporary memory of the sender."""
-    engine_prefix: str = "vllm"
-    """Engine-rank name prefix (one per vLLM deployment sharing a control plane)."""
-    publish_digests: bool = False
-    """Engines publish per-tensor digests after each update (`EngineInitInfo.publish_digests`)."""
-    hf_moe_layout: str = "per_expert"
-    """How this trainer holds MoE experts (`EngineInitInfo.hf_moe_layout`)."""
-    listen_host: str | None = None
-    """Address this trainer rank's transport binds; unset: the address its host routes to
-    `host` from (the engines resolve their own: `EngineInitInfo.listen_host`)."""
-    advertise_host: str | None = None
-    """Address this trainer rank advertises; unset: the bound (or routed) one."""
-    delta_enabled: bool = False
-    """Delta updates (`DeltaConfig.enabled`); needs `patch_region_bytes` > 0."""
-    delta_anchor_every_updates: int = 0
-    """A full update every this many updates (`DeltaConfig.anchor_every_updates`)."""
-    patch_region_bytes: int = 0
-    """Patch region each vLLM worker registers (`EngineInitInfo.patch_region_bytes`)."""
+    config: TransferConfig
+    """The transfer's configuration; `config.num_engines` is required (vLLM worker processes
+    that receive: tensor-parallel size times data-parallel replicas)."""
+    rank: int | None = None
+    """This trainer process's rank (rank 0 hosts the control plane and drives vLLM); default:
+    the default torch.distributed process group's, or 0 without one."""
+    world_size: int | None = None
+    """Trainer ranks (every one calls `update`); default as for `rank`."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
-        if self.num_engines < 1:
-            raise ValueError("num_engines must be >= 1")
-        if self.update_timeout_s <= 0:
-            raise ValueError("update_timeout_s must be positive")
-        check_host_settings(self.listen_host, self.advertise_host)
-        self.engine_init_info()  # validates the shared fields
+        from weight_transfer.sender import _process_group_rank
+
+        if self.rank is None or self.world_size is None:
+            rank, world = _process_group_rank()
+            object.__setattr__(self, "rank", rank if self.rank is None else self.rank)
+            object.__setattr__(
+                self, "world_size", world if self.world_size is None else self.world_size
+            )
+        if not 0 <= self.trainer_rank < self.trainer_world_size:
+            raise ConfigurationError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self.config.controller_config(self.trainer_world_size)  # num_engines is set
+
+    @property
+    def trainer_rank(self) -> int:
+        """`rank`, resolved."""
+        assert self.rank is not None
+        return self.rank
+
+    @property
+    def trainer_world_size(self) -> int:
+        """`world_size`, resolved."""
+        assert self.world_size is not None
+        return self.world_size
 
     @property
     def is_sender(self) -> bool:
         """Rank 0 drives the vLLM phases."""
-        return self.rank == 0
-
-    def transport_config(self) -> TransportConfig:
-        """This trainer rank's `TransportConfig` (its own address, resolved on its host)."""
-        own = member_address(self.host, self.listen_host, self.advertise_host)
-        return TransportConfig(
-            name=self.transport,
-            listen_host=own.listen_host,
-            advertise_host=own.advertise_host,
-            options=self.transport_options,
-        )
+        return self.trainer_rank == 0
 
     def engine_init_info(self) -> EngineInitInfo:
-        """The `EngineInitInfo` rank 0 sends to the vLLM workers (their addresses are left to
-        each worker: they resolve their own)."""
-        return EngineInitInfo(
-            host=self.host,
-            port=self.port,
-            token=self.token,
-            session=self.session,
-            timeout_s=self.timeout_s,
-            transport=self.transport,
-            transport_options=self.transport_options,
-            engine_prefix=self.engine_prefix,
-            publish_digests=self.publish_digests,
-            hf_moe_layout=self.hf_moe_layout,
-            patch_region_bytes=self.patch_region_bytes,
+        """The `EngineInitInfo` rank 0 sends to the vLLM workers: the config without this
+        trainer rank's own addresses (`listen_host`, `advertise_host`), which every worker
+        resolves for itself on its host (`weight_transfer.addresses.member_address`)."""
+        return EngineInitInfo.from_config(
+            dataclasses.replace(self.config, listen_host=None, advertise_host=None)
         )
 
 
@@ -449,15 +381,13 @@ class OneSidedUpdater:
         self.is_sender = init_info.is_sender
         if self.is_sender and client is None:
             raise ConfigurationError("trainer rank 0 drives vLLM and needs a client")
-        control = init_info.engine_init_info().control()
+        config = init_info.config
+        world = init_info.trainer_world_size
         self.controller: Controller | None = None
         if self.is_sender:
-            self.controller = Controller(
-                ControllerConfig(
-                    num_trainer_ranks=init_info.world_size, num_engines=init_info.num_engines
-                ),
-                control,
-            )
+            # Hosted here rather than by the sender: vLLM's workers must join (through the
+            # client) between hosting the control plane and planning.
+            self.controller = Controller(config.controller_config(world), config.control)
             assert client is not None
             try:
                 client.init_weight_transfer_engine(init_info.engine_init_info().to_dict())
@@ -469,24 +399,14 @@ class OneSidedUpdater:
         try:
             self.sender = WeightSender(
                 params,
-                rank=init_info.rank,
-                world_size=init_info.world_size,
-                transport=init_info.transport_config(),
-                control=control,
+                config,
+                rank=init_info.trainer_rank,
+                world_size=world,
                 controller=self.controller,
-                config=SenderConfig(
-                    memory_budget_bytes=init_info.memory_budget_bytes,
-                    update_timeout_s=init_info.update_timeout_s,
-                    delta=DeltaConfig(
-                        enabled=init_info.delta_enabled,
-                        anchor_every_updates=init_info.delta_anchor_every_updates,
-                        apply_timeout_s=init_info.update_timeout_s,
-                    ),
-                ),
             )
         except BaseException:
             if self.controller is not None:
-                self.controller.close()
+                self.controller.close(linger_s=0)
             raise
         self.last_step = 0
         self._writing = False
@@ -504,11 +424,14 @@ class OneSidedUpdater:
         engine's weight version reads `str(step)`).
 
         Raises:
-            WeightTransferError: vLLM refused a phase (its message), or the transfer failed
-                (the failing rank and peer named); the engine's version does not advance. A
-                failure once writes may have begun leaves vLLM paused, serving nothing
-                (`LLMWeightSyncClient.fail_weight_update`) until a later update completes.
+            UpdateFailedError: the transfer failed (the failing rank and peer named) or vLLM's
+                `update_weights` failed; the engine's version does not advance, and a later
+                update may retry. A failure once writes may have begun leaves vLLM paused,
+                serving nothing (`LLMWeightSyncClient.fail_weight_update`) until a later update
+                completes.
             TransportTimeoutError: an engine did not get ready in time.
+            Exception: whatever vLLM raised when it refused `start_weight_update` or
+                `finish_weight_update`.
         """
         step = self.last_step + 1 if step is None else step
         if step <= self.last_step:
@@ -520,7 +443,7 @@ class OneSidedUpdater:
             return self.sender.update(step)
         assert self.client is not None
         client = self.client
-        timeout = self.init_info.update_timeout_s
+        timeout = self.init_info.config.sender.update_timeout_s
         client.start_weight_update()
         self._writing = False
         try:
@@ -573,7 +496,9 @@ class OneSidedUpdater:
                 f"update {step}: vLLM's update_weights did not return within {timeout:.0f} s"
             )
         if errors:
-            raise WeightTransferError(f"update {step}: vLLM's update_weights failed: {errors[0]}")
+            raise UpdateFailedError(
+                f"update {step}: vLLM's update_weights failed: {errors[0]}", step=step
+            )
         return stats
 
     def _end_ready_wait(self, step: int, engines: list[str]) -> None:
@@ -602,7 +527,7 @@ class OneSidedUpdater:
         authentic and name its engine and this step (a key's existence proves nothing).
 
         Raises:
-            WeightTransferError: vLLM's `update_weights` ended first.
+            UpdateFailedError: vLLM's `update_weights` ended first.
             ControlPlaneAuthError: an announcement is not authentic by the deadline.
             TransportTimeoutError: an engine was not ready in time (named).
         """
@@ -616,9 +541,10 @@ class OneSidedUpdater:
             accept=lambda k, r: r.step == step and r.engine == keys[k],
         )
         if errors or any(r.aborted for r in got.values.values()):
-            raise WeightTransferError(
+            raise UpdateFailedError(
                 f"update {step}: vLLM's update_weights ended before every engine was "
-                f"ready: {errors[0] if errors else 'no error reported'}"
+                f"ready: {errors[0] if errors else 'no error reported'}",
+                step=step,
             )
         if got.refused:
             raise ControlPlaneAuthError(
@@ -636,3 +562,9 @@ class OneSidedUpdater:
         self.sender.close()
         if self.controller is not None:
             self.controller.close()
+
+    def __enter__(self) -> OneSidedUpdater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -60,7 +60,7 @@ def main() -> int:
 
     from weight_transfer.engines import vllm as plugin
     from weight_transfer.errors import WeightTransferError
-    from weight_transfer.vllm import BACKEND, TrainerInitInfo
+    from weight_transfer.vllm import BACKEND, ControlPlaneConfig, TrainerInitInfo, TransferConfig
 
     print(f"vLLM {vllm.__version__} from {vllm.__file__}")
     interface = plugin.vllm_interface()
@@ -79,7 +79,10 @@ def main() -> int:
 
     model = torch.nn.Linear(4, 4)
     info = TrainerInitInfo(
-        rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
+        config=TransferConfig(
+            num_engines=1,
+            control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+        )
     )
     factory_params = inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters
     kwargs: dict[str, Any] = {"client": _RefusingClient(), "source": ModuleSource(model)}

@@ -355,7 +355,7 @@ def vllm_engine_dtypes(shape: ModelShape) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class VllmLayout:
+class VllmRankLayout:
     """What one vLLM tensor-parallel rank holds of a model: its recipes, and the dtypes of the
     tensors that are not in the model's dtype."""
 
@@ -377,7 +377,7 @@ def vllm_layout(
     moe_prefix: str = DEFAULT_MOE_PREFIX,
     hf_moe_layout: MoeLayout = "per_expert",
     fp8_block: tuple[int, int] = (128, 128),
-) -> VllmLayout:
+) -> VllmRankLayout:
     """The layout of vLLM rank `tp_rank` of `tp_size` for any shape `from_hf_config` returns:
     `vllm_recipes` for a `ModelShape`, `planner.presets.deepseek.mla_recipes` (no expert
     parallelism) for an `MlaShape`.
@@ -388,7 +388,7 @@ def vllm_layout(
     from weight_transfer.planner.presets.deepseek import MlaShape, mla_engine_dtypes, mla_recipes
 
     if isinstance(shape, MlaShape):
-        return VllmLayout(
+        return VllmRankLayout(
             recipes=mla_recipes(
                 shape,
                 tp_rank=tp_rank,
@@ -400,7 +400,7 @@ def vllm_layout(
             ),
             dtypes=mla_engine_dtypes(shape),
         )
-    return VllmLayout(
+    return VllmRankLayout(
         recipes=vllm_recipes(
             shape,
             tp_rank,

@@ -84,7 +84,8 @@ def test_demo_missing_backend_package(
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     line = _one_line_error(capsys, ["demo", "--backend", "nixl"])
-    assert "--backend nixl" in line and "weight-transfer[nixl]" in line
+    assert "--backend nixl" in line and "pip install nixl-cu13==1.5.1" in line
+    assert "weight-transfer[" not in line  # not a name on PyPI
 
 
 def test_demo_missing_transformers_names_the_extra(
@@ -95,7 +96,7 @@ def test_demo_missing_transformers_names_the_extra(
         importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a)
     )
     line = _one_line_error(capsys, ["demo"])
-    assert "transformers" in line and "weight-transfer[demo]" in line
+    assert "pip install 'transformers>=4.45'" in line
 
 
 @pytest.mark.parametrize(
@@ -103,13 +104,18 @@ def test_demo_missing_transformers_names_the_extra(
     [
         ('[control]\nport = "29700"\n', "config.control.port: expected an integer, got str"),
         ("[control]\ntoken = 12345\n", "config.control.token: expected a string, got int"),
-        ('[sender]\nmemory_budget_bytes = "1GiB"\n', "config.sender.memory_budget_bytes"),
-        ("[sender]\nmemory_budget_bytes = 1.5e9\n", "expected an integer, got float"),
+        ('[planner]\nmemory_budget_bytes = "1GiB"\n', "config.planner.memory_budget_bytes"),
+        ("[planner]\nmemory_budget_bytes = 1.5e9\n", "expected an integer, got float"),
+        ("[sender]\nmemory_budget_bytes = 1\n", "config.sender: unknown setting"),
+        ("[planer]\nmemory_budget_bytes = 1\n", "config: unknown table [planer]"),
+        ('[control]\ntoken = "xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"\n', "sample printed"),
+        ('transport = "tcp"\n[transport_options]\nUCX_TLS = ""\n', "option 'UCX_TLS' is empty"),
         ("[control]\nport = true\n", "config.control.port: expected an integer, got bool"),
         ("[sender]\nbudget = 1\n", "config.sender: unknown setting 'budget'"),
         ('transport = "tcp"\n[transport_options]\nfooo = 1\n', "tcp: unknown option(s) 'fooo'"),
         ('transport = "loopback"\n[transport_options]\nx = 1\n', "loopback: unknown option(s)"),
         ('transport = "ucx"\n[transport_options]\nNO_SUCH_VAR = 1\n', "NO_SUCH_VAR"),
+        ('transport = "ucx"\n[transport_options]\nTLS = "no_tl"\n', "options given: TLS='no_tl'"),
     ],
 )
 def test_demo_bad_config_file(
@@ -147,7 +153,47 @@ def test_bench_transports_plot_without_matplotlib(
         lambda n, *a: None if n == "matplotlib" else real(n, *a),
     )
     line = _one_line_error(capsys, ["bench", "transports", "--plot", "x.png"])
-    assert "matplotlib" in line and "weight-transfer[plot]" in line
+    assert "pip install 'matplotlib>=3.7'" in line
+
+
+def test_demo_backend_flag_conflicting_with_the_config_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "wt.toml"
+    path.write_text('transport = "tcp"\n')
+    line = _one_line_error(capsys, ["demo", "--config", str(path), "--backend", "loopback"])
+    assert "--backend loopback conflicts with transport = 'tcp'" in line and str(path) in line
+
+
+def test_demo_that_does_not_fit_in_memory_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 8B preset needs far more than this host has: refused before any process starts,
+    saying how much it needs and that presets are shapes with random weights."""
+    from weight_transfer.cli.demo_memory import available_bytes, estimate
+
+    need = estimate(demo.DemoConfig(model="llama-3.1-8b")).total_bytes
+    have = available_bytes()
+    if have is None or have >= need:
+        pytest.skip(f"this host has {have} bytes available, the 8B demo needs about {need}")
+    line = _one_line_error(capsys, ["demo", "--model", "llama-3.1-8b"])
+    assert "--model llama-3.1-8b" in line and "GiB of memory on this host" in line, line
+    assert "random weights" in line, line
+
+
+def test_demo_memory_estimate_counts_every_process() -> None:
+    from weight_transfer.cli import demo_memory
+    from weight_transfer.planner.presets.models import get_model_shape, num_parameters
+
+    cfg = demo.DemoConfig(model="llama-3.1-8b")
+    parts = dict(demo_memory.estimate(cfg).parts)
+    params = num_parameters(get_model_shape("llama-3.1-8b"))
+    # Every trainer rank builds the model in float32 before it casts and shards it.
+    assert parts["trainer ranks: model, gradients, AdamW states, verification copies"] >= (
+        cfg.train_ranks * 4 * params
+    )
+    assert parts["trainer ranks: transfer memory budget"] == 3 * (256 << 20)
+    assert demo_memory.memory_problem(cfg, available=1 << 60) is None
+    small = demo_memory.memory_problem(demo.DemoConfig(), available=1 << 20)
+    assert small is not None and "--model tiny" in small
 
 
 def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,13 +211,22 @@ def test_config_repr_hides_the_token() -> None:
 
 
 def test_readme_toml_example_builds_a_transport_on_this_host(tmp_path: Path) -> None:
-    """The README's TOML example loads and its transport options work on a CPU host."""
+    """The README's TOML example is refused for its published sample token; with a token of
+    one's own it loads and its transport options work on a CPU host."""
+    import re
+
+    from weight_transfer.config import new_token
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("```toml\n") + len("```toml\n")
     text = readme[start : readme.index("```", start)]
     path = tmp_path / "example.toml"
     path.write_text(text)
+    with pytest.raises(ValueError, match="sample printed in this project's docs"):
+        load_toml(path)
+    path.write_text(re.sub(r'token = "[^"]+"', f'token = "{new_token()}"', text))
     cfg = load_toml(path)
+    assert cfg.num_engines == 2 and cfg.planner.memory_budget_bytes == 1 << 30
     from weight_transfer.backends.base import create_transport
 
     create_transport(cfg.transport_config()).close()
@@ -243,7 +298,8 @@ def test_plan_units_and_inline_rates(capsys: pytest.CaptureFixture[str]) -> None
 def test_demo_config_control_table_is_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`demo --config` takes the file's [control] host, port and token (it ignored them)."""
+    """`demo --config` takes the file's [control], [planner], [sender] and [receiver] tables
+    (it ignored them)."""
     seen: list[demo.DemoConfig] = []
 
     def fake_run(cfg: demo.DemoConfig, **_: Any) -> demo.DemoResult:
@@ -258,9 +314,17 @@ def test_demo_config_control_table_is_used(
 
     monkeypatch.setattr(demo, "run_demo", fake_run)
     path = tmp_path / "wt.toml"
-    path.write_text(f'transport = "tcp"\n[control]\nport = 29711\ntoken = "{TOKEN}"\n')
+    path.write_text(
+        f'transport = "tcp"\n[control]\nport = 29711\ntoken = "{TOKEN}"\n'
+        "[planner]\nmemory_budget_bytes = 33554432\n[sender]\nupdate_timeout_s = 7.5\n"
+        "[receiver]\nallow_unwritten = true\n"
+    )
     assert main(["demo", "--config", str(path)]) == 1
     capsys.readouterr()
     (cfg,) = seen
     assert (cfg.backend, cfg.control_port, cfg.control_token) == ("tcp", 29711, TOKEN)
     assert cfg.control_host == "127.0.0.1"
+    # [planner], [sender] and [receiver] reach every process's config (they were ignored).
+    tc = demo.transfer_config(cfg, cfg.control_port, cfg.control_token)
+    assert tc.planner.memory_budget_bytes == 32 << 20
+    assert tc.sender.update_timeout_s == 7.5 and tc.receiver.allow_unwritten

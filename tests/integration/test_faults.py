@@ -60,10 +60,22 @@ def _recipes(engine: int, num_engines: int, big: bool) -> tuple[Any, ...]:
     )
 
 
-def _control(port: int, token: str) -> Any:
-    from weight_transfer.config import ControlPlaneConfig
+def _config(
+    port: int,
+    token: str,
+    backend: str = "tcp",
+    *,
+    engines: int = 1,
+    update_timeout_s: float = 300.0,
+) -> Any:
+    from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
 
-    return ControlPlaneConfig(port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
+    return TransferConfig(
+        transport=backend,
+        num_engines=engines,
+        control=ControlPlaneConfig(port=port, token=token, timeout_s=CONTROL_TIMEOUT_S),
+        sender=SenderConfig(update_timeout_s=update_timeout_s),
+    )
 
 
 def trainer_proc(
@@ -81,27 +93,18 @@ def trainer_proc(
     out: Any,
 ) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _trainer_tensors(big)
     before = {n: t.clone() for n, t in src.items()}
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=world, num_engines=engines), _control(port, token)
-        )
+    # Rank 0's sender hosts the controller.
     sender = WeightSender(
         src,
+        _config(port, token, backend, engines=engines, update_timeout_s=UPDATE_TIMEOUT_S),
         rank=rank,
         world_size=world,
-        transport=TransportConfig(name=backend),
-        control=_control(port, token),
-        controller=controller,
-        config=SenderConfig(memory_budget_bytes=1 << 30, update_timeout_s=UPDATE_TIMEOUT_S),
     )
     out.put(("tasks", rank, len(sender.schedule.tasks)))
     transport = sender._transport
@@ -141,7 +144,7 @@ def engine_proc(
     index: int, engines: int, backend: str, port: int, token: str, big: bool, out: Any
 ) -> None:
     """An engine rank: register random-filled tensors, wait for update 1, report."""
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.receiver import WeightReceiver
 
     torch.set_num_threads(1)
@@ -151,9 +154,8 @@ def engine_proc(
     rx = WeightReceiver(
         tensors,
         _recipes(index, engines, big),
+        _config(port, token, backend),
         engine=f"e{index}",
-        transport=TransportConfig(name=backend),
-        control=_control(port, token),
     )
     out.put(("engine_ready", index, os.getpid()))
     t0 = time.monotonic()
@@ -305,7 +307,7 @@ def test_engine_that_stops_reading_tcp() -> None:
     rep = _run("stall", "tcp", world=1, engines=1, big=True, stop_engine=0)
     _check_common(rep, "e0")
     kind, message, elapsed = rep["trainer"][0]
-    assert kind == "WeightTransferError" and "not complete after" in message, message
+    assert kind == "UpdateFailedError" and "not complete after" in message, message
     assert elapsed < UPDATE_TIMEOUT_S * 2 + SLACK_S, elapsed
 
 
@@ -325,9 +327,7 @@ def gather_trainer_proc(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
@@ -339,20 +339,8 @@ def gather_trainer_proc(
     full = torch.randn(GATHER_SHAPE, generator=torch.Generator().manual_seed(3))
     params = {"w": distribute_tensor(full, mesh, [Shard(0)])}
     before = params["w"].to_local().clone()
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
-        )
-    sender = WeightSender(
-        params,
-        rank=rank,
-        world_size=2,
-        transport=TransportConfig(name="tcp"),
-        control=_control(port, token),
-        controller=controller,
-        config=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S * 3),
-    )
+    # Rank and world from the process group; rank 0's sender hosts the controller.
+    sender = WeightSender(params, _config(port, token, update_timeout_s=UPDATE_TIMEOUT_S * 3))
     kinds = [t.kind for t in sender.schedule.tasks]
     out.put(("tasks", rank, kinds.count("gather")))
     gather = sender._executor.prepare.gather
@@ -376,7 +364,7 @@ def gather_trainer_proc(
 
 
 def fp8_engine_proc(port: int, token: str, out: Any) -> None:
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.planner.recipes import identity, scale_name, with_fp8
     from weight_transfer.receiver import WeightReceiver
 
@@ -387,11 +375,7 @@ def fp8_engine_proc(port: int, token: str, out: Any) -> None:
         scale_name("w"): torch.rand(2, 1, generator=g) + 0.5,
     }
     rx = WeightReceiver(
-        tensors,
-        [with_fp8(identity("w", "w", GATHER_SHAPE))],
-        engine="e0",
-        transport=TransportConfig(name="tcp"),
-        control=_control(port, token),
+        tensors, [with_fp8(identity("w", "w", GATHER_SHAPE))], _config(port, token), engine="e0"
     )
     t0 = time.monotonic()
     try:
@@ -460,9 +444,7 @@ def raising_trainer_proc(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
@@ -476,20 +458,7 @@ def raising_trainer_proc(
         f"w{i}": distribute_tensor(torch.randn(GATHER_SHAPE, generator=g), mesh, [Shard(0)])
         for i in range(DRAIN_TENSORS)
     }
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
-        )
-    sender = WeightSender(
-        params,
-        rank=rank,
-        world_size=2,
-        transport=TransportConfig(name="tcp"),
-        control=_control(port, token),
-        controller=controller,
-        config=SenderConfig(update_timeout_s=CONTROL_TIMEOUT_S),
-    )
+    sender = WeightSender(params, _config(port, token, update_timeout_s=CONTROL_TIMEOUT_S))
     ex = sender._executor
     out.put(("tasks", rank, [t.kind for t in sender.schedule.tasks].count("gather")))
     real_quantize = ex.prepare.quantize
@@ -517,7 +486,7 @@ def raising_trainer_proc(
 
 
 def drain_engine_proc(port: int, token: str, out: Any) -> None:
-    from weight_transfer.backends.base import TransportConfig, WeightTransferError
+    from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.planner.recipes import identity, scale_name, with_fp8
     from weight_transfer.receiver import WeightReceiver
 
@@ -529,13 +498,7 @@ def drain_engine_proc(port: int, token: str, out: Any) -> None:
         tensors[f"w{i}"] = torch.randn(GATHER_SHAPE, generator=g).to(torch.float8_e4m3fn)
         tensors[scale_name(f"w{i}")] = torch.rand(2, 1, generator=g) + 0.5
         recipes.append(with_fp8(identity(f"w{i}", f"w{i}", GATHER_SHAPE)))
-    rx = WeightReceiver(
-        tensors,
-        recipes,
-        engine="e0",
-        transport=TransportConfig(name="tcp"),
-        control=_control(port, token),
-    )
+    rx = WeightReceiver(tensors, recipes, _config(port, token), engine="e0")
     versions = []
     try:
         versions.append(rx.version)
@@ -578,7 +541,7 @@ def test_plain_exception_while_gathers_remain_fails_fast() -> None:
     assert rep["tasks"][0] == rep["tasks"][1] == DRAIN_TENSORS, rep["tasks"]
     for r in (0, 1):
         (kind, message, elapsed), second = rep["trainer"][r]
-        assert kind == "WeightTransferError", (r, kind, message)
+        assert kind == "UpdateFailedError", (r, kind, message)
         assert "trainer rank 1: KeyError" in message and "injected" in message, message
         # Well under gloo's own timeout, which a skipped gather would have cost rank 0.
         print(f"trainer rank {r}: failed in {elapsed:.2f} s: {message}")

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from tests.markers import requires_cuda, requires_module
-from weight_transfer.backends.base import TransportConfig, WeightTransferError
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
 from weight_transfer.controller import Controller
+from weight_transfer.errors import UpdateFailedError
 from weight_transfer.manifest import allocate_engine_tensors
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import engine_tensor_specs, identity, scale_name, with_fp8
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -46,20 +47,15 @@ def test_fp8_graph_sources_moved_fail_the_update_naming_the_parameter() -> None:
     recipes = tuple(with_fp8(identity(n, n, s)) for n, s in SHAPES.items())
     tensors = allocate_engine_tensors(engine_tensor_specs(recipes), device=dev, seed=3)
     cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=30)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
-    rx = WeightReceiver(
-        tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp
-    )
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name="loopback"),
+    cfg = TransferConfig(
+        num_engines=1,
         control=cp,
-        controller=ctrl,
-        device=dev,
-        config=SenderConfig(memory_budget_bytes=64 << 20, update_timeout_s=60),
+        sender=SenderConfig(update_timeout_s=60),
+        planner=PlannerConfig(memory_budget_bytes=64 << 20),
     )
+    ctrl = Controller(cfg.controller_config(1), cp)
+    rx = WeightReceiver(tensors, recipes, cfg, engine="e0")
+    sender = WeightSender(src, cfg, controller=ctrl, device=dev)
     try:
         assert sender._executor.graphs.groups, "the FP8 tasks were not captured as graphs"
         sender.update(1)
@@ -69,7 +65,7 @@ def test_fp8_graph_sources_moved_fail_the_update_naming_the_parameter() -> None:
         sender.update(2)
         _expect(tensors, src)
         src["w2"].set_(torch.randn(SHAPES["w2"], device=dev).to(torch.bfloat16))
-        with pytest.raises(WeightTransferError, match="'w2' was reallocated"):
+        with pytest.raises(UpdateFailedError, match="'w2' was reallocated"):
             sender.update(3)
         assert rx.version == 2
     finally:

@@ -26,6 +26,7 @@ reconnect.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import re
@@ -83,10 +84,16 @@ def _recipes() -> tuple[Any, ...]:
     return tuple(identity(n, n, tuple(_src(0)[n].shape)) for n in NAMES)
 
 
-def _control(host: str, port: int, token: str) -> Any:
-    from weight_transfer.config import ControlPlaneConfig
+def _config(host: str, port: int, token: str) -> Any:
+    from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
+    from weight_transfer.planner.plan import PlannerConfig
 
-    return ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S)
+    return TransferConfig(
+        num_engines=1,
+        control=ControlPlaneConfig(host=host, port=port, token=token, timeout_s=CONTROL_TIMEOUT_S),
+        sender=SenderConfig(update_timeout_s=UPDATE_TIMEOUT_S),
+        planner=PlannerConfig(memory_budget_bytes=1 << 24),
+    )
 
 
 def _transport(backend: str, host: str, dev: str) -> Any:
@@ -114,25 +121,13 @@ def trainer_proc(
 ) -> None:
     enter_host(ns)
     from weight_transfer.backends.base import WeightTransferError
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
     from weight_transfer.receiver import tensor_digest
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
     src = _src(1)
-    ctrl = Controller(
-        ControllerConfig(num_trainer_ranks=1, num_engines=1), _control(host, port, token)
-    )
-    tx = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=_transport(backend, host, dev),
-        control=_control(host, port, token),
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 24, update_timeout_s=UPDATE_TIMEOUT_S),
-    )
+    # Rank 0 of 1 hosts the controller; the transport listens in this namespace.
+    tx = WeightSender(src, _config(host, port, token), transport=_transport(backend, host, dev))
     transport = tx._transport
     post, post_prepared = transport.post_writes, transport.post_prepared
     pause_next = [False]
@@ -188,9 +183,9 @@ def engine_proc(
     rx = WeightReceiver(
         tensors,
         _recipes(),
+        _config(ctrl_host, port, token),
         engine="e0",
-        transport=_transport(backend, host, dev),
-        control=_control(ctrl_host, port, token),
+        transport=_transport(backend, host, dev),  # its own namespace's address
     )
     try:
         for step in (1, 2, 3):
@@ -293,12 +288,12 @@ def test_across_namespaces_survives_a_cut_link(backend: str, two_hosts: dict[str
         assert got == want, f"update {step}: engine digests differ from the trainer's"
     t_kind, t_msg, t_elapsed, _ = reports[("trainer", 2)]
     e_kind, e_msg, e_elapsed, version, _ = reports[("engine", 2)]
-    assert t_kind == "WeightTransferError" and "waiting on peer(s) ['e0']" in t_msg, t_msg
+    assert t_kind == "UpdateFailedError" and "waiting on peer(s) ['e0']" in t_msg, t_msg
     assert t_elapsed < UPDATE_TIMEOUT_S * 3 + SLACK_S, t_elapsed
     # The failure reached the engine without it ever holding update 2. Its version when it
     # reports is 1, or already 3: the cut also stops its control-plane reads, and once the link
     # is back the trainer's update 3 may land before the engine has read update 2's verdict.
-    assert e_kind == "WeightTransferError" and "'e0'" in e_msg and version in (1, 3), e_msg
+    assert e_kind == "UpdateFailedError" and "'e0'" in e_msg and version in (1, 3), e_msg
     assert "update 2 failed and was not applied" in e_msg, e_msg
     assert e_elapsed < CONTROL_TIMEOUT_S, e_elapsed
 
@@ -392,7 +387,7 @@ def _host_toml(backend: str, control_host: str, port: int) -> str:
     )
 
 
-def _config(path: str, token: str) -> Any:
+def _file_config(path: str, token: str) -> Any:
     from weight_transfer.config import config_from_mapping, merge, read_toml
 
     return config_from_mapping(merge(read_toml(path), {"control": {"token": token}}))
@@ -404,29 +399,14 @@ def toml_trainer_proc(
     """A trainer rank on its own host, configured only by that host's file. Update 2 starts once
     the test has read update 1 from the engines (`checked`)."""
     enter_host(ns)
-    from weight_transfer.config import ControllerConfig
-    from weight_transfer.controller import Controller
     from weight_transfer.sender import WeightSender
 
     torch.set_num_threads(1)
-    cfg = _config(path, token)
+    cfg = dataclasses.replace(_file_config(path, token), num_engines=NUM_ENGINES)
     own = cfg.transport_config()
     out.put(("bound", "trainer", rank, own.listen_host, own.advertise_host))
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=world, num_engines=NUM_ENGINES), cfg.control
-        )
     src = _src(1)
-    tx = WeightSender(
-        src,
-        rank=rank,
-        world_size=world,
-        transport=own,
-        control=cfg.control,
-        controller=controller,
-        config=cfg.sender,
-    )
+    tx = WeightSender(src, cfg, rank=rank, world_size=world)  # rank 0 hosts the control plane
     try:
         for step in (1, 2):
             if step == 2:
@@ -439,8 +419,6 @@ def toml_trainer_proc(
             out.put(("trainer", rank, step, stats.nbytes))
     finally:
         tx.close()
-        if controller is not None:
-            controller.close()
 
 
 def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> None:
@@ -450,7 +428,7 @@ def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> 
     from weight_transfer.receiver import WeightReceiver, tensor_digest
 
     torch.set_num_threads(1)
-    cfg = _config(path, token)
+    cfg = _file_config(path, token)
     own = cfg.transport_config()
     out.put(("bound", "engine", tp_rank, own.listen_host, own.advertise_host))
     full = _src(0)
@@ -465,14 +443,7 @@ def toml_engine_proc(ns: str, path: str, token: str, tp_rank: int, out: Any) -> 
         "b.weight": torch.randn(full["b.weight"].shape, generator=g),
         "c.bias": torch.randn(full["c.bias"].shape, generator=g),
     }
-    rx = WeightReceiver(
-        tensors,
-        recipes,
-        engine=f"e{tp_rank}",
-        transport=own,
-        control=cfg.control,
-        config=cfg.receiver,
-    )
+    rx = WeightReceiver(tensors, recipes, cfg, engine=f"e{tp_rank}")
     try:
         for step in (1, 2):
             rx.wait_for_version(step, CONTROL_TIMEOUT_S)
@@ -699,6 +670,7 @@ def vllm_trainer_proc(
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
+    from weight_transfer.config import ControlPlaneConfig, TransferConfig
     from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
@@ -717,14 +689,14 @@ def vllm_trainer_proc(
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         info = TrainerInitInfo(
+            config=TransferConfig(
+                transport="tcp",
+                num_engines=1,
+                # The control plane, on this (trainer rank 0's) host.
+                control=ControlPlaneConfig(host=ip, port=cp_port, token=token, timeout_s=300),
+            ),
             rank=rank,
             world_size=world,
-            num_engines=1,
-            host=ip,  # the control plane, on this (trainer rank 0's) host
-            port=cp_port,
-            token=token,
-            timeout_s=300,
-            transport="tcp",
         )
         updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
         updater.update(1)

@@ -29,25 +29,17 @@ def _control(port: int, token: str) -> Any:
 def trainer_proc(rank: int, port: int, token: str, out: Any) -> None:
     """Rank 0 hosts the controller; both hold an `a.weight` wider than the engine expects.
     Reports what it raised and exits at once (rank 0's store goes with it)."""
-    from weight_transfer.backends.base import TransportConfig
-    from weight_transfer.config import ControllerConfig
-    from weight_transfer.controller import Controller
+    from weight_transfer.config import TransferConfig
     from weight_transfer.sender import WeightSender
 
-    controller = None
-    if rank == 0:
-        controller = Controller(
-            ControllerConfig(num_trainer_ranks=2, num_engines=1), _control(port, token)
-        )
     src = {"a.weight": torch.randn(41, 19), "b.weight": torch.randn(5)}
     try:
+        # Rank 0's sender hosts the controller, and closes it when the plan fails.
         WeightSender(
             src,
+            TransferConfig(num_engines=1, control=_control(port, token)),
             rank=rank,
             world_size=2,
-            transport=TransportConfig(),
-            control=_control(port, token),
-            controller=controller,
         )
     except Exception as exc:
         out.put((rank, type(exc).__name__, list(getattr(exc, "problems", [str(exc)]))))
@@ -56,7 +48,7 @@ def trainer_proc(rank: int, port: int, token: str, out: Any) -> None:
 
 
 def engine_proc(port: int, token: str, done: Any, out: Any) -> None:
-    from weight_transfer.backends.base import TransportConfig
+    from weight_transfer.config import TransferConfig
     from weight_transfer.planner.recipes import column_shard, identity
     from weight_transfer.receiver import WeightReceiver
 
@@ -71,7 +63,7 @@ def engine_proc(port: int, token: str, done: Any, out: Any) -> None:
     }
     before = {n: t.clone() for n, t in tensors.items()}
     rx = WeightReceiver(
-        tensors, recipes, engine="e0", transport=TransportConfig(), control=_control(port, token)
+        tensors, recipes, TransferConfig(control=_control(port, token)), engine="e0"
     )
     done.wait(60)
     unchanged = all(torch.equal(tensors[n], before[n]) for n in tensors)

@@ -15,13 +15,18 @@ import torch
 from tests.markers import backend_unavailable_reason
 from weight_transfer.backends.base import (
     ConfigurationError,
-    TransportConfig,
     TransportTimeoutError,
     WeightTransferError,
 )
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    SenderConfig,
+    TransferConfig,
+)
 from weight_transfer.controller import Controller
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -39,6 +44,15 @@ BACKENDS = [backend_param(b) for b in ("loopback", "tcp", "ucx", "nixl")]
 
 def _control(timeout_s: float = 15.0) -> ControlPlaneConfig:
     return ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=timeout_s)
+
+
+def _config(cp: ControlPlaneConfig, backend: str) -> TransferConfig:
+    return TransferConfig(
+        transport=backend,
+        control=cp,
+        sender=SenderConfig(update_timeout_s=5),
+        planner=PlannerConfig(memory_budget_bytes=1 << 20),
+    )
 
 
 def _engine(
@@ -63,14 +77,7 @@ def _engine(
         "w": torch.randn(rows, SHAPE[1], generator=g).to(torch.bfloat16),
         "b": torch.randn(SHAPE[1], generator=g),
     }
-    return WeightReceiver(
-        tensors,
-        recipes,
-        engine=name,
-        transport=TransportConfig(name=backend),
-        control=cp,
-        rejoin=rejoin,
-    )
+    return WeightReceiver(tensors, recipes, _config(cp, backend), engine=name, rejoin=rejoin)
 
 
 def _step_weights(src: dict[str, torch.Tensor], step: int) -> None:
@@ -95,15 +102,7 @@ def _trainer(cp: ControlPlaneConfig, ctrl: Controller, backend: str, seed: int =
         "w": torch.randn(SHAPE, generator=g).to(torch.bfloat16),
         "b": torch.randn(SHAPE[1], generator=g),
     }
-    tx = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name=backend),
-        control=cp,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=5),
-    )
+    tx = WeightSender(src, _config(cp, backend), controller=ctrl)
     return src, tx
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
-from weight_transfer.backends.base import TransportConfig
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
 from weight_transfer.controller import Controller
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -55,7 +55,14 @@ def _resources(transports: list) -> dict[str, int]:
 
 def _rig(backend: str, num_engines: int = 2):
     control = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=num_engines), control)
+    config = TransferConfig(
+        transport=backend,
+        num_engines=num_engines,
+        control=control,
+        sender=SenderConfig(update_timeout_s=20, record_trace=True),
+        planner=PlannerConfig(memory_budget_bytes=1 << 20),
+    )
+    ctrl = Controller(config.controller_config(1), control)
     g = torch.Generator().manual_seed(7)
     src = {
         "w.weight": torch.randn(64, 48, generator=g).to(torch.bfloat16),
@@ -72,24 +79,8 @@ def _rig(backend: str, num_engines: int = 2):
             "w.weight": torch.randn(rows, 48, generator=g).to(torch.bfloat16),
             "b.bias": torch.randn(48, generator=g),
         }
-        receivers.append(
-            WeightReceiver(
-                tensors,
-                recipes,
-                engine=f"e{e}",
-                transport=TransportConfig(name=backend),
-                control=control,
-            )
-        )
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name=backend),
-        control=control,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20, record_trace=True),
-    )
+        receivers.append(WeightReceiver(tensors, recipes, config, engine=f"e{e}"))
+    sender = WeightSender(src, config, controller=ctrl)
     return ctrl, src, receivers, sender
 
 

@@ -19,6 +19,7 @@ read worker state with `collective_rpc(callable)`; the plug-in itself does not n
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
@@ -352,7 +353,13 @@ def _trainer(
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig
 
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import (
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+        VllmConfig,
+    )
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))
@@ -372,14 +379,12 @@ def _trainer(
         # updated below outside the optimizer, as aux-loss-free load balancing does.
         buffers = {n: b for n, b in model.named_buffers() if n in persistent}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        info = TrainerInitInfo(
-            rank=rank,
-            world_size=world,
-            num_engines=num_engines,
-            port=cp_port,
-            token=token,
-            timeout_s=300,
-            hf_moe_layout="fused" if moe else "per_expert",
+        info = TrainerInitInfo(  # rank and world from the process group
+            config=TransferConfig(
+                num_engines=num_engines,
+                control=ControlPlaneConfig(port=cp_port, token=token, timeout_s=300),
+                vllm=VllmConfig(hf_moe_layout="fused" if moe else "per_expert"),
+            )
         )
         client = _ProxyClient(channel) if rank == 0 else None
         updater = OneSidedUpdater(info, model, client)
@@ -730,13 +735,7 @@ class TestTP1:
         llm.collective_rpc(_count_steps, args=(str(step_log),))
         client = TimedClient(llm)
         params = {n: t.clone() for n, t in _hf_state(d).items()}
-        updater = OneSidedUpdater(
-            TrainerInitInfo(
-                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
-            ),
-            params,
-            client,
-        )
+        updater = OneSidedUpdater(TrainerInitInfo(config=_config(1)), params, client)
         results: list[Any] = []
         sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
         gen = threading.Thread(
@@ -793,9 +792,7 @@ class TestTP1:
         client = LLMWeightSyncClient(llm)
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
-            TrainerInitInfo(
-                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
-            ),
+            TrainerInitInfo(config=_config(1), rank=0, world_size=1),
             params,
             client,
         )
@@ -886,7 +883,7 @@ class TestTP1:
                 assert seq[len(p) :] == list(o.outputs[0].token_ids)
 
     def test_wrong_token_and_wrong_session_are_refused(self, engines: Any) -> None:
-        from weight_transfer.config import ControllerConfig, ControlPlaneConfig
+        from weight_transfer.config import ControllerConfig, ControlPlaneConfig, TransferConfig
         from weight_transfer.controller import Controller
         from weight_transfer.vllm import (
             EngineInitInfo,
@@ -904,14 +901,22 @@ class TestTP1:
         try:
             with pytest.raises(Exception, match="do not share this token"):
                 client.init_weight_transfer_engine(
-                    EngineInitInfo(
-                        host="127.0.0.1", port=port, token=secrets.token_hex(16), timeout_s=5
+                    EngineInitInfo.from_config(
+                        TransferConfig(
+                            control=ControlPlaneConfig(
+                                port=port, token=secrets.token_hex(16), timeout_s=5
+                            )
+                        )
                     ).to_dict()
                 )
             with pytest.raises(Exception, match="within 3 s|timed out|Timeout"):
                 client.init_weight_transfer_engine(
-                    EngineInitInfo(
-                        host="127.0.0.1", port=port, token=token, session="other", timeout_s=3
+                    EngineInitInfo.from_config(
+                        TransferConfig(
+                            control=ControlPlaneConfig(
+                                port=port, token=token, session="other", timeout_s=3
+                            )
+                        )
                     ).to_dict()
                 )
             assert not ctl.control.exists("engine_slot/0")  # nobody joined the real session
@@ -939,9 +944,7 @@ class TestTP1:
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
         engine = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(
-                rank=0, world_size=1, num_engines=1, port=_free_port(), token=secrets.token_hex(16)
-            ),
+            TrainerInitInfo(config=_config(1)),
             client=LLMWeightSyncClient(llm),
             source=ModuleSource(model),
         )
@@ -964,19 +967,20 @@ class TestTP1:
         reading a checkpoint of the trainer's weights (and transformers' greedy tokens)."""
         from safetensors.torch import save_file
 
+        from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
         from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
 
         d, llm, oracle = engines
         params = {n: t.clone() for n, t in _hf_state(d).items()}
         updater = OneSidedUpdater(
             TrainerInitInfo(
+                config=dataclasses.replace(
+                    _config(1),
+                    sender=SenderConfig(delta=DeltaConfig(enabled=True)),
+                    receiver=ReceiverConfig(patch_region_bytes=4 << 20),
+                ),
                 rank=0,
                 world_size=1,
-                num_engines=1,
-                port=_free_port(),
-                token=secrets.token_hex(16),
-                delta_enabled=True,
-                patch_region_bytes=4 << 20,
             ),
             params,
             LLMWeightSyncClient(llm),
@@ -1015,6 +1019,16 @@ class TestTP1:
         _, llm, _ = engines
         (msg,) = llm.collective_rpc(_construct_mismatched)
         assert "model.layers.0.mlp.gate_up_proj.weight" in msg and "nothing was registered" in msg
+
+
+def _config(num_engines: int) -> Any:
+    """A transfer into `num_engines` vLLM workers on a fresh port, with a fresh token."""
+    from weight_transfer.vllm import ControlPlaneConfig, TransferConfig
+
+    return TransferConfig(
+        num_engines=num_engines,
+        control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
+    )
 
 
 def _hf_state(d: Path) -> dict[str, torch.Tensor]:
@@ -1099,7 +1113,12 @@ def _mismatched_trainer(
     `OneSidedUpdater` raised (type and problems)."""
     from transformers import AutoConfig, Qwen3ForCausalLM
 
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import (
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+    )
 
     torch.set_num_threads(1)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -1107,7 +1126,11 @@ def _mismatched_trainer(
     torch.manual_seed(rank)
     model = Qwen3ForCausalLM(cfg).float()
     info = TrainerInitInfo(
-        rank=rank, world_size=world, num_engines=1, port=cp_port, token=token, timeout_s=120
+        config=TransferConfig(
+            num_engines=1, control=ControlPlaneConfig(port=cp_port, token=token, timeout_s=120)
+        ),
+        rank=rank,
+        world_size=world,
     )
     try:
         updater = OneSidedUpdater(info, model, _ProxyClient(channel) if rank == 0 else None)
@@ -1315,14 +1338,7 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
             for t in params.values():
                 t.add_((torch.randn(t.shape, generator=g) * 0.05).to(t.dtype))
         updater = OneSidedUpdater(
-            TrainerInitInfo(
-                rank=0,
-                world_size=1,
-                num_engines=2,
-                port=_free_port(),
-                token=secrets.token_hex(16),
-                hf_moe_layout="per_expert",
-            ),
+            TrainerInitInfo(config=_config(2)),  # the HF (per-expert) layout is the default
             params,
             LLMWeightSyncClient(llm),
         )

@@ -20,11 +20,15 @@ import pytest
 import torch
 
 from weight_transfer import sender as sender_module
-from weight_transfer.backends.base import TransportConfig
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import (
+    ControlPlaneConfig,
+    SenderConfig,
+    TransferConfig,
+)
 from weight_transfer.controller import Controller
 from weight_transfer.manifest import dtype_name
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.types import Box, Recipe, SourceManifest, SourceTensor
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -164,35 +168,27 @@ class Cluster:
 
         monkeypatch.setattr(sender_module, "source_manifest", source_manifest)
         monkeypatch.setattr(sender_module, "full_tensor", full_tensor)
-        self.controller = Controller(
-            ControllerConfig(num_trainer_ranks=world, num_engines=len(self.engines)), self.control
+        config = TransferConfig(
+            transport=backend,
+            num_engines=len(self.engines),
+            control=self.control,
+            sender=SenderConfig(update_timeout_s=update_timeout_s),
+            planner=PlannerConfig(memory_budget_bytes=memory_budget_bytes),
         )
+        # Made by hand (not hosted by rank 0's sender): the engines join before any sender.
+        self.controller = Controller(config.controller_config(world), self.control)
         self.receivers: list[WeightReceiver] = []
         self.senders: dict[int, WeightSender] = {}
-        transport = TransportConfig(name=backend)
         try:
             for e in self.engines:
-                self.receivers.append(
-                    WeightReceiver(
-                        e.tensors,
-                        e.recipes,
-                        engine=e.name,
-                        transport=transport,
-                        control=self.control,
-                    )
-                )
-            config = SenderConfig(
-                memory_budget_bytes=memory_budget_bytes, update_timeout_s=update_timeout_s
-            )
+                self.receivers.append(WeightReceiver(e.tensors, e.recipes, config, engine=e.name))
 
             def build(r: int) -> WeightSender:
                 s = WeightSender(
                     self.locals[r],
+                    config,
                     rank=r,
                     world_size=world,
-                    transport=transport,
-                    control=self.control,
-                    config=config,
                     controller=self.controller if r == 0 else None,
                 )
                 if wrap is not None:

@@ -10,7 +10,12 @@ import pytest
 from weight_transfer.addresses import MemberAddress, member_address, route_address
 from weight_transfer.backends.base import ConfigurationError, TransportConfig, TransportError
 from weight_transfer.backends.tcp import TcpTransport
-from weight_transfer.config import config_from_mapping, new_token
+from weight_transfer.config import (
+    ControlPlaneConfig,
+    TransferConfig,
+    config_from_mapping,
+    new_token,
+)
 from weight_transfer.vllm import EngineInitInfo, TrainerInitInfo
 
 TOKEN = new_token()
@@ -55,25 +60,29 @@ def test_transfer_config_binds_its_own_address_not_the_control_hosts() -> None:
     assert (tc.listen_host, tc.advertise_host) == ("0.0.0.0", "10.1.2.3")
     with pytest.raises(ValueError, match="listen_host must be a non-empty address"):
         _toml_config(listen_host="")
+    with pytest.raises(ValueError, match="config.advertise_host: expected a string, got int 5"):
+        _toml_config(advertise_host=5)  # the file's types are checked first
     with pytest.raises(ValueError, match="advertise_host must be a non-empty address"):
-        _toml_config(advertise_host=5)
+        TransferConfig(control=ControlPlaneConfig(token=TOKEN), advertise_host=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="is a wildcard"):
-        EngineInitInfo(host="127.0.0.1", port=1, token=TOKEN, advertise_host="::")
+        _toml_config(advertise_host="::")
 
 
 def test_vllm_init_infos_resolve_each_member_on_its_own_host() -> None:
-    info = EngineInitInfo(host="127.0.0.2", port=29700, token=TOKEN, transport="tcp")
-    tc = info.transport_config()
+    info = EngineInitInfo.from_config(_toml_config())
+    tc = info.transfer_config().transport_config()
     assert (tc.listen_host, tc.advertise_host) == ("127.0.0.1", "127.0.0.1")
-    # What rank 0 sends to the workers leaves the address to each of them.
-    d = EngineInitInfo(**info.to_dict()).to_dict()
-    assert d["listen_host"] is None and d["advertise_host"] is None
+    # What rank 0 sends to the workers leaves the address to each of them, whatever the
+    # trainer rank's own file says.
     trainer = TrainerInitInfo(
-        rank=1, world_size=2, num_engines=1, host="127.0.0.2", token=TOKEN, listen_host="0.0.0.0"
+        config=_toml_config(num_engines=1, listen_host="0.0.0.0"), rank=1, world_size=2
     )
-    assert trainer.transport_config().listen_host == "0.0.0.0"
-    assert trainer.transport_config().advertise_host == "127.0.0.1"
-    assert trainer.engine_init_info().listen_host is None
+    assert trainer.config.transport_config().listen_host == "0.0.0.0"
+    assert trainer.config.transport_config().advertise_host == "127.0.0.1"
+    sent = EngineInitInfo(**trainer.engine_init_info().to_dict()).transfer_config()
+    assert sent.listen_host is None and sent.advertise_host is None
+    tc = sent.transport_config()  # what a worker on this host resolves
+    assert (tc.listen_host, tc.advertise_host) == ("127.0.0.1", "127.0.0.1")
 
 
 def _endpoint(t: TcpTransport) -> dict[str, object]:

@@ -41,7 +41,7 @@ def test_missing_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not status.host_ok
     assert status.host_reason is not None
     assert "needs Python module 'libucx', not installed" in status.host_reason
-    assert "weight-transfer[ucx]" in status.host_reason
+    assert "pip install 'libucx-cu13>=1.22,<1.23'" in status.host_reason
     assert status.packages == {"libucx-cu13": None}
 
 

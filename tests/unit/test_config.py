@@ -1,37 +1,63 @@
-"""Configuration: TOML and CLI flags fill the same dataclasses; bad values are named."""
+"""Configuration: TOML and CLI flags fill the same dataclasses; bad values are named; the vLLM
+init infos are derived from the one config."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import secrets
+from pathlib import Path
 
 import pytest
 
 from weight_transfer.config import (
+    PUBLISHED_SAMPLE_TOKENS,
     ControlPlaneConfig,
+    DeltaConfig,
+    ReceiverConfig,
     SenderConfig,
+    TransferConfig,
+    VllmConfig,
     config_from_mapping,
+    config_to_mapping,
     load_toml,
     merge,
     new_token,
     read_toml,
     token_bits,
 )
+from weight_transfer.errors import ConfigurationError
 from weight_transfer.planner.plan import PlannerConfig
 
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = new_token()
 
-TOML = """
+TOML = f"""
 transport = "tcp"
 connect_timeout_s = 5.0
+num_engines = 4
+listen_host = "127.0.0.1"
+advertise_host = "127.0.0.1"
 [control]
 host = "127.0.0.1"
 port = 29811
-token = "xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"
+token = "{TOKEN}"
 [sender]
-memory_budget_bytes = 268435456
+update_timeout_s = 12.5
+record_trace = false
+[sender.delta]
+enabled = true
+anchor_every_updates = 4
+[receiver]
+allow_unwritten = true
+patch_region_bytes = 1048576
 [planner]
 max_write_bytes = 1048576
 memory_budget_bytes = 268435456
+[vllm]
+engine_prefix = "rollout"
+publish_digests = true
+hf_moe_layout = "fused"
 [transport_options]
 UCX_TLS = "rc,cuda_ipc"
 """
@@ -41,12 +67,19 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
     path = tmp_path / "wt.toml"
     path.write_text(TOML)
     cfg = load_toml(path)
-    assert cfg.transport == "tcp"
-    assert cfg.control == ControlPlaneConfig(
-        host="127.0.0.1", port=29811, token="xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"
+    assert cfg.transport == "tcp" and cfg.connect_timeout_s == 5.0 and cfg.num_engines == 4
+    assert cfg.control == ControlPlaneConfig(host="127.0.0.1", port=29811, token=TOKEN)
+    assert (cfg.listen_host, cfg.advertise_host) == ("127.0.0.1", "127.0.0.1")
+    assert cfg.sender == SenderConfig(
+        update_timeout_s=12.5,
+        record_trace=False,
+        delta=DeltaConfig(enabled=True, anchor_every_updates=4),
     )
-    assert cfg.sender == SenderConfig(memory_budget_bytes=256 << 20)
-    assert cfg.planner.max_write_bytes == 1 << 20
+    assert cfg.receiver == ReceiverConfig(allow_unwritten=True, patch_region_bytes=1 << 20)
+    assert cfg.planner == PlannerConfig(memory_budget_bytes=256 << 20, max_write_bytes=1 << 20)
+    assert cfg.vllm == VllmConfig(
+        engine_prefix="rollout", publish_digests=True, hf_moe_layout="fused"
+    )
     assert cfg.transport_options == (("UCX_TLS", "rc,cuda_ipc"),)
     tc = cfg.transport_config(device_index=0)
     assert tc.name == "tcp" and tc.device_index == 0 and tc.option("UCX_TLS") == "rc,cuda_ipc"
@@ -59,7 +92,7 @@ def test_cli_overrides_win_over_the_file(tmp_path):
         merge(read_toml(path), {"transport": "loopback", "sender": {"update_timeout_s": 9.0}})
     )
     assert cfg.transport == "loopback"
-    assert cfg.sender.memory_budget_bytes == 256 << 20 and cfg.sender.update_timeout_s == 9.0
+    assert cfg.planner.memory_budget_bytes == 256 << 20 and cfg.sender.update_timeout_s == 9.0
 
 
 @pytest.mark.parametrize(
@@ -67,15 +100,21 @@ def test_cli_overrides_win_over_the_file(tmp_path):
     [
         ({"transport": "carrier-pigeon"}, "unknown transport"),
         ({"tranport": "tcp"}, "unknown setting 'tranport'"),
-        ({"sender": {"memory_budget_bytes": 0}}, "memory_budget_bytes must be positive"),
+        ({"planer": {"memory_budget_bytes": 1}}, r"unknown table \[planer\]; known tables: "),
+        ({"sender": {"memory_budget_bytes": 1}}, "config.sender: unknown setting 'memory_budget"),
+        ({"planner": {"memory_budget_bytes": 0}}, "memory_budget_bytes must be positive"),
+        ({"num_engines": 0}, "num_engines must be positive"),
+        ({"vllm": {"hf_moe_layout": "stacked"}}, "hf_moe_layout must be one of"),
+        ({"transport_options": {"UCX_TLS": ""}}, "transport option 'UCX_TLS' is empty"),
         ({"control": {"token": "short"}}, "fewer than the 128 required"),
         ({"control": {"port": 70000}}, "out of range"),
         ({"planner": {"max_write_bytes": 1 << 30, "memory_budget_bytes": 1 << 30}}, "at most half"),
     ],
 )
 def test_bad_values_are_named(data, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigurationError, match=message) as info:
         config_from_mapping(merge({"control": {"token": TOKEN}}, data))
+    assert "\n" not in str(info.value)  # one line
 
 
 def test_invalid_toml_is_a_clear_error(tmp_path):
@@ -124,3 +163,73 @@ def test_cli_prints_a_fresh_token(capsys):
     second = capsys.readouterr().out.strip()
     assert first != second and token_bits(first) >= 250
     ControlPlaneConfig(token=first)
+
+
+def test_every_field_maps_and_round_trips(tmp_path):
+    """The TOML file maps the config completely: the plain data of a config with every field
+    set away from its default builds the same config again."""
+    path = tmp_path / "wt.toml"
+    path.write_text(TOML)
+    cfg = load_toml(path)
+    for f in dataclasses.fields(TransferConfig):
+        default = TransferConfig(control=cfg.control)
+        if f.name != "control":
+            assert getattr(cfg, f.name) != getattr(default, f.name), f"{f.name} left default"
+    assert config_from_mapping(config_to_mapping(cfg)) == cfg
+    assert config_from_mapping(config_to_mapping(TransferConfig(control=cfg.control))) == (
+        TransferConfig(control=cfg.control)
+    )
+
+
+def test_one_memory_budget_and_writes_within_it():
+    # The sender has no budget of its own; the planner's default write size follows the budget,
+    # so a small budget alone is a valid config.
+    assert "memory_budget_bytes" not in {f.name for f in dataclasses.fields(SenderConfig)}
+    small = PlannerConfig(memory_budget_bytes=8 << 20)
+    assert small.write_limit_bytes == 2 << 20
+    assert PlannerConfig().write_limit_bytes == 64 << 20
+    assert PlannerConfig(max_write_bytes=1 << 20).write_limit_bytes == 1 << 20
+
+
+def test_published_sample_tokens_are_refused():
+    """Every token the README and docs print as a sample is refused (anyone can read it)."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    samples = set()
+    for path in texts:
+        samples |= set(re.findall(r'token\s*=\s*"([^"]+)"', path.read_text()))
+    assert samples, "the README shows a sample token in its TOML example"
+    assert samples <= PUBLISHED_SAMPLE_TOKENS, samples - PUBLISHED_SAMPLE_TOKENS
+    for token in PUBLISHED_SAMPLE_TOKENS:
+        assert token_bits(token) >= 128  # it would pass as random: only the list refuses it
+        with pytest.raises(ConfigurationError, match="sample printed in this project's docs"):
+            ControlPlaneConfig(token=token)
+
+
+def test_vllm_init_infos_are_derived_from_the_config_and_hide_the_token(tmp_path):
+    from weight_transfer.vllm import EngineInitInfo, TrainerInitInfo
+
+    path = tmp_path / "wt.toml"
+    path.write_text(TOML)
+    cfg = load_toml(path)
+    info = TrainerInitInfo(config=cfg, rank=1, world_size=2)
+    assert not info.is_sender
+    engine = info.engine_init_info()
+    # What vLLM does with the dict it receives: EngineInitInfo(**init_info).
+    rebuilt = EngineInitInfo(**engine.to_dict())
+    # All of it but this trainer rank's own addresses: each worker resolves its own.
+    assert rebuilt.transfer_config() == dataclasses.replace(
+        cfg, listen_host=None, advertise_host=None
+    )
+    for shown in (repr(info), str(info), repr(engine), repr(rebuilt), str(engine.to_dict)):
+        assert TOKEN not in shown, shown
+    # The engine side has no defaults of its own: nothing but the config.
+    assert [f.name for f in dataclasses.fields(EngineInitInfo)] == ["config"]
+    with pytest.raises(ConfigurationError, match="config.control.port"):
+        EngineInitInfo(**merge(engine.to_dict(), {"config": {"control": {"port": "x"}}}))
+    with pytest.raises(ConfigurationError, match="num_engines is not set"):
+        TrainerInitInfo(config=dataclasses.replace(cfg, num_engines=None), rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match="rank 2 is outside world_size 2"):
+        TrainerInitInfo(config=cfg, rank=2, world_size=2)
+    # Without a process group: rank 0 of 1.
+    solo = TrainerInitInfo(config=cfg)
+    assert (solo.rank, solo.world_size, solo.is_sender) == (0, 1, True)

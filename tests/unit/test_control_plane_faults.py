@@ -29,19 +29,26 @@ import torch.distributed as dist
 
 from weight_transfer.backends.base import (
     ControlPlaneAuthError,
-    TransportConfig,
     TransportTimeoutError,
     WeightTransferError,
 )
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    SenderConfig,
+    TransferConfig,
+)
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
 SHAPE = (8, 6)
+PLANNER = PlannerConfig(memory_budget_bytes=1 << 16)
+"""The one memory budget of these runs (controllers made by hand plan with it)."""
 
 
 def _control(timeout_s: float = 10.0, **kw: Any) -> ControlPlaneConfig:
@@ -61,9 +68,8 @@ def _engine(name: str, cp: ControlPlaneConfig, seed: int, backend: str = "loopba
     return WeightReceiver(
         {"w": torch.randn(SHAPE, generator=g)},
         [identity("w", "w", SHAPE)],
+        TransferConfig(transport=backend, control=cp),
         engine=name,
-        transport=TransportConfig(name=backend),
-        control=cp,
     )
 
 
@@ -80,15 +86,13 @@ def _sender(
     world: int = 1,
     backend: str = "loopback",
 ) -> WeightSender:
-    return WeightSender(
-        src,
-        rank=rank,
-        world_size=world,
-        transport=TransportConfig(name=backend),
+    config = TransferConfig(
+        transport=backend,
         control=cp,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 16, update_timeout_s=10),
+        sender=SenderConfig(update_timeout_s=10),
+        planner=PLANNER,
     )
+    return WeightSender(src, config, rank=rank, world_size=world, controller=ctrl)
 
 
 def _on_threads(fns: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
@@ -126,10 +130,10 @@ class _FakeVllm:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from weight_transfer.vllm import EngineInitInfo
 
-        info = EngineInitInfo(**init_info)
-        name = f"{info.engine_prefix}/rank0"
-        self.receivers.append(_engine(name, info.control(), seed=5))
-        self.signal = ControlPlane(info.control(), server=False, member=name)
+        config = EngineInitInfo(**init_info).transfer_config()
+        name = f"{config.vllm.engine_prefix}/rank0"
+        self.receivers.append(_engine(name, config.control, seed=5))
+        self.signal = ControlPlane(config.control, server=False, member=name)
 
     def start_weight_update(self) -> None:
         pass
@@ -161,7 +165,13 @@ def test_a_strangers_ready_key_does_not_release_go_while_the_engine_runs() -> No
 
     port = free_port()
     info = TrainerInitInfo(
-        rank=0, world_size=1, num_engines=1, port=port, token=secrets.token_hex(16), timeout_s=10
+        config=TransferConfig(
+            num_engines=1,
+            control=ControlPlaneConfig(port=port, token=secrets.token_hex(16), timeout_s=10),
+            planner=PLANNER,
+        ),
+        rank=0,
+        world_size=1,
     )
     client = _FakeVllm(busy_s=1.0)
     src = _source(6)
@@ -199,13 +209,14 @@ def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() 
     from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
 
     info = TrainerInitInfo(
+        config=TransferConfig(
+            num_engines=1,
+            control=ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=10),
+            sender=SenderConfig(update_timeout_s=60),
+            planner=PLANNER,
+        ),
         rank=0,
         world_size=1,
-        num_engines=1,
-        port=free_port(),
-        token=secrets.token_hex(16),
-        timeout_s=10,
-        update_timeout_s=60,
     )
     client = _FailingVllm(busy_s=0.0)
     updater = OneSidedUpdater(info, _source(6), client)
@@ -223,7 +234,7 @@ def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() 
 @pytest.mark.timeout(90)
 def test_a_planted_join_slot_claim_does_not_stall_replan() -> None:
     cp = _control(timeout_s=4)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1, planner=PLANNER), cp)
     e0 = _engine("e0", cp, seed=1)
     src = _source(2)
     tx = _sender(src, cp, ctrl)
@@ -285,7 +296,7 @@ def _rss_bytes() -> int:
 @pytest.mark.timeout(120)
 def test_b_a_stranger_cannot_fill_the_training_process_memory_or_descriptors() -> None:
     cp = _control(store_memory_bytes=32 << 20, store_max_connections=16)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1, planner=PLANNER), cp)
     try:
         listening = _listening_inodes(cp.port)
         assert listening and not listening & _own_socket_inodes(), (
@@ -347,7 +358,7 @@ def _settled_num_keys(port: int) -> int:
 @pytest.mark.timeout(120)
 def test_c_a_cadence_of_3_does_not_leak_keys() -> None:
     cp = _control()
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
     rx = _engine("e0", cp, seed=1)
     src = [_source(2), _source(2)]
     built = _on_threads(
@@ -385,7 +396,7 @@ def test_c_a_cadence_of_3_does_not_leak_keys() -> None:
 def test_d_an_engine_that_joins_late_but_in_time_fails_no_rank() -> None:
     t = 2.0
     cp = _control(timeout_s=t)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
     src = _source(4)
     engines: list[WeightReceiver] = []
     t0 = time.monotonic()
@@ -425,7 +436,7 @@ def test_d_an_engine_that_joins_late_but_in_time_fails_no_rank() -> None:
 def test_d_a_rank_that_gives_up_fails_the_controller_too() -> None:
     """The other way round: a rank that stops waiting makes the plan fail everywhere."""
     cp = _control(timeout_s=1.0)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
     src = _source(4)
     try:
         out = _on_threads([lambda: _sender(dict(src), cp, None, rank=1, world=2)], 30)
@@ -446,7 +457,7 @@ def test_d_a_rank_that_gives_up_fails_the_controller_too() -> None:
 @pytest.mark.timeout(120)
 def test_e_a_rank_that_cannot_build_the_new_plan_leaves_every_rank_on_the_old() -> None:
     cp = _control()
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
     e0 = _engine("e0", cp, seed=1)
     src = _source(2)
     built = _on_threads(

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from weight_transfer.backends.base import ControlPlaneAuthError, TransportConfig
+from weight_transfer.backends.base import ControlPlaneAuthError
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig
+from weight_transfer.config import ControllerConfig, ControlPlaneConfig, TransferConfig
 from weight_transfer.control import ControlPlane, derive_key
 from weight_transfer.controller import Controller
 from weight_transfer.planner import codec
@@ -77,22 +77,15 @@ def test_outsider_reads_only_ciphertext_and_cannot_forge() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     g = torch.Generator().manual_seed(1)
     engine_tensors = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
+    cfg = TransferConfig(transport="tcp", control=cp)
     rx = WeightReceiver(
         engine_tensors,
         [identity("secret_tensor_name.weight", "secret_tensor_name.weight", (8, 4))],
+        cfg,
         engine="e0",
-        transport=TransportConfig(name="tcp"),
-        control=cp,
     )
     src = {"secret_tensor_name.weight": torch.randn(8, 4, generator=g)}
-    tx = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name="tcp"),
-        control=cp,
-        controller=ctrl,
-    )
+    tx = WeightSender(src, cfg, controller=ctrl)
     try:
         outsider = _raw_client(cp.port)
         descriptors = [r.descriptor for r in rx.manifest.regions]
@@ -215,8 +208,6 @@ def test_a_value_recorded_in_an_earlier_run_is_refused() -> None:
 
 @pytest.mark.timeout(60)
 def test_stranger_cannot_pre_claim_an_engine_name_or_stall_a_join() -> None:
-    from weight_transfer.backends.base import TransportConfig as TC
-
     cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=5)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     rx = tx = None
@@ -227,27 +218,17 @@ def test_stranger_cannot_pre_claim_an_engine_name_or_stall_a_join() -> None:
         tensors = {"w": torch.randn(4, 4, generator=g)}
         with pytest.raises(ControlPlaneAuthError, match="claim/engine/e0"):
             WeightReceiver(
-                tensors,
-                [identity("w", "w", (4, 4))],
-                engine="e0",
-                transport=TC(name="loopback"),
-                control=cp,
+                tensors, [identity("w", "w", (4, 4))], TransferConfig(control=cp), engine="e0"
             )
         # A forged join slot is nobody's: the engine and the controller skip it (they used
         # to stop at it, the engine raising and the controller waiting out its timeout).
         outsider.set("wt/default/claim/engine_slot/0", b"y" * 40)
         rx = WeightReceiver(
-            tensors,
-            [identity("w", "w", (4, 4))],
-            engine="e1",
-            transport=TC(name="loopback"),
-            control=cp,
+            tensors, [identity("w", "w", (4, 4))], TransferConfig(control=cp), engine="e1"
         )
         src = {"w": torch.randn(4, 4, generator=g)}
         t0 = time.monotonic()
-        tx = WeightSender(
-            src, rank=0, world_size=1, transport=TC(name="loopback"), control=cp, controller=ctrl
-        )
+        tx = WeightSender(src, TransferConfig(control=cp), controller=ctrl)
         assert time.monotonic() - t0 < 4, "the plan waited for the forged slot"
         assert sorted(ctrl.joins) == ["e1"]
         tx.update(1)

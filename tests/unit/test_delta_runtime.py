@@ -16,19 +16,20 @@ import pytest
 import torch
 
 from weight_transfer import delta_sender
-from weight_transfer.backends.base import TransportConfig, WeightTransferError
+from weight_transfer.backends.base import WeightTransferError
 from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import (
-    ControllerConfig,
     ControlPlaneConfig,
     DeltaConfig,
     ReceiverConfig,
     SenderConfig,
+    TransferConfig,
 )
 from weight_transfer.controller import Controller
 from weight_transfer.delta import PatchError
 from weight_transfer.manifest import torch_dtype
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import (
     engine_tensor_specs,
     fused_gate_up,
@@ -111,7 +112,15 @@ def _perturb(src: dict[str, torch.Tensor], step: int, density: float) -> None:
 class Setup:
     def __init__(self, backend: str, delta: DeltaConfig, patch_bytes: int = 1 << 20) -> None:
         cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20.0)
-        self.ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=TP), cp)
+        config = TransferConfig(
+            transport=backend,
+            num_engines=TP,
+            control=cp,
+            sender=SenderConfig(update_timeout_s=20, delta=delta),
+            receiver=ReceiverConfig(patch_region_bytes=patch_bytes),
+            planner=PlannerConfig(memory_budget_bytes=1 << 20),
+        )
+        self.ctrl = Controller(config.controller_config(1), cp)
         self.engines: list[dict[str, torch.Tensor]] = []
         self.receivers: list[WeightReceiver] = []
         for r in range(TP):
@@ -122,26 +131,9 @@ class Setup:
                 for s in engine_tensor_specs(recipes)
             }
             self.engines.append(tensors)
-            self.receivers.append(
-                WeightReceiver(
-                    tensors,
-                    recipes,
-                    engine=f"e{r}",
-                    transport=TransportConfig(name=backend),
-                    control=cp,
-                    config=ReceiverConfig(patch_region_bytes=patch_bytes),
-                )
-            )
+            self.receivers.append(WeightReceiver(tensors, recipes, config, engine=f"e{r}"))
         self.src = _trainer(1)
-        self.sender = WeightSender(
-            self.src,
-            rank=0,
-            world_size=1,
-            transport=TransportConfig(name=backend),
-            control=cp,
-            controller=self.ctrl,
-            config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20, delta=delta),
-        )
+        self.sender = WeightSender(self.src, config, controller=self.ctrl)
 
     def update(self, step: int) -> str:
         self.sender.update(step)

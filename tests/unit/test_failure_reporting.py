@@ -26,6 +26,7 @@ from tests.unit.test_layouts import (
     shards_for,
 )
 from weight_transfer.backends.base import WeightTransferError
+from weight_transfer.errors import UpdateFailedError
 from weight_transfer.sender import WeightSender
 
 FAIL_WITHIN_S = 5.0
@@ -109,7 +110,9 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
             t.join(30)
         for r in range(3):
             exc = out.results[r]
-            assert isinstance(exc, WeightTransferError), f"rank {r} returned {exc!r}"
+            # Typed: every rank raises the retryable UpdateFailedError for update 1.
+            assert isinstance(exc, UpdateFailedError), f"rank {r} returned {exc!r}"
+            assert exc.step == 1 and exc.retryable
             text = str(exc)
             assert "update 1" in text and "trainer rank 2" in text and "Boom: injected" in text, (
                 text
@@ -123,7 +126,7 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
             assert 1 in armed["before_rollback"], armed["before_rollback"]
         for rx in cluster.receivers:
             assert rx.version == 0, (stage, rx.engine, rx.version)
-            assert isinstance(seen[rx.engine], WeightTransferError), (rx.engine, seen[rx.engine])
+            assert isinstance(seen[rx.engine], UpdateFailedError), (rx.engine, seen[rx.engine])
         armed["on"] = False
         with torch.no_grad():
             for t in hf.values():

@@ -110,7 +110,9 @@ def test_codec_json_random_text(cls: type, text: str) -> None:
 
 _PLAN = protocol.RankPlan(
     fingerprint="f" * 64,
-    schedule=RankSchedule(rank=1, tasks=(), peers=("e0", "e1"), version_engines=("e1",)),
+    schedule=RankSchedule(
+        rank=1, tasks=(), peers=("e0", "e1"), version_engines=("e1",), memory_budget_bytes=1 << 20
+    ),
     engines=(
         protocol.EnginePeer(
             name="e0", endpoint=b"ep0", descriptors=(b"d0", b"v0"), version_region=1

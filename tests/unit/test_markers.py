@@ -26,7 +26,8 @@ def test_absent_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(availability.BACKEND_MODULES, "ucx", "no_such_module_wt_test")
     reason = availability.backend_unavailable_reason("ucx")
     assert reason is not None and "'no_such_module_wt_test', not installed" in reason
-    assert "weight-transfer[ucx]" in reason  # how to install it
+    # How to install it: the package PyPI has (weight-transfer itself is not on PyPI).
+    assert "pip install 'libucx-cu13>=1.22,<1.23'" in reason
 
 
 def test_unknown_backend_is_an_error() -> None:

@@ -73,9 +73,9 @@ def test_segment_defaults_by_memory_type_and_override() -> None:
         given.close()
 
 
-def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_wheel_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nixl_cu13", None)
-    with pytest.raises(TransportUnavailableError, match=r"weight-transfer\[nixl\]"):
+    with pytest.raises(TransportUnavailableError, match=r"pip install nixl-cu13==1\.5\.1"):
         NixlTransport(TransportConfig(name="nixl"))
 
 

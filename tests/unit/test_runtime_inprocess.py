@@ -11,13 +11,19 @@ from weight_transfer.backends.base import (
     ConfigurationError,
     ControlPlaneAuthError,
     PlanMismatchError,
-    TransportConfig,
     TransportTimeoutError,
     WeightTransferError,
 )
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import (
+    ControllerConfig,
+    ControlPlaneConfig,
+    SenderConfig,
+    TransferConfig,
+)
 from weight_transfer.controller import Controller
+from weight_transfer.errors import UpdateFailedError
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import column_shard, identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -28,6 +34,23 @@ def control(
 ) -> ControlPlaneConfig:
     return ControlPlaneConfig(
         port=port or free_port(), token=token or secrets.token_hex(16), timeout_s=timeout_s
+    )
+
+
+def config(
+    cp: ControlPlaneConfig,
+    backend: str = "loopback",
+    *,
+    num_engines: int = 1,
+    budget: int = 1 << 20,
+    update_timeout_s: float = 20.0,
+) -> TransferConfig:
+    return TransferConfig(
+        transport=backend,
+        num_engines=num_engines,
+        control=cp,
+        sender=SenderConfig(update_timeout_s=update_timeout_s),
+        planner=PlannerConfig(memory_budget_bytes=budget),
     )
 
 
@@ -61,27 +84,11 @@ def test_single_process_updates(backend: str) -> None:
     receivers, engine_tensors, rows = [], [], []
     for e in range(2):
         recipes, tensors, r = engine_setup(e)
-        receivers.append(
-            WeightReceiver(
-                tensors,
-                recipes,
-                engine=f"e{e}",
-                transport=TransportConfig(name=backend),
-                control=cp,
-            )
-        )
+        receivers.append(WeightReceiver(tensors, recipes, config(cp, backend), engine=f"e{e}"))
         engine_tensors.append(tensors)
         rows.append(r)
     src = trainer_tensors(1)
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name=backend),
-        control=cp,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
-    )
+    sender = WeightSender(src, config(cp, backend), rank=0, world_size=1, controller=ctrl)
     try:
         for step in (1, 2):
             with torch.no_grad():
@@ -116,11 +123,11 @@ def test_engine_name_registered_twice() -> None:
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)  # noqa: F841 (hosts the store)
     recipes, tensors, _ = engine_setup()
-    r1 = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    r1 = WeightReceiver(tensors, recipes, config(cp), engine="e0")
     try:
         recipes2, tensors2, _ = engine_setup()
         with pytest.raises(ConfigurationError, match="'e0' is already registered"):
-            WeightReceiver(tensors2, recipes2, engine="e0", transport=TransportConfig(), control=cp)
+            WeightReceiver(tensors2, recipes2, config(cp), engine="e0")
     finally:
         r1.close()
 
@@ -132,7 +139,7 @@ def test_wrong_token_refused() -> None:
     recipes, tensors, _ = engine_setup()
     bad = ControlPlaneConfig(port=cp.port, token=secrets.token_hex(16), timeout_s=5)
     with pytest.raises(ControlPlaneAuthError, match="do not share this token"):
-        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=bad)
+        WeightReceiver(tensors, recipes, config(bad), engine="e0")
 
 
 @pytest.mark.timeout(60)
@@ -141,15 +148,13 @@ def test_plan_mismatch_raises_before_any_byte_moves() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     recipes, tensors, _ = engine_setup(0, 1)
     before = {n: t.clone() for n, t in tensors.items()}
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
     src = trainer_tensors(1)
     src["c.weight"] = torch.randn(3, 3).to(torch.bfloat16)  # extra
     del src["b.weight"]  # missing
     try:
         with pytest.raises(PlanMismatchError) as info:
-            WeightSender(
-                src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl
-            )
+            WeightSender(src, config(cp), rank=0, world_size=1, controller=ctrl)
         text = str(info.value)
         assert "'b.weight'" in text and "which no trainer rank has" in text
         assert "'c.weight'" in text and "extra" in text
@@ -165,17 +170,10 @@ def test_engine_that_never_shows_up_times_out() -> None:
     cp = control(timeout_s=2)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
     recipes, tensors, _ = engine_setup(0, 2)
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
     try:
         with pytest.raises(TransportTimeoutError, match="1 of 2 engines joined"):
-            WeightSender(
-                trainer_tensors(1),
-                rank=0,
-                world_size=1,
-                transport=TransportConfig(),
-                control=cp,
-                controller=ctrl,
-            )
+            WeightSender(trainer_tensors(1), config(cp), rank=0, world_size=1, controller=ctrl)
     finally:
         rx.close()
 
@@ -185,23 +183,14 @@ def test_trainer_rank_that_never_shows_up_times_out() -> None:
     cp = control(timeout_s=2)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
     with pytest.raises(TransportTimeoutError, match=r"trainer rank\(s\) \[1\] did not join"):
-        WeightSender(
-            trainer_tensors(1),
-            rank=0,
-            world_size=2,
-            transport=TransportConfig(),
-            control=cp,
-            controller=ctrl,
-        )
+        WeightSender(trainer_tensors(1), config(cp), rank=0, world_size=2, controller=ctrl)
 
 
 @pytest.mark.timeout(60)
 def test_no_control_plane_times_out() -> None:
     with pytest.raises(TransportTimeoutError, match="could not reach the control plane"):
         recipes, tensors, _ = engine_setup()
-        WeightReceiver(
-            tensors, recipes, engine="e0", transport=TransportConfig(), control=control(timeout_s=1)
-        )
+        WeightReceiver(tensors, recipes, config(control(timeout_s=1)), engine="e0")
 
 
 def test_receiver_refuses_unwritten_and_missing_tensors() -> None:
@@ -209,15 +198,15 @@ def test_receiver_refuses_unwritten_and_missing_tensors() -> None:
     recipes, tensors, _ = engine_setup()
     tensors["stray.weight"] = torch.randn(2)
     with pytest.raises(ConfigurationError, match="'stray.weight' is written by no recipe"):
-        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+        WeightReceiver(tensors, recipes, config(cp), engine="e0")
     del tensors["stray.weight"]
     del tensors["b.weight"]
     with pytest.raises(ConfigurationError, match="'b.weight', which the engine does not have"):
-        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+        WeightReceiver(tensors, recipes, config(cp), engine="e0")
     recipes, tensors, _ = engine_setup()
     tensors["a.weight"] = torch.randn(19, 19).to(torch.bfloat16).t()
     with pytest.raises(ConfigurationError, match="'a.weight' is not contiguous"):
-        WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+        WeightReceiver(tensors, recipes, config(cp), engine="e0")
 
 
 def test_engine_shape_mismatch_named_by_planner() -> None:
@@ -225,17 +214,10 @@ def test_engine_shape_mismatch_named_by_planner() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     recipes, tensors, _ = engine_setup(0, 2)
     tensors["a.weight"] = torch.randn(20, 19).to(torch.bfloat16)  # tp shard has 19 rows
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
     try:
         with pytest.raises(PlanMismatchError, match="'a.weight'"):
-            WeightSender(
-                trainer_tensors(1),
-                rank=0,
-                world_size=1,
-                transport=TransportConfig(),
-                control=cp,
-                controller=ctrl,
-            )
+            WeightSender(trainer_tensors(1), config(cp), rank=0, world_size=1, controller=ctrl)
     finally:
         rx.close()
 
@@ -275,10 +257,8 @@ def test_fp8_fused_quantization_matches_reference(rows: int) -> None:
     )
     specs = engine_tensor_specs(recipes)
     tensors = {s.name: torch.randn(s.shape, generator=g).to(torch_dtype(s.dtype)) for s in specs}
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
-    sender = WeightSender(
-        src, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl
-    )
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
+    sender = WeightSender(src, config(cp), rank=0, world_size=1, controller=ctrl)
     try:
         sender.update(1)
         want = materialize(recipes, specs, src)
@@ -296,19 +276,9 @@ def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
     recipes, tensors, _ = engine_setup(0, tp=1)
-    rx = WeightReceiver(
-        tensors, recipes, engine="e0", transport=TransportConfig(name="loopback"), control=cp
-    )
+    rx = WeightReceiver(tensors, recipes, config(cp, "loopback"), engine="e0")
     src = trainer_tensors(3)
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name="loopback"),
-        control=cp,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
-    )
+    sender = WeightSender(src, config(cp, "loopback"), rank=0, world_size=1, controller=ctrl)
     try:
         sender.update(1)
         assert torch.equal(tensors["a.weight"], src["a.weight"])
@@ -318,9 +288,12 @@ def test_reallocated_parameter_fails_the_update_and_no_engine_advances() -> None
         sender.update(2)
         assert torch.equal(tensors["a.weight"], src["a.weight"])
         src["a.weight"].set_(torch.randn(37, 19).to(torch.bfloat16))
-        with pytest.raises(WeightTransferError, match="'a.weight' was reallocated"):
+        with pytest.raises(UpdateFailedError, match="'a.weight' was reallocated") as info:
             sender.update(3)
+        assert info.value.step == 3 and info.value.retryable
         assert rx.version == 2
+        with pytest.raises(UpdateFailedError, match="update 3 failed and was not applied"):
+            rx.wait_for_version(3, 5.0)  # the engine side learns it by type too
     finally:
         sender.close()
         rx.close()
@@ -341,22 +314,11 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=2), cp)
     for e in range(2):
         recipes, tensors, r = engine_setup(e)
-        receivers.append(
-            WeightReceiver(
-                tensors, recipes, engine=f"e{e}", transport=TransportConfig(name="tcp"), control=cp
-            )
-        )
+        receivers.append(WeightReceiver(tensors, recipes, config(cp, "tcp"), engine=f"e{e}"))
         engine_tensors.append(tensors)
         rows.append(r)
     src = trainer_tensors(1)
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name="tcp"),
-        control=cp,
-        controller=ctrl,
-    )
+    sender = WeightSender(src, config(cp, "tcp"), rank=0, world_size=1, controller=ctrl)
     try:
         sender.update(1)
         first_run = ctrl.control.run_id
@@ -375,14 +337,7 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         with pytest.raises(ConfigurationError, match="already registered"):
             receivers[0].join_new_session()  # twice in one session is a mistake, named
         src = trainer_tensors(2)
-        sender = WeightSender(
-            src,
-            rank=0,
-            world_size=1,
-            transport=TransportConfig(name="tcp"),
-            control=cp,
-            controller=ctrl,
-        )
+        sender = WeightSender(src, config(cp, "tcp"), rank=0, world_size=1, controller=ctrl)
         sender.update(2)
         for e in range(2):
             assert receivers[e].wait_for_version(2, 5.0) == 2
@@ -393,6 +348,79 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         sender.close()
         for r in receivers:
             r.close()
+
+
+@pytest.mark.timeout(120)
+def test_rank_zero_sender_hosts_the_controller() -> None:
+    """No controller made by hand and no process group: the sender is rank 0 of 1, hosts the
+    control plane the engines (started first, as in the README) are waiting for, plans, and
+    closes the controller with itself."""
+    import threading
+
+    cp = control()
+    cfg = config(cp, num_engines=2)
+    receivers: dict[int, WeightReceiver] = {}
+    setups = [engine_setup(e) for e in range(2)]
+    failures: list[BaseException] = []
+
+    def engine(e: int) -> None:
+        recipes, tensors, _ = setups[e]
+        try:
+            receivers[e] = WeightReceiver(tensors, recipes, cfg, engine=f"e{e}")
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(e,)) for e in range(2)]
+    for t in threads:
+        t.start()
+    src = trainer_tensors(5)
+    sender = WeightSender(src, cfg)
+    try:
+        for t in threads:
+            t.join(30)
+        assert not failures, failures
+        assert (sender.rank, sender.world_size) == (0, 1)
+        assert sender.controller is not None
+        sender.update(1)
+        for e, (_, tensors, (a, b)) in enumerate(setups):
+            assert receivers[e].wait_for_version(1, 5.0) == 1
+            assert torch.equal(tensors["a.weight"], src["a.weight"][a:b])
+            assert torch.equal(tensors["b.weight"], src["b.weight"])
+    finally:
+        sender.close()
+        for rx in receivers.values():
+            rx.close()
+    with pytest.raises(WeightTransferError, match="connection is closed"):
+        sender.controller.control.exists("hello")  # closed with the sender
+
+
+def test_rank_zero_without_num_engines_is_refused_before_hosting() -> None:
+    cp = control()
+    with pytest.raises(ConfigurationError, match="num_engines is not set"):
+        WeightSender(trainer_tensors(1), TransferConfig(control=cp))
+
+
+@pytest.mark.timeout(120)
+def test_one_budget_drives_planner_and_executor() -> None:
+    """The planner's budget is the executor's: a 4 MiB float32 tensor cast into a bfloat16
+    engine tensor goes through a 1 MiB budget (before, a sender budget smaller than the
+    planner's failed the construction), and the staging arena is half that budget."""
+    cp = control()
+    ctrl = Controller(config(cp).controller_config(1), cp)
+    g = torch.Generator().manual_seed(9)
+    src = {"w": torch.randn(1024, 1024, generator=g)}
+    tensors = {"w": torch.randn(1024, 1024, generator=g).to(torch.bfloat16)}
+    rx = WeightReceiver(tensors, (identity("w", "w", (1024, 1024)),), config(cp), engine="e0")
+    sender = WeightSender(src, config(cp), controller=ctrl)
+    try:
+        assert sender.schedule.memory_budget_bytes == 1 << 20
+        assert sender._executor.arena.nbytes == (1 << 20) // 2
+        sender.update(1)
+        assert torch.equal(tensors["w"], src["w"].to(torch.bfloat16))
+    finally:
+        sender.close()
+        rx.close()
+        ctrl.close()
 
 
 # -- sources checked, tied parameters (issue 23) -------------------------------------------------
@@ -409,21 +437,14 @@ def test_mismatched_source_shape_fails_the_plan_on_every_rank() -> None:
     ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1), cp)
     recipes, tensors, _ = engine_setup(0, 2)
     before = {n: t.clone() for n, t in tensors.items()}
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
     errors: dict[int, BaseException] = {}
 
     def rank(r: int) -> None:
         src = trainer_tensors(r)
         src["a.weight"] = torch.randn(41, 19).to(torch.bfloat16)
         try:
-            WeightSender(
-                src,
-                rank=r,
-                world_size=2,
-                transport=TransportConfig(),
-                control=cp,
-                controller=ctrl if r == 0 else None,
-            )
+            WeightSender(src, config(cp), rank=r, world_size=2, controller=ctrl if r == 0 else None)
         except BaseException as exc:  # handed to the test
             errors[r] = exc
 
@@ -488,10 +509,8 @@ def test_tied_module_is_sent_as_one_source(engine_tied: bool) -> None:
         tensors["lm_head.weight"] = torch.randn(40, 16, generator=g)
     cp = control()
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
-    rx = WeightReceiver(tensors, recipes, engine="e0", transport=TransportConfig(), control=cp)
-    sender = WeightSender(
-        model, rank=0, world_size=1, transport=TransportConfig(), control=cp, controller=ctrl
-    )
+    rx = WeightReceiver(tensors, recipes, config(cp), engine="e0")
+    sender = WeightSender(model, config(cp), controller=ctrl)
     try:
         for step in (1, 2):
             with torch.no_grad():

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer.backends.base import TransportConfig, WeightTransferError, WriteOp
+from weight_transfer.backends.base import WeightTransferError, WriteOp
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControllerConfig, ControlPlaneConfig, SenderConfig
+from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
 from weight_transfer.controller import Controller
 from weight_transfer.errors import NotServingError, TransportTimeoutError
+from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
@@ -65,23 +66,15 @@ def test_a_failed_update_closes_the_gate_until_a_complete_one_lands() -> None:
     live = {n: t.clone() for n, t in start.items()}
     src = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
-    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
-    rx = WeightReceiver(
-        live,
-        [identity(n, n, s) for n, s in SHAPES.items()],
-        engine="e0",
-        transport=TransportConfig(name="loopback"),
+    config = TransferConfig(
+        num_engines=1,
         control=cp,
+        sender=SenderConfig(update_timeout_s=20),
+        planner=PlannerConfig(memory_budget_bytes=1 << 20),
     )
-    sender = WeightSender(
-        src,
-        rank=0,
-        world_size=1,
-        transport=TransportConfig(name="loopback"),
-        control=cp,
-        controller=ctrl,
-        config=SenderConfig(memory_budget_bytes=1 << 20, update_timeout_s=20),
-    )
+    ctrl = Controller(config.controller_config(1), cp)
+    rx = WeightReceiver(live, [identity(n, n, s) for n, s in SHAPES.items()], config, engine="e0")
+    sender = WeightSender(src, config, controller=ctrl)
     armed: dict[str, Any] = {"on": True}
     _half_then_fail(sender, armed)
     try:

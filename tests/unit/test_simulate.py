@@ -71,7 +71,9 @@ def direct(task_id: int, rank: int, writes: list[SliceWrite], group: int = 0, h2
 
 def schedule_of(tasks: list[list[Task]], engines: tuple[str, ...], groups: int = 1) -> Schedule:
     ranks = tuple(
-        RankSchedule(rank=r, tasks=tuple(ts), peers=engines, version_engines=())
+        RankSchedule(
+            rank=r, tasks=tuple(ts), peers=engines, version_engines=(), memory_budget_bytes=1 << 30
+        )
         for r, ts in enumerate(tasks)
     )
     per_engine = {e: 0 for e in engines}

@@ -126,14 +126,14 @@ def test_payload_codec_rejects_garbage() -> None:
             _decode_payload(bad)
 
 
-def test_missing_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_wheel_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from weight_transfer.backends import ucx
 
     def no_wheel() -> None:
         raise ImportError("No module named 'libucx'")
 
     monkeypatch.setattr(ucx.ucx_native.L, "load", no_wheel)
-    with pytest.raises(TransportUnavailableError, match=r"weight-transfer\[ucx\]"):
+    with pytest.raises(TransportUnavailableError, match=r"pip install 'libucx-cu13>=1\.22,<1\.23'"):
         ucx.UcxTransport(TransportConfig(name="ucx"))
 
 

@@ -103,9 +103,7 @@ def _transports(ns: argparse.Namespace) -> int:
     from weight_transfer.benchmarks import transport_harness as harness
 
     if ns.plot_path and importlib.util.find_spec("matplotlib") is None:
-        print(
-            "error: --plot needs matplotlib: pip install 'weight-transfer[plot]'", file=sys.stderr
-        )
+        print("error: --plot needs matplotlib: pip install 'matplotlib>=3.7'", file=sys.stderr)
         return 2
     try:
         if ns.sizes:

