@@ -492,6 +492,7 @@ def moe_w2_fused(
                 dest_box=((0, e1 - e0), (0, h), (0, b - a)),
             ),
         ),
+        sources=_specs(dest, [(down, (num_experts, h, intermediate_size))]),
     )
 
 

@@ -218,6 +218,11 @@ def test_moe_stacks_per_expert_and_fused_agree(tp_size: int) -> None:
         assert torch.equal(_build(w13f, src), want13)
         assert torch.equal(_build(w2, src), want2)
         assert torch.equal(_build(w2f, src), want2)
+        # Every builder declares the global shape of what it reads (the planner refuses others).
+        for r in (w13, w2, w13f, w2f):
+            declared = {spec.name: spec.shape for spec in r.sources}
+            assert {p.source for p in r.parts} == set(declared), r.dest
+            assert all(declared[n] == tuple(src[n].shape) for n in declared), r.dest
     with pytest.raises(ValueError, match="as many gate as up"):
         moe_w13(
             "w13", ["g0"], [], intermediate_size=inter, hidden_size=hidden, tp_rank=0, tp_size=1
