@@ -18,6 +18,10 @@ The listening socket is created by the caller (bound to exactly the configured h
 over with `SCM_RIGHTS`; requests and replies are single JSON datagrams over a Unix
 `SOCK_SEQPACKET` pair (no pickle). The host exits when its parent does (the pair's end closes),
 and every store it serves goes with it. Linux only.
+
+The caps are the host's, the sum over the stores it serves: a process that hosts several
+controllers at once (tests do; a trainer hosts one) lets a flood of one store use the others'
+allowance. What is bounded is the host, never the training process.
 """
 
 from __future__ import annotations

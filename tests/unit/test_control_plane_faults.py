@@ -293,19 +293,21 @@ def _rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.timeout(120)
-def test_b_a_stranger_cannot_fill_the_training_process_memory_or_descriptors() -> None:
+def _flood_child(channel: Any) -> None:
+    """A training process that hosts one controller, flooded by a stranger on its port.
+
+    Run in a process of its own: the store host serves every store its parent process hosts,
+    and its caps are the sum of theirs, so controllers other tests left open in the pytest
+    process would lend the flood their budgets."""
     cp = _control(store_memory_bytes=32 << 20, store_max_connections=16)
     ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1, planner=PLANNER), cp)
     try:
         listening = _listening_inodes(cp.port)
-        assert listening and not listening & _own_socket_inodes(), (
-            "the store's listening socket is in the training process"
-        )
+        in_process = bool(listening & _own_socket_inodes())
         rss0 = _rss_bytes()
         stored = 0
         chunk = os.urandom(4 << 20)
-        for i in range(64):  # 256 MiB offered
+        for i in range(64):  # up to 1 GiB offered
             try:
                 s = _raw(cp.port)
                 for j in range(4):
@@ -315,26 +317,41 @@ def test_b_a_stranger_cannot_fill_the_training_process_memory_or_descriptors() -
             except (RuntimeError, dist.DistError):
                 break
         grown = _rss_bytes() - rss0
-        assert stored < 200 << 20, f"the store took {stored >> 20} MiB past its 32 MiB budget"
-        assert grown < 48 << 20, f"the training process grew {grown >> 20} MiB"
         # What was stored stays readable: the controller still reads its own store.
-        assert ctrl.control.exists("hello")
+        readable = ctrl.control.exists("hello")
         # Connections past the limit are closed by the store at once.
         socks = [socket.create_connection(("127.0.0.1", cp.port)) for _ in range(160)]
         time.sleep(0.5)
         closed = 0
-        for s in socks:
-            s.setblocking(False)
+        for sock in socks:
+            sock.setblocking(False)
             try:
-                closed += s.recv(1) == b""
+                closed += sock.recv(1) == b""
             except BlockingIOError:
                 pass
             except OSError:
                 closed += 1
-            s.close()
-        assert closed >= 100, f"only {closed} of 160 connections past a limit of 16 were closed"
+            sock.close()
+        channel.put([bool(listening), in_process, stored, grown, readable, closed])
     finally:
         ctrl.close()
+
+
+@pytest.mark.timeout(120)
+def test_b_a_stranger_cannot_fill_the_training_process_memory_or_descriptors() -> None:
+    from weight_transfer.cli.launch import Child, Launch
+
+    got: list[Any] = []
+    outcome = Launch([Child("trainer0", _flood_child)]).run(
+        timeout_s=100, on_message=lambda _child, msg: got.append(msg)
+    )
+    assert outcome.ok and got, outcome.errors
+    listening, in_process, stored, grown, readable, closed = got[0]
+    assert listening and not in_process, "the store's listening socket is in the training process"
+    assert stored < 200 << 20, f"the store took {stored >> 20} MiB past its 32 MiB budget"
+    assert grown < 48 << 20, f"the training process grew {grown >> 20} MiB"
+    assert readable
+    assert closed >= 100, f"only {closed} of 160 connections past a limit of 16 were closed"
 
 
 # -- (c) per-update keys are deleted whatever the steps' numbers ------------------------------
