@@ -661,6 +661,7 @@ def engine_main(
         transport=config.transport_config(device_index=gpu),
     )
     apply_s: list[float] = []
+    wait_apply_s: list[float] = []
     for step in range(1, cfg.warmups + cfg.repeats + 1):
         # Every update is checked: digest every tensor under the key the trainer draws
         # after the update, once this step's version is committed (and, in delta mode,
@@ -668,7 +669,11 @@ def engine_main(
         t_apply = time.perf_counter()
         applied = rx.apply_delta(step, cfg.timeout_s)
         if applied.num_slots:
-            apply_s.append(time.perf_counter() - t_apply)
+            # The apply alone (checks, kernels, sync), and the call as the engine sees it:
+            # its wait for the update included (the trainer's whole update and whatever ran
+            # between updates).
+            apply_s.append(applied.apply_s)
+            wait_apply_s.append(time.perf_counter() - t_apply)
         key = int(dict(rx._control.get(f"vkey/{step}", Digests, cfg.timeout_s).digests)["key"])
         torch.cuda.synchronize()
         got = {n: f"{a}:{b}" for n, (a, b) in engine_digests(tensors, key).items()}
@@ -686,6 +691,7 @@ def engine_main(
         "engine_bytes": engine_bytes,
         "patch_region_bytes": patch_bytes,
         "apply_s": apply_s,
+        "wait_apply_s": wait_apply_s,
     }
     if cfg.baseline and cfg.layout == "split":
         res.update(_baseline_engine(cfg, rank, spec, recipes, specs, tensors, ports, dev))
@@ -909,6 +915,7 @@ def _summarize(res: dict[str, Any], cfg: BenchUpdateConfig) -> None:
             ),
             "encode_s": _spread([u["encode_s"] for u in updates if u["mode"] == "delta"]),
             "engine_apply_s": _spread(res.get("engine0", {}).get("apply_s", [])),
+            "engine_wait_and_apply_s": _spread(res.get("engine0", {}).get("wait_apply_s", [])),
             "snapshot_bytes": t0.get("snapshot_bytes"),
             "snapshot_device": t0.get("snapshot_device"),
             "patch_staging_bytes": t0.get("patch_staging_bytes"),

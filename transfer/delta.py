@@ -32,17 +32,21 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.kernels.delta import (
     CHUNK_ELEMENTS,
-    apply_changes,
+    apply_runs,
     count_changes,
+    count_runs,
     diff_encode,
     encode_changes,
+    encode_runs,
     int_view,
     num_chunks,
+    uses_triton,
 )
 
 log = logging.getLogger(__name__)
@@ -236,6 +240,56 @@ class PatchBuilder:
             entries=entries,
         )
 
+    def add_runs(self, runs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> int:
+        """`add` for many runs at once: (new, old, region, dest_offset, snapshot_offset) each.
+        On a GPU: one count launch per element size, one synchronization (to read the counts),
+        one encode launch per element size (`weight_transfer.kernels.delta.count_runs`). Returns
+        the bytes added.
+
+        Raises:
+            PatchError: the slot is full (the update must fail; `reset` before reuse).
+        """
+        views = [(int_view(a), int_view(b)) for a, b, _, _, _ in runs]
+        for a, b in views:
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ConfigurationError("new and snapshot bytes of a run differ in size")
+        if not views or not uses_triton(views[0][0]):
+            added = 0
+            for a, b, region, dest, at in runs:
+                added += self.add(a, b, region=region, dest_offset=dest, snapshot_offset=at)
+            return added
+        before = self.wire_bytes
+        counted = count_runs([a for a, _ in views], [b for _, b in views])
+        outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        for i, ((a, _), (_, _, region, dest, snap_at), total) in enumerate(
+            zip(views, runs, counted.totals, strict=True)
+        ):
+            outputs.append(None)
+            if total == 0:
+                continue
+            n, esize = a.numel(), a.element_size()
+            chunks = num_chunks(n)
+            sparse = 8 * (chunks + 1) + _pad8(2 * total) + _pad8(esize * total)
+            if sparse < n * esize:
+                at = self._take(sparse, f"a run of {n} elements")
+                view = self.staging[at : at + sparse]
+                i0 = 8 * (chunks + 1)
+                v0 = i0 + _pad8(2 * total)
+                outputs[-1] = (
+                    i,
+                    view[:i0].view(torch.int64),
+                    view[i0 : i0 + 2 * total].view(torch.int16),
+                    view[v0 : v0 + esize * total].view(a.dtype),
+                )
+                kind, num = SPARSE, total
+            else:
+                at = self._take(n * esize, f"a dense run of {n} elements")
+                self.staging[at : at + n * esize].view(a.dtype).copy_(a)
+                kind, num = DENSE, n
+            self.segments.append(Segment(region, dest, esize, n, kind, num, at, snap_at))
+        encode_runs(counted, outputs)
+        return self.wire_bytes - before
+
     def add_counted(
         self,
         new: torch.Tensor,
@@ -316,10 +370,42 @@ class ApplyStats:
     """Sparse entries scattered plus dense elements copied."""
     patch_bytes: int
     """Bytes of patch read."""
+    apply_s: float = 0.0
+    """Seconds from the update's completion to the patches applied (checks, kernels, device
+    synchronization; `WeightReceiver.apply_delta` fills it in), the wait for the update not
+    included."""
 
 
 def _words(t: torch.Tensor, offset: int, count: int) -> list[int]:
     return [int(x) for x in t[offset : offset + 8 * count].view(torch.int64).cpu().tolist()]
+
+
+def _check_chunk_offsets(
+    patch: torch.Tensor, plan: Sequence[tuple[int, list[int]]], wheres: Sequence[str]
+) -> None:
+    """Read every sparse segment's chunk offsets in one transfer and check them: a prefix sum
+    from 0 to its entries, no chunk with more entries than elements."""
+    sparse = [i for i, (_, row) in enumerate(plan) if row[4] == SPARSE]
+    if not sparse:
+        return
+    words: list[np.ndarray] = []
+    for i in sparse:
+        base, (_, _, _, numel, _, _, data_at, _) = plan[i]
+        start = (base + data_at) // 8
+        words.append(np.arange(start, start + num_chunks(numel) + 1, dtype=np.int64))
+    flat = patch[: patch.numel() & ~7].view(torch.int64)
+    where_idx = torch.from_numpy(np.concatenate(words)).to(flat.device)
+    got = flat[where_idx].cpu().numpy()
+    at = 0
+    for i, w in zip(sparse, words, strict=True):
+        o = got[at : at + w.size]
+        at += w.size
+        entries = plan[i][1][5]
+        counts = np.diff(o)
+        if int(o[0]) != 0 or int(o[-1]) != entries or bool((counts < 0).any()):
+            raise PatchError(f"{wheres[i]}: chunk offsets are not a prefix sum")
+        if bool((counts > CHUNK_ELEMENTS).any()):
+            raise PatchError(f"{wheres[i]}: a chunk has more entries than elements")
 
 
 def apply_patch_region(
@@ -357,6 +443,7 @@ def apply_patch_region(
     ):
         raise PatchError(f"patch region header is inconsistent ({num_slots} x {slot_bytes})")
     plan: list[tuple[int, list[int]]] = []
+    wheres: list[str] = []
     used_slots = 0
     patch_bytes = 0
     for s in range(num_slots):
@@ -395,15 +482,11 @@ def apply_patch_region(
                 raise PatchError(f"{where}: unknown kind {kind}")
             if data_at < HEADER_BYTES or data_at % 8 or data_at + size > table_at:
                 raise PatchError(f"{where}: data outside the slot")
-            if kind == SPARSE:
-                offs = patch[base + data_at : base + data_at + 8 * (num_chunks(numel) + 1)]
-                o = offs.view(torch.int64)
-                if int(o[0]) != 0 or int(o[-1]) != entries or bool((o[1:] < o[:-1]).any()):
-                    raise PatchError(f"{where}: chunk offsets are not a prefix sum")
-                if bool(((o[1:] - o[:-1]) > CHUNK_ELEMENTS).any()):
-                    raise PatchError(f"{where}: a chunk has more entries than elements")
             plan.append((base, row))
+            wheres.append(where)
+    _check_chunk_offsets(patch, plan, wheres)
     num_entries = 0
+    batched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for base, (region, dest, esize, numel, kind, entries, data_at, _) in plan:
         itype = _INT_OF_SIZE[esize]
         dst = regions[region][dest : dest + numel * esize].view(itype)
@@ -417,8 +500,9 @@ def apply_patch_region(
             index = data[i0 : i0 + 2 * entries].view(torch.int16)
             v0 = i0 + _pad8(2 * entries)
             values = data[v0 : v0 + esize * entries].view(itype)
-            apply_changes(dst, offsets, index, values)
+            batched.append((dst, offsets, index, values))
         num_entries += entries
+    apply_runs(batched)
     return ApplyStats(
         step=step,
         num_slots=used_slots,
@@ -442,7 +526,9 @@ class Snapshot:
         """The update whose bytes the snapshot holds (meaningful while `valid`)."""
 
     def advance(self, builder: PatchBuilder) -> None:
-        """Apply the committed patch in `builder` to the snapshot (same kernels as the engine)."""
+        """Apply the committed patch in `builder` to the snapshot (same kernels as the engine;
+        on a GPU one launch per element size for the segments `add_runs` encoded)."""
+        batched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for seg in builder.segments:
             itype = _INT_OF_SIZE[seg.elem_size]
             dst = self.buffer[seg.snapshot_offset : seg.snapshot_offset + seg.nbytes].view(itype)
@@ -464,7 +550,8 @@ class Snapshot:
             index = data[i0 : i0 + 2 * seg.num_entries].view(torch.int16)
             v0 = i0 + _pad8(2 * seg.num_entries)
             values = data[v0 : v0 + seg.elem_size * seg.num_entries].view(itype)
-            apply_changes(dst, offsets, index, values)
+            batched.append((dst, offsets, index, values))
+        apply_runs(batched)
 
 
 __all__ = [

@@ -446,19 +446,9 @@ class DeltaSession:
             dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
             runs.append((src.view(dtype), old.view(dtype), region, op.target_offset, at))
         try:
-            if runs and runs[0][0].is_cuda:
-                # Count every run, read all totals with one synchronization, then encode.
-                counted = [builder.count(a, b) for a, b, _, _, _ in runs]
-                totals = [int(x) for x in torch.stack([o[-1] for o in counted]).tolist()]
-                for (a, b, region, dest, at), offsets, total in zip(
-                    runs, counted, totals, strict=True
-                ):
-                    builder.add_counted(
-                        a, b, offsets, total, region=region, dest_offset=dest, snapshot_offset=at
-                    )
-            else:
-                for a, b, region, dest, at in runs:
-                    builder.add(a, b, region=region, dest_offset=dest, snapshot_offset=at)
+            # On a GPU: every run of the batch counted and encoded by table kernels, one
+            # synchronization (PatchBuilder.add_runs); on the CPU run by run.
+            builder.add_runs(runs)
         except PatchError:
             self._overflowed = True  # this update fails; the next one is full
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
@@ -512,6 +513,7 @@ class WeightReceiver:
                 self.gate.commit(step)
             return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
         targets = [r.tensor for r in self._regions]
+        t0 = time.perf_counter()
         try:
             stats = apply_patch_region(self._patch, targets, step, base_step=self._applied)
         except PatchError as exc:
@@ -520,6 +522,7 @@ class WeightReceiver:
             raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
         if self._patch.is_cuda:
             torch.cuda.synchronize(self._patch.device)
+        stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
         self._applied = step
         self._publish_position_digest(step)
         self._ack(step, ok=True, error="")

@@ -18,10 +18,92 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
-from weight_transfer.kernels.delta import apply_changes, diff_encode, int_view, num_chunks
+from weight_transfer.kernels.delta import (
+    apply_changes,
+    apply_runs,
+    count_runs,
+    diff_encode,
+    encode_runs,
+    int_view,
+    num_chunks,
+)
+
+_LLAMA_RUNS = (4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 4096)
+"""Run sizes (elements) cycled to split the tensor like a Llama layer's writes."""
+
+
+def _wall(fn: object, repeats: int) -> list[float]:
+    """Wall seconds of whole calls (host work and synchronization included)."""
+    ts = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+        if i:
+            ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def _split(n: int) -> list[tuple[int, int]]:
+    out, at, k = [], 0, 0
+    while at < n:
+        size = min(_LLAMA_RUNS[k % len(_LLAMA_RUNS)], n - at)
+        out.append((at, size))
+        at, k = at + size, k + 1
+    return out
+
+
+def _tables(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dst: torch.Tensor,
+    old: torch.Tensor,
+    runs: list[tuple[int, int]],
+    repeats: int,
+) -> dict[str, object]:
+    """count_runs + encode_runs (one sync) and apply_runs over `runs` of a/b, checked."""
+    news = [a[o : o + k] for o, k in runs]
+    olds = [b[o : o + k] for o, k in runs]
+    counted = count_runs(news, olds)
+    totals = counted.totals
+    bufs = [
+        (
+            i,
+            torch.empty(num_chunks(k) + 1, dtype=torch.int64, device=a.device),
+            torch.empty(t, dtype=torch.int16, device=a.device),
+            torch.empty(t, dtype=a.dtype, device=a.device),
+        )
+        for i, ((_, k), t) in enumerate(zip(runs, totals, strict=True))
+    ]
+
+    def encode() -> None:
+        c = count_runs(news, olds)
+        encode_runs(c, bufs)
+
+    def count_only() -> None:
+        count_runs(news, olds)
+
+    encode()
+    dst.copy_(old)
+    d = int_view(dst)
+    items = [(d[o : o + k], bufs[i][1], bufs[i][2], bufs[i][3]) for i, (o, k) in enumerate(runs)]
+    apply_runs(items)
+    exact = bool(torch.equal(d, a))
+    t_enc = _wall(encode, repeats)
+    t_cnt = _wall(count_only, repeats)
+    t_app = _wall(lambda: apply_runs(items), repeats)
+    return {
+        "runs": len(runs),
+        "bit_exact": exact,
+        "encode_s": t_enc,
+        "count_s": t_cnt,
+        "apply_s": t_app,
+    }
 
 
 def _time(fn: object, repeats: int) -> float:
@@ -85,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
         t_enc = _time(encode, ns.repeats)
         t_app = _time(apply, ns.repeats)
+        one = _tables(a, b, dst, old, [(0, n)], ns.repeats)
+        many = _tables(a, b, dst, old, _split(n), ns.repeats)
+        exact = exact and bool(one["bit_exact"]) and bool(many["bit_exact"])
+        for t in (one, many):
+            enc = statistics.median(t["encode_s"])  # type: ignore[arg-type]
+            t["encode_vs_bound"] = enc / t_copy
+            t["count_vs_bound"] = statistics.median(t["count_s"]) / t_copy  # type: ignore[arg-type]
+            t["apply_vs_copy"] = statistics.median(t["apply_s"]) / t_copy  # type: ignore[arg-type]
         rows.append(
             {
                 "density": density,
@@ -96,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 "encode_vs_bound": t_enc / t_copy,
                 "apply_vs_copy": t_app / t_copy,
                 "encode_gb_per_s_read": 2 * 2 * n / t_enc / 1e9,
+                "tables_one_run": one,
+                "tables_many_runs": many,
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -24,7 +24,10 @@ from weight_transfer.kernels import delta
 from weight_transfer.kernels.delta import (
     CHUNK_ELEMENTS,
     apply_changes,
+    apply_runs,
+    count_runs,
     diff_encode,
+    encode_runs,
     encoded_nbytes,
     int_view,
     num_chunks,
@@ -151,6 +154,61 @@ def test_bad_arguments_raise_before_writing() -> None:
     assert bool((dst == 0).all())
 
 
+def _tables_roundtrip(device: str) -> None:
+    """Every case of SHAPES_DTYPES in one batch through the table kernels (`count_runs`,
+    `encode_runs`, `apply_runs`), against the masks: counts, offsets, indices, values, and the
+    new runs after apply. Half the runs are carved out of one buffer at an odd element offset,
+    so rows that are not 16-byte aligned take the masked kernel."""
+    news, olds, masks = [], [], []
+    for k, (numel, dtype, density) in enumerate(SHAPES_DTYPES):
+        old, new, mask = _pair(numel, dtype, density, seed=100 + k)
+        if k % 2:
+            pad_old = torch.empty(numel + 1, dtype=dtype)
+            pad_new = torch.empty(numel + 1, dtype=dtype)
+            pad_old[1:], pad_new[1:] = old, new
+            old, new = pad_old[1:], pad_new[1:]
+        news.append(int_view(new.to(device)))
+        olds.append(int_view(old.to(device)))
+        masks.append(mask)
+    counted = count_runs(news, olds)
+    outputs: list[Any] = []
+    for i, (a, mask) in enumerate(zip(news, masks, strict=True)):
+        want = mask.nonzero().reshape(-1)
+        assert counted.totals[i] == want.numel(), f"run {i}"
+        want_counts = torch.bincount(want // CHUNK_ELEMENTS, minlength=num_chunks(a.numel()))
+        assert counted.run_counts(i).tolist() == want_counts.tolist(), f"run {i}"
+        outputs.append(
+            (
+                i,
+                torch.full((num_chunks(a.numel()) + 1,), -1, dtype=torch.int64, device=device),
+                torch.full((want.numel(),), 0x5A5A, dtype=torch.int16, device=device),
+                torch.empty(want.numel(), dtype=a.dtype, device=device),
+            )
+        )
+    encode_runs(counted, outputs, olds)
+    items = []
+    for (i, offsets, index, values), a, b, mask in zip(outputs, news, olds, masks, strict=True):
+        want = mask.nonzero().reshape(-1)
+        want_offsets = torch.zeros(num_chunks(a.numel()) + 1, dtype=torch.int64)
+        want_offsets[1:] = torch.cumsum(
+            torch.bincount(want // CHUNK_ELEMENTS, minlength=num_chunks(a.numel())), 0
+        )
+        assert torch.equal(offsets.cpu(), want_offsets), f"run {i}: offsets"
+        assert torch.equal(index.cpu().to(torch.int64) & 0xFFFF, want % CHUNK_ELEMENTS)
+        assert torch.equal(values.cpu(), a.cpu()[want]), f"run {i}: values"
+        dst = b.clone()
+        items.append((dst, offsets, index, values))
+    apply_runs(items)
+    for (dst, _, _, _), a in zip(items, news, strict=True):
+        assert torch.equal(dst.cpu(), a.cpu())
+
+
+def test_tables_on_the_cpu_path() -> None:
+    if delta._use_triton(torch.zeros(1)):
+        pytest.skip("TRITON_INTERPRET is set: the interpreter case covers this")
+    _tables_roundtrip("cpu")
+
+
 def test_encoded_nbytes_formulas() -> None:
     mask = torch.zeros(256, 256, dtype=torch.bool)
     mask[0, 0] = mask[200, 3] = mask[255, 255] = True
@@ -193,7 +251,26 @@ def _case_triton_equals_cpu() -> None:
     assert torch.equal(values[:total], a[want])
 
 
-INTERPRETER_CASES = {"roundtrips": _case_roundtrips, "triton_equals_cpu": _case_triton_equals_cpu}
+def _case_patch_tables() -> None:
+    # PatchBuilder.add_runs, apply_patch_region and Snapshot.advance on the table kernels.
+    from tests.unit import test_delta_patch
+
+    assert delta.uses_triton(torch.zeros(1))
+    test_delta_patch.test_add_runs_equals_add()
+    test_delta_patch.test_corrupt_patch_refused_and_nothing_written("offsets")
+
+
+def _case_tables() -> None:
+    assert delta._use_triton(torch.zeros(1)), "the child should run the interpreted kernels"
+    _tables_roundtrip("cpu")
+
+
+INTERPRETER_CASES = {
+    "roundtrips": _case_roundtrips,
+    "triton_equals_cpu": _case_triton_equals_cpu,
+    "tables": _case_tables,
+    "patch_tables": _case_patch_tables,
+}
 
 
 def _interpreter_worker(results: Any) -> None:
@@ -269,3 +346,8 @@ def test_cuda_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float
     dst = old.clone()
     apply_changes(int_view(dst), offsets, index, values)
     assert torch.equal(int_view(dst).cpu(), a.cpu())
+
+
+@requires_cuda
+def test_cuda_tables_bit_exact() -> None:
+    _tables_roundtrip("cuda")

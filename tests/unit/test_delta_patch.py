@@ -208,3 +208,31 @@ def test_count_then_add_counted_equals_add() -> None:
         )
     m = two.finish(step=2, base_step=1, rank=0)
     assert m == n and torch.equal(two.staging[:m], one.staging[:n])
+
+
+def test_add_runs_equals_add() -> None:
+    """`add_runs` (on a GPU, and here under triton's interpreter: the table kernels, one
+    synchronization per batch) writes the same slot bytes as `add` run by run, and the patch
+    it built applies (through the engine's batched apply) and advances a snapshot exactly."""
+    old = _regions(14)
+    new_runs = _new_runs(old, 15)
+    one, snap, n = _build(old, new_runs, step=2, slot_bytes=1 << 20)
+    two = PatchBuilder(torch.zeros(1 << 20, dtype=torch.uint8))
+    so = 0
+    runs = []
+    for (region, off, dtype, numel, _), run in zip(RUNS, new_runs, strict=True):
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        runs.append((run, snap[so : so + size].view(dtype), region, off, so))
+        so += size
+    two.add_runs(runs)
+    m = two.finish(step=2, base_step=1, rank=0)
+    assert m == n and torch.equal(two.staging[:m], one.staging[:n])
+    region = _patch_region([(0, two.staging[:m])], 1, 1 << 20)
+    engine = [r.clone() for r in old]
+    apply_patch_region(region, engine, 2, base_step=1)
+    for got, want in zip(engine, _expected(old, new_runs), strict=True):
+        assert torch.equal(got, want)
+    s = Snapshot(snap.numel(), torch.device("cpu"))
+    s.buffer.copy_(snap)
+    s.advance(two)
+    assert torch.equal(s.buffer, torch.cat([r.view(torch.uint8) for r in new_runs]))

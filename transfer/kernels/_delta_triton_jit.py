@@ -13,7 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["apply_kernel", "count_kernel", "encode_kernel"]
+__all__ = [
+    "apply_kernel",
+    "apply_runs_kernel",
+    "count_kernel",
+    "count_runs_kernel",
+    "encode_kernel",
+    "encode_runs_kernel",
+]
 
 
 @triton.jit
@@ -68,3 +75,181 @@ def apply_kernel(
         v = tl.load(values_ptr + e, mask=m, other=0)
         pos = c * CHUNK + idx
         tl.store(dst_ptr + pos, v, mask=m & (pos < n))
+
+
+# -- table kernels: one launch over many runs (`weight_transfer.kernels.delta`'s tables) -------
+# Program p handles chunk p of a launch's runs; it finds its run by binary search over the
+# runs' first chunks (`first`, runs + 1 entries). Run tables are int64 words (device addresses).
+# Loops have constant bounds and skip with `if` (triton's interpreter cannot take a loop bound
+# loaded from memory under numpy >= 2.5).
+
+
+@triton.jit
+def _find_run(first_ptr, num_runs, pid, LOG: tl.constexpr):
+    """The run r with first[r] <= pid < first[r + 1] (LOG >= log2(num_runs) steps)."""
+    lo = pid * 0
+    hi = lo + num_runs
+    for _ in range(LOG):
+        mid = (lo + hi) // 2
+        go = tl.load(first_ptr + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
+def _popc32(x):
+    """Set bits of each uint32."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def count_runs_kernel(
+    runs_ptr,
+    first_ptr,
+    num_runs,
+    row_base,
+    counts_ptr,
+    nwords_ptr,
+    wbits_ptr,
+    wmeta_ptr,
+    DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    LOG: tl.constexpr,
+):
+    """Run [new, old, numel, 0]: for chunk row g = row_base + p, counts[g] = changed elements;
+    its non-zero 32-element words of the change bitmap, compacted in order, at wbits[g * W ...]
+    (the bits, LSB = first element) and wmeta[g * W ...] (word index << 16 | changed elements
+    of the chunk before it); nwords[g] = how many. W = CHUNK / 32."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = _find_run(first_ptr, num_runs, pid, LOG)
+    local = pid - tl.load(first_ptr + run)
+    new = tl.load(runs_ptr + run * 4).to(tl.pointer_type(DTYPE))
+    old = tl.load(runs_ptr + run * 4 + 1).to(tl.pointer_type(DTYPE))
+    numel = tl.load(runs_ptr + run * 4 + 2)
+    new = new + local * CHUNK
+    old = old + local * CHUNK
+    if ALIGNED:
+        new = tl.multiple_of(new, 16)
+        old = tl.multiple_of(old, 16)
+    nelem = tl.minimum(numel - local * CHUNK, CHUNK)
+    g = row_base + pid
+    W: tl.constexpr = CHUNK // 32
+    shifts = tl.arange(0, 32).to(tl.uint32)
+    nz_out = 0
+    ent = 0
+    for i in range(0, CHUNK, TILE):
+        lane = i + tl.arange(0, TILE)
+        if nelem == CHUNK:
+            ne = (tl.load(new + lane) != tl.load(old + lane)).to(tl.uint32)
+        else:
+            m = lane < nelem
+            a = tl.load(new + lane, mask=m, other=0)
+            b = tl.load(old + lane, mask=m, other=0)
+            ne = ((a != b) & m).to(tl.uint32)
+        ne2 = tl.reshape(ne, [TILE // 32, 32])
+        words = tl.sum(ne2 << shifts[None, :], axis=1)
+        pc = tl.sum(ne2, axis=1).to(tl.int32)
+        nz = (words != 0).to(tl.int32)
+        slot = nz_out + tl.cumsum(nz, axis=0) - nz
+        pre = ent + tl.cumsum(pc, axis=0) - pc
+        widx = i // 32 + tl.arange(0, TILE // 32)
+        keep = nz != 0
+        tl.store(wbits_ptr + g * W + slot, words.to(tl.int32, bitcast=True), mask=keep)
+        tl.store(wmeta_ptr + g * W + slot, (widx << 16) | pre, mask=keep)
+        nz_out += tl.sum(nz, axis=0)
+        ent += tl.sum(pc, axis=0)
+    tl.store(counts_ptr + g, ent)
+    tl.store(nwords_ptr + g, nz_out)
+
+
+@triton.jit
+def encode_runs_kernel(
+    runs_ptr,
+    first_ptr,
+    num_runs,
+    counts_ptr,
+    excl_ptr,
+    nwords_ptr,
+    wbits_ptr,
+    wmeta_ptr,
+    DTYPE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LOG: tl.constexpr,
+):
+    """Run [new, index, values, offsets, row0, 0, 0, 0] (row0: the global row of its chunk 0):
+    chunk `local` of the run writes offsets[local + 1] (offsets[0] = 0 by chunk 0) and its
+    changed elements, in index order, at index/values[offsets[local] ...], from the compacted
+    bitmap words `count_runs_kernel` wrote (excl: exclusive prefix sum of all rows' counts).
+    Only the changed elements of `new` are read."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = _find_run(first_ptr, num_runs, pid, LOG)
+    local = pid - tl.load(first_ptr + run)
+    r = runs_ptr + run * 8
+    new = tl.load(r).to(tl.pointer_type(DTYPE))
+    index = tl.load(r + 1).to(tl.pointer_type(tl.int16))
+    values = tl.load(r + 2).to(tl.pointer_type(DTYPE))
+    offsets = tl.load(r + 3).to(tl.pointer_type(tl.int64))
+    row0 = tl.load(r + 4)
+    g = row0 + local
+    start = tl.load(excl_ptr + g) - tl.load(excl_ptr + row0)
+    tl.store(offsets + local + 1, start + tl.load(counts_ptr + g))
+    tl.store(offsets, start * 0, mask=local == 0)
+    k = tl.load(nwords_ptr + g)
+    W: tl.constexpr = CHUNK // 32
+    b = tl.arange(0, 32).to(tl.uint32)
+    below = (tl.full([32], 1, tl.uint32) << b) - 1
+    base = new + local * CHUNK
+    for j in range(0, W, BLOCK):
+        if j < k:
+            e = j + tl.arange(0, BLOCK)
+            m = e < k
+            w = tl.load(wbits_ptr + g * W + e, mask=m, other=0).to(tl.uint32, bitcast=True)
+            meta = tl.load(wmeta_ptr + g * W + e, mask=m, other=0)
+            pre = (meta & 0xFFFF).to(tl.int64)
+            lane = (meta >> 16)[:, None] * 32 + b[None, :].to(tl.int32)
+            keep = (((w[:, None] >> b[None, :]) & 1) != 0) & m[:, None]
+            rank = _popc32(w[:, None] & below[None, :]).to(tl.int64)
+            pos = start + pre[:, None] + rank
+            v = tl.load(base + lane, mask=keep, other=0)
+            tl.store(index + pos, lane.to(tl.int16), mask=keep)
+            tl.store(values + pos, v, mask=keep)
+
+
+@triton.jit
+def apply_runs_kernel(
+    runs_ptr,
+    first_ptr,
+    num_runs,
+    DTYPE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    LOG: tl.constexpr,
+):
+    """Run [dst, offsets, index, values, numel, 0, 0, 0]: chunk `local` of the run sets
+    dst[local * CHUNK + index[j]] = values[j] for its entries j (offsets[local] ..
+    offsets[local + 1]); an index past the run's end is dropped."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = _find_run(first_ptr, num_runs, pid, LOG)
+    local = pid - tl.load(first_ptr + run)
+    r = runs_ptr + run * 8
+    dst = tl.load(r).to(tl.pointer_type(DTYPE)) + local * CHUNK
+    offsets = tl.load(r + 1).to(tl.pointer_type(tl.int64))
+    index = tl.load(r + 2).to(tl.pointer_type(tl.int16))
+    values = tl.load(r + 3).to(tl.pointer_type(DTYPE))
+    nelem = tl.minimum(tl.load(r + 4) - local * CHUNK, CHUNK)
+    start = tl.load(offsets + local)
+    count = tl.load(offsets + local + 1) - start
+    for j in range(0, CHUNK, TILE):
+        if j < count:
+            e = j + tl.arange(0, TILE)
+            m = e < count
+            idx = tl.load(index + start + e, mask=m, other=0).to(tl.int64) & 0xFFFF
+            v = tl.load(values + start + e, mask=m, other=0)
+            tl.store(dst + idx, v, mask=m & (idx < nelem))

@@ -30,12 +30,16 @@ against this one (`benchmarks/bench_delta_density.py`): they are not implemented
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib
 import math
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from weight_transfer.errors import ConfigurationError, WeightTransferError
@@ -44,14 +48,19 @@ from weight_transfer.planner.delta import CHUNK_ELEMENTS, num_chunks, sparse_nby
 __all__ = [
     "CHUNK_ELEMENTS",
     "ENCODINGS",
+    "CountedRuns",
     "apply_changes",
+    "apply_runs",
     "count_changes",
+    "count_runs",
     "diff_encode",
     "encode_changes",
+    "encode_runs",
     "encoded_nbytes",
     "int_view",
     "num_chunks",
     "sparse_nbytes",
+    "uses_triton",
 ]
 
 _CPU_GROUP_CHUNKS = 64
@@ -137,6 +146,12 @@ def _jit() -> ModuleType:
             f"the GPU delta kernels need triton, which could not be imported ({exc}); install "
             "it with `pip install triton` (it ships with CUDA builds of torch)"
         ) from exc
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the kernels run as Triton for `t` (CUDA tensors; CPU tensors under triton's
+    interpreter, `TRITON_INTERPRET=1`), else as torch ops."""
+    return _use_triton(t)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -318,3 +333,266 @@ def diff_encode(
             values[total : total + idx.numel()] = a[idx]
         total += idx.numel()
     return total
+
+
+# -- tables: one launch over many runs (GPU) -------------------------------------------------
+# Per-run launches and synchronizations dominate an update of hundreds of runs (a model's
+# tensors, an MoE's experts), so on a GPU a batch of runs is counted with one launch per
+# element size, the counts read with one synchronization, encoded with one more launch per
+# element size, and a whole patch applied with one launch per element size. Each program owns
+# one chunk of one run and finds its run by binary search in a table of runs (device
+# addresses, int64 words; one small host-to-device copy per launch). The count pass also
+# writes the non-zero 32-element words of the change bitmap, compacted (8 bytes per such word;
+# scratch of 1/8 byte per element, the only buffer proportional to the runs), so the encode
+# pass touches only words with changes and reads only the changed elements of the new run:
+# count + encode read each run about once, and the encode's work scales with the changes.
+
+_COUNT_TILE = 4096
+"""Elements one step of a count program compares."""
+_ENCODE_BLOCK = 64
+"""Bitmap words one step of an encode program expands."""
+_APPLY_TILE = 1024
+"""Entries one step of an apply program scatters."""
+_COUNT_WARPS, _ENCODE_WARPS, _APPLY_WARPS = 8, 4, 4
+_WORDS = CHUNK_ELEMENTS // 32
+
+_TRITON_INT = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _tl_dtype(esize: int) -> Any:
+    tl = importlib.import_module("triton.language")
+    return getattr(tl, _TRITON_INT[esize])
+
+
+def _run_launch(
+    kernel: Any,
+    runs: Sequence[Sequence[int]],
+    chunks: Sequence[int],
+    device: torch.device,
+    *args: Any,
+    num_warps: int,
+    **meta: Any,
+) -> None:
+    """Launch `kernel` over every chunk of `runs` (rows of int64 fields; `chunks` per run)."""
+    if not runs:
+        return
+    first = [0]
+    for c in chunks:
+        first.append(first[-1] + c)
+    if first[-1] == 0:
+        return
+    table = torch.tensor([list(r) for r in runs], dtype=torch.int64)
+    packed = torch.cat([table.reshape(-1), torch.tensor(first, dtype=torch.int64)])
+    on = packed.to(device)
+    width = table.shape[1]
+    runs_t, first_t = on[: len(runs) * width], on[len(runs) * width :]
+    log = max(1, len(runs).bit_length())
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        kernel[(first[-1],)](
+            runs_t, first_t, len(runs), *args, LOG=log, num_warps=num_warps, **meta
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CountedRuns:
+    """What `count_runs` found: per run its change counts per chunk (on the host), and the
+    device scratch `encode_runs` reads. Keep it until `encode_runs` returned."""
+
+    news: list[torch.Tensor]
+    """The runs' new bytes (flat integer views)."""
+    first_row: list[int]
+    """Row (global chunk index) of each run's first chunk."""
+    counts: np.ndarray
+    """Changed elements per row (int64)."""
+    device_counts: torch.Tensor | None = None
+    nwords: torch.Tensor | None = None
+    wbits: torch.Tensor | None = None
+    wmeta: torch.Tensor | None = None
+
+    def run_counts(self, i: int) -> np.ndarray:
+        """Changed elements per chunk of run `i`."""
+        r = self.first_row[i]
+        return self.counts[r : r + num_chunks(self.news[i].numel())]
+
+    @property
+    def totals(self) -> list[int]:
+        """Changed elements per run."""
+        return [int(self.run_counts(i).sum()) for i in range(len(self.news))]
+
+
+def count_runs(news: Sequence[torch.Tensor], olds: Sequence[torch.Tensor]) -> CountedRuns:
+    """Count the changed elements of every chunk of every run (`news[i]` against `olds[i]`,
+    flat integer views of equal size and dtype, on one device). On a GPU (or under triton's
+    interpreter): one launch per element size and alignment, then one synchronization to read
+    the counts; on the CPU: `count_changes` per run."""
+    if len(news) != len(olds):
+        raise ConfigurationError("count_runs needs one old run per new run")
+    for a, b in zip(news, olds, strict=True):
+        _check_pair(a, b)
+    sizes = [num_chunks(a.numel()) for a in news]
+    if not news or not _use_triton(news[0]):
+        first, rows = [], 0
+        for c in sizes:
+            first.append(rows)
+            rows += c
+        counts = torch.empty(rows, dtype=torch.int64)
+        for i, (a, b) in enumerate(zip(news, olds, strict=True)):
+            count_changes(a, b, counts[first[i] : first[i] + sizes[i]])
+        return CountedRuns(news=list(news), first_row=first, counts=counts.numpy())
+    device = news[0].device
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (a, b) in enumerate(zip(news, olds, strict=True)):
+        aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        groups.setdefault((a.element_size(), aligned), []).append(i)
+    rows = sum(sizes)
+    counts = torch.empty(rows, dtype=torch.int64, device=device)
+    nwords = torch.empty(rows, dtype=torch.int32, device=device)
+    wbits = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
+    wmeta = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
+    first_row = [0] * len(news)
+    row = 0
+    for (esize, aligned), members in sorted(groups.items()):
+        base = row
+        for i in members:
+            first_row[i] = row
+            row += sizes[i]
+        _run_launch(
+            _jit().count_runs_kernel,
+            [(news[i].data_ptr(), olds[i].data_ptr(), news[i].numel(), 0) for i in members],
+            [sizes[i] for i in members],
+            device,
+            base,
+            counts,
+            nwords,
+            wbits,
+            wmeta,
+            num_warps=_COUNT_WARPS,
+            DTYPE=_tl_dtype(esize),
+            ALIGNED=aligned,
+            CHUNK=CHUNK_ELEMENTS,
+            TILE=_COUNT_TILE,
+        )
+    return CountedRuns(
+        news=list(news),
+        first_row=first_row,
+        counts=counts.cpu().numpy(),
+        device_counts=counts,
+        nwords=nwords,
+        wbits=wbits,
+        wmeta=wmeta,
+    )
+
+
+def encode_runs(
+    counted: CountedRuns,
+    outputs: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None],
+    olds: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Encode the runs `count_runs` counted: for run i, ``outputs[k]`` = (i, offsets int64
+    [chunks + 1], index int16 [total], values [total]) receives its sparse chunk list, or None
+    to skip it. Asynchronous on a GPU (one launch per element size). On the CPU `olds` (the
+    runs `count_runs` compared with) are needed: the CPU path compares again."""
+    jobs = [o for o in outputs if o is not None]
+    if counted.device_counts is None:
+        if olds is None:
+            raise ConfigurationError("encode_runs on the CPU needs the old runs")
+        for i, offsets, index, values in jobs:
+            offsets[0] = 0
+            torch.cumsum(torch.from_numpy(counted.run_counts(i)), 0, out=offsets[1:])
+            encode_changes(counted.news[i], olds[i], offsets, index, values)
+        return
+    by_size: dict[int, list[int]] = {}
+    for k, (i, offsets, index, values) in enumerate(jobs):
+        a = counted.news[i]
+        chunks = num_chunks(a.numel())
+        if offsets.numel() != chunks + 1 or index.numel() < int(counted.run_counts(i).sum()):
+            raise ConfigurationError(f"encode_runs: outputs of run {i} do not fit its counts")
+        if values.dtype != a.dtype or index.dtype != torch.int16 or offsets.dtype != torch.int64:
+            raise ConfigurationError(f"encode_runs: outputs of run {i} have the wrong dtypes")
+        by_size.setdefault(a.element_size(), []).append(k)
+    if not by_size:
+        return
+    counts = counted.device_counts
+    excl = torch.cumsum(counts, 0) - counts
+    device = counts.device
+    for esize, members in sorted(by_size.items()):
+        runs = []
+        for k in members:
+            i, offsets, index, values = jobs[k]
+            runs.append(
+                (
+                    counted.news[i].data_ptr(),
+                    index.data_ptr(),
+                    values.data_ptr(),
+                    offsets.data_ptr(),
+                    counted.first_row[i],
+                    0,
+                    0,
+                    0,
+                )
+            )
+        _run_launch(
+            _jit().encode_runs_kernel,
+            runs,
+            [num_chunks(counted.news[jobs[k][0]].numel()) for k in members],
+            device,
+            counts,
+            excl,
+            counted.nwords,
+            counted.wbits,
+            counted.wmeta,
+            num_warps=_ENCODE_WARPS,
+            DTYPE=_tl_dtype(esize),
+            CHUNK=CHUNK_ELEMENTS,
+            BLOCK=_ENCODE_BLOCK,
+        )
+
+
+def apply_runs(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> None:
+    """Apply many sparse chunk lists at once: per item (dst flat integer view, offsets int64
+    [chunks + 1], index int16, values), as `apply_changes` does. On a GPU one launch per
+    element size (asynchronous; the offsets are read on the device: the caller validated
+    them); on the CPU `apply_changes` per item."""
+    if not items:
+        return
+    if not _use_triton(items[0][0]):
+        for dst, offsets, index, values in items:
+            apply_changes(dst, offsets, index, values)
+        return
+    device = items[0][0].device
+    by_size: dict[int, list[int]] = {}
+    for k, (dst, offsets, index, values) in enumerate(items):
+        if values.dtype != dst.dtype or offsets.numel() != num_chunks(dst.numel()) + 1:
+            raise ConfigurationError("apply_runs: values or offsets do not match their run")
+        if index.dtype != torch.int16 or offsets.dtype != torch.int64:
+            raise ConfigurationError("apply_runs: index must be int16 and offsets int64")
+        by_size.setdefault(dst.element_size(), []).append(k)
+    for esize, members in sorted(by_size.items()):
+        runs = []
+        for k in members:
+            dst, offsets, index, values = items[k]
+            runs.append(
+                (
+                    dst.data_ptr(),
+                    offsets.data_ptr(),
+                    index.data_ptr(),
+                    values.data_ptr(),
+                    dst.numel(),
+                    0,
+                    0,
+                    0,
+                )
+            )
+        _run_launch(
+            _jit().apply_runs_kernel,
+            runs,
+            [num_chunks(items[k][0].numel()) for k in members],
+            device,
+            num_warps=_APPLY_WARPS,
+            DTYPE=_tl_dtype(esize),
+            CHUNK=CHUNK_ELEMENTS,
+            TILE=_APPLY_TILE,
+        )
