@@ -102,6 +102,9 @@ class BenchUpdateConfig:
     of every trainer tensor's elements (the size of an RL step; a measured density goes here)
     and run the sender in delta mode; 0: full updates of freshly perturbed weights."""
     delta_anchor: int = 2
+    delta_full_when_slower: bool = False
+    """Let delta mode fall back to full updates while deltas are slower (DeltaConfig's
+    default); off by default here, so the benchmark measures the delta it asks for."""
     """Delta mode: a full update every this many updates, so full and delta updates are timed
     in the same run on the same weights."""
     delta_snapshot: str = "device"
@@ -239,6 +242,7 @@ def _transfer_config(cfg: BenchUpdateConfig, control: Any, patch_region_bytes: i
                 enabled=cfg.delta_density > 0,
                 anchor_every_updates=cfg.delta_anchor,
                 max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                full_when_slower=cfg.delta_full_when_slower,
                 snapshot_memory=cfg.delta_snapshot,
                 apply_timeout_s=cfg.timeout_s,
             ),
@@ -920,6 +924,7 @@ def _summarize(res: dict[str, Any], cfg: BenchUpdateConfig) -> None:
             "snapshot_device": t0.get("snapshot_device"),
             "patch_staging_bytes": t0.get("patch_staging_bytes"),
             "patch_region_bytes": res.get("engine0", {}).get("patch_region_bytes"),
+            "modes": [f"{u['mode']}: {u['reason']}" for u in updates],
         }
         if full and delta:
             d["delta_over_full"] = _median(delta) / _median(full)
@@ -1002,6 +1007,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     )
     p.add_argument("--delta-anchor", type=int, default=2, help="delta mode: a full update every N")
     p.add_argument(
+        "--delta-full-when-slower",
+        action="store_true",
+        help="delta mode: full updates while the last delta was slower than a full one",
+    )
+    p.add_argument(
         "--delta-snapshot", default="device", choices=["device", "host"], help="snapshot memory"
     )
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 NCCL baseline")
@@ -1073,6 +1083,7 @@ def main(ns: argparse.Namespace) -> int:
             transport_options=tuple(options),
             delta_density=ns.delta_density,
             delta_anchor=ns.delta_anchor,
+            delta_full_when_slower=ns.delta_full_when_slower,
             delta_snapshot=ns.delta_snapshot,
             table_quantize=not ns.no_table_quant,
         )

@@ -343,6 +343,7 @@ def _trainer(
                 delta=DeltaConfig(
                     enabled=cfg.delta_density > 0,
                     max_wire_fraction=1.0,  # measure the delta at this density, whatever it is
+                    full_when_slower=False,  # and measure deltas even where they are slower
                     apply_timeout_s=min(cfg.timeout_s, 300.0),
                 ),
             ),

@@ -151,6 +151,13 @@ class DeltaConfig:
     """Largest snapshot "auto" keeps on the GPU (0: always host)."""
     apply_timeout_s: float = 300.0
     """Longest an update waits for the engines to apply the previous delta before it writes."""
+    full_when_slower: bool = True
+    """Send full updates while the last delta took longer than the last full update (each
+    rank times its own `WeightSender.update` calls); try a delta again after
+    `retry_delta_after_updates` of them. Where a full update runs near memory speed (one GPU,
+    NVLink) a delta is slower at any density, and this keeps delta mode from costing time."""
+    retry_delta_after_updates: int = 20
+    """Full updates sent for being faster before a delta is tried again (>= 1)."""
     verify: bool = False
     """After every update (delta or full) compare each engine's bytes with what the trainer
     ranks sent, by keyed position digests (one read of every written byte on both sides); the
@@ -170,6 +177,8 @@ class DeltaConfig:
             raise ConfigurationError("delta.snapshot_device_budget_bytes must be >= 0")
         if self.apply_timeout_s <= 0:
             raise ConfigurationError("delta.apply_timeout_s must be positive")
+        if self.retry_delta_after_updates < 1:
+            raise ConfigurationError("delta.retry_delta_after_updates must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -121,6 +121,41 @@ class _ElemSizes:
         return 1
 
 
+class SpeedGuard:
+    """`DeltaConfig.full_when_slower`: remembers how long this rank's last full and last delta
+    update took and says when the next update should be full because deltas are slower."""
+
+    def __init__(self, *, enabled: bool, retry_after: int) -> None:
+        self.enabled = enabled
+        self.retry_after = retry_after
+        self.last_full_s: float | None = None
+        self.last_delta_s: float | None = None
+        self._slower = False
+        self._fulls_since = 0
+
+    def record(self, mode: str, seconds: float) -> None:
+        """A committed update of `mode` took `seconds` (the whole update call)."""
+        if mode == DELTA:
+            self.last_delta_s = seconds
+            self._slower = self.last_full_s is not None and seconds > self.last_full_s
+            self._fulls_since = 0
+        else:
+            self.last_full_s = seconds
+            if self._slower:
+                self._fulls_since += 1
+
+    def reason_for_full(self) -> str | None:
+        """Why the next update should be full (None: a delta may run)."""
+        if not self.enabled or not self._slower or self._fulls_since >= self.retry_after:
+            return None
+        assert self.last_delta_s is not None and self.last_full_s is not None
+        return (
+            f"slower: the last delta took {self.last_delta_s * 1e3:.1f} ms, a full update "
+            f"{self.last_full_s * 1e3:.1f} ms (a delta again after {self.retry_after} full "
+            "updates)"
+        )
+
+
 @dataclasses.dataclass(slots=True)
 class _Slot:
     """This rank's slot in one engine's patch region, and the staging it is built in."""
@@ -267,6 +302,9 @@ class DeltaSession:
         self.reason = "first update"
         self._updates_since_full = 0
         self._last_wire_fraction = 0.0
+        self.speed = SpeedGuard(
+            enabled=config.full_when_slower, retry_after=config.retry_delta_after_updates
+        )
         self._await_applied: tuple[int, list[str]] | None = None
         self._failed_apply: set[str] = set()
         self._overflowed = False
@@ -359,6 +397,8 @@ class DeltaSession:
         elif self._last_wire_fraction > cfg.max_wire_fraction:
             self.mode = FULL
             self.reason = f"dense: the last delta was {self._last_wire_fraction:.2f} of full"
+        elif (slower := self.speed.reason_for_full()) is not None:
+            self.mode, self.reason = FULL, slower
         else:
             self.mode, self.reason = DELTA, "delta"
         self._overflowed = False
@@ -508,8 +548,11 @@ class DeltaSession:
             apply_wait_s=self._apply_wait_s,
         )
 
-    def committed(self, step: int, wire_bytes: int) -> None:
-        """The update committed: advance the snapshot (delta) or mark it valid (full)."""
+    def committed(self, step: int, wire_bytes: int, seconds: float = 0.0) -> None:
+        """The update committed (`seconds`: the whole update call on this rank): advance the
+        snapshot (delta) or mark it valid (full)."""
+        if seconds > 0:
+            self.speed.record(self.mode, seconds)
         snap = self.snapshot
         if snap is None:
             return

@@ -591,7 +591,7 @@ class WeightSender:
         delta_stats = None
         if self._delta is not None:
             delta_stats = self.delta_stats = self._delta.stats(self._patch_bytes)
-            self._delta.committed(step, self._patch_bytes)
+            self._delta.committed(step, self._patch_bytes, time.perf_counter() - t_go)
         t_end = time.perf_counter()
         stats = dataclasses.replace(
             ran.stats,

@@ -976,7 +976,7 @@ class TestTP1:
             TrainerInitInfo(
                 config=dataclasses.replace(
                     _config(1),
-                    sender=SenderConfig(delta=DeltaConfig(enabled=True)),
+                    sender=SenderConfig(delta=DeltaConfig(enabled=True, full_when_slower=False)),
                     receiver=ReceiverConfig(patch_region_bytes=4 << 20),
                 ),
                 rank=0,

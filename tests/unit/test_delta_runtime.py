@@ -27,6 +27,7 @@ from weight_transfer.config import (
 )
 from weight_transfer.controller import Controller
 from weight_transfer.delta import PatchError
+from weight_transfer.delta_sender import SpeedGuard
 from weight_transfer.manifest import torch_dtype
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.plan import PlannerConfig
@@ -155,7 +156,9 @@ class Setup:
 
 @pytest.fixture(params=["loopback", "tcp"])
 def setup(request: Any) -> Iterator[Setup]:
-    s = Setup(request.param, DeltaConfig(enabled=True, anchor_every_updates=5))
+    s = Setup(
+        request.param, DeltaConfig(enabled=True, anchor_every_updates=5, full_when_slower=False)
+    )
     try:
         yield s
     finally:
@@ -240,7 +243,7 @@ def test_failure_in_the_middle_nothing_drifts(setup: Setup, which: str, monkeypa
 
 @pytest.mark.timeout(120)
 def test_engine_that_did_not_apply_is_waited_for() -> None:
-    s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=1.0))
+    s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=1.0, full_when_slower=False))
     try:
         s.update(1)
         _perturb(s.src, 2, 0.02)
@@ -257,7 +260,7 @@ def test_engine_that_did_not_apply_is_waited_for() -> None:
 def test_patch_slot_overflow_fails_cleanly_then_full() -> None:
     # A patch region too small for a dense step: that delta fails with nothing applied, and
     # the next update is full.
-    s = Setup("loopback", DeltaConfig(enabled=True), patch_bytes=16 << 10)
+    s = Setup("loopback", DeltaConfig(enabled=True, full_when_slower=False), patch_bytes=16 << 10)
     try:
         _perturb(s.src, 1, 0.02)
         s.update(1)
@@ -282,7 +285,7 @@ def test_patch_error_is_a_weight_transfer_error() -> None:
 
 @pytest.mark.timeout(180)
 def test_verification_catches_a_corrupted_engine_and_the_next_update_repairs_it() -> None:
-    s = Setup("loopback", DeltaConfig(enabled=True, verify=True))
+    s = Setup("loopback", DeltaConfig(enabled=True, verify=True, full_when_slower=False))
     try:
         for step in (1, 2, 3):  # full, delta, delta: each verified at the start of the next
             _perturb(s.src, step, 0.02)
@@ -300,6 +303,55 @@ def test_verification_catches_a_corrupted_engine_and_the_next_update_repairs_it(
         s.check()
         _perturb(s.src, 7, 0.02)
         assert s.update(7) == "delta"  # and update 6 verified clean
+        s.check()
+    finally:
+        s.close()
+
+
+def test_speed_guard_sends_full_while_deltas_are_slower() -> None:
+    g = SpeedGuard(enabled=True, retry_after=2)
+    assert g.reason_for_full() is None  # nothing measured yet
+    g.record("full", 0.010)
+    g.record("delta", 0.005)  # faster: deltas go on
+    assert g.reason_for_full() is None
+    g.record("delta", 0.030)  # slower than the last full update
+    why = g.reason_for_full()
+    assert why is not None and "30.0 ms" in why and "10.0 ms" in why
+    g.record("full", 0.012)
+    assert g.reason_for_full() is not None  # one full update of the two before a retry
+    g.record("full", 0.011)
+    assert g.reason_for_full() is None  # retry a delta
+    g.record("delta", 0.004)  # faster now: no more fallback
+    g.record("full", 0.011)
+    assert g.reason_for_full() is None
+    off = SpeedGuard(enabled=False, retry_after=1)
+    off.record("full", 0.001)
+    off.record("delta", 1.0)
+    assert off.reason_for_full() is None
+
+
+def test_full_when_slower_decides_from_the_updates_it_timed() -> None:
+    """With the guard on (the default), the update after a delta is full exactly when that
+    delta took longer than the last full update, as this rank timed them; the bytes stay
+    exact either way."""
+    s = Setup("loopback", DeltaConfig(enabled=True, retry_delta_after_updates=1))
+    try:
+        assert s.update(1) == "full"
+        _perturb(s.src, 2, 0.02)
+        assert s.update(2) == "delta"
+        session = s.sender._delta
+        assert session is not None
+        slower = session.speed.last_delta_s > session.speed.last_full_s  # type: ignore[operator]
+        _perturb(s.src, 3, 0.02)
+        mode = s.update(3)
+        assert mode == ("full" if slower else "delta")
+        assert s.sender.delta_stats is not None
+        assert ("slower" in s.sender.delta_stats.reason) == slower
+        s.check()
+        _perturb(s.src, 4, 0.02)
+        mode = s.update(4)
+        if slower:
+            assert mode == "delta"  # tried again after one full update
         s.check()
     finally:
         s.close()

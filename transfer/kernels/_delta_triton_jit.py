@@ -68,13 +68,16 @@ def apply_kernel(
     c = tl.program_id(0).to(tl.int64)
     start = tl.load(offsets_ptr + c)
     end = tl.load(offsets_ptr + c + 1)
-    for j in range(start, end, TILE):
-        e = j + tl.arange(0, TILE)
-        m = e < end
-        idx = tl.load(index_ptr + e, mask=m, other=0).to(tl.int64) & 0xFFFF
-        v = tl.load(values_ptr + e, mask=m, other=0)
-        pos = c * CHUNK + idx
-        tl.store(dst_ptr + pos, v, mask=m & (pos < n))
+    # A constant loop bound, skipping with `if` (triton's interpreter cannot take a bound
+    # loaded from memory under numpy >= 2.5).
+    for j in range(0, CHUNK, TILE):
+        if start + j < end:
+            e = start + j + tl.arange(0, TILE)
+            m = e < end
+            idx = tl.load(index_ptr + e, mask=m, other=0).to(tl.int64) & 0xFFFF
+            v = tl.load(values_ptr + e, mask=m, other=0)
+            pos = c * CHUNK + idx
+            tl.store(dst_ptr + pos, v, mask=m & (pos < n))
 
 
 # -- table kernels: one launch over many runs (`weight_transfer.kernels.delta`'s tables) -------
@@ -111,41 +114,34 @@ def count_runs_kernel(
     runs_ptr,
     first_ptr,
     num_runs,
-    row_base,
     counts_ptr,
-    nwords_ptr,
     wbits_ptr,
-    wmeta_ptr,
     DTYPE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    FULL: tl.constexpr,
     CHUNK: tl.constexpr,
     TILE: tl.constexpr,
     LOG: tl.constexpr,
 ):
-    """Run [new, old, numel, 0]: for chunk row g = row_base + p, counts[g] = changed elements;
-    its non-zero 32-element words of the change bitmap, compacted in order, at wbits[g * W ...]
-    (the bits, LSB = first element) and wmeta[g * W ...] (word index << 16 | changed elements
-    of the chunk before it); nwords[g] = how many. W = CHUNK / 32."""
+    """Run [new, old, numel, row0]: chunk `local` of the run is row g = row0 + local;
+    counts[g] = its changed elements, wbits[g * CHUNK / 32 ...] its change bitmap in 32-bit
+    words (bit b of word w: element 32 w + b changed). FULL: every chunk holds CHUNK elements at
+    16-byte aligned addresses (no mask, vector loads); else one masked chunk per run."""
     pid = tl.program_id(0).to(tl.int64)
     run = _find_run(first_ptr, num_runs, pid, LOG)
     local = pid - tl.load(first_ptr + run)
-    new = tl.load(runs_ptr + run * 4).to(tl.pointer_type(DTYPE))
-    old = tl.load(runs_ptr + run * 4 + 1).to(tl.pointer_type(DTYPE))
-    numel = tl.load(runs_ptr + run * 4 + 2)
-    new = new + local * CHUNK
-    old = old + local * CHUNK
-    if ALIGNED:
+    new = tl.load(runs_ptr + run * 4).to(tl.pointer_type(DTYPE)) + local * CHUNK
+    old = tl.load(runs_ptr + run * 4 + 1).to(tl.pointer_type(DTYPE)) + local * CHUNK
+    nelem = tl.load(runs_ptr + run * 4 + 2) - local * CHUNK
+    g = tl.load(runs_ptr + run * 4 + 3) + local
+    if FULL:
         new = tl.multiple_of(new, 16)
         old = tl.multiple_of(old, 16)
-    nelem = tl.minimum(numel - local * CHUNK, CHUNK)
-    g = row_base + pid
     W: tl.constexpr = CHUNK // 32
     shifts = tl.arange(0, 32).to(tl.uint32)
-    nz_out = 0
-    ent = 0
+    acc = tl.zeros([TILE // 32], dtype=tl.int32)
     for i in range(0, CHUNK, TILE):
         lane = i + tl.arange(0, TILE)
-        if nelem == CHUNK:
+        if FULL:
             ne = (tl.load(new + lane) != tl.load(old + lane)).to(tl.uint32)
         else:
             m = lane < nelem
@@ -153,19 +149,13 @@ def count_runs_kernel(
             b = tl.load(old + lane, mask=m, other=0)
             ne = ((a != b) & m).to(tl.uint32)
         ne2 = tl.reshape(ne, [TILE // 32, 32])
+        acc += tl.sum(ne2, axis=1).to(tl.int32)
         words = tl.sum(ne2 << shifts[None, :], axis=1)
-        pc = tl.sum(ne2, axis=1).to(tl.int32)
-        nz = (words != 0).to(tl.int32)
-        slot = nz_out + tl.cumsum(nz, axis=0) - nz
-        pre = ent + tl.cumsum(pc, axis=0) - pc
-        widx = i // 32 + tl.arange(0, TILE // 32)
-        keep = nz != 0
-        tl.store(wbits_ptr + g * W + slot, words.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(wmeta_ptr + g * W + slot, (widx << 16) | pre, mask=keep)
-        nz_out += tl.sum(nz, axis=0)
-        ent += tl.sum(pc, axis=0)
-    tl.store(counts_ptr + g, ent)
-    tl.store(nwords_ptr + g, nz_out)
+        tl.store(
+            wbits_ptr + g * W + i // 32 + tl.arange(0, TILE // 32),
+            words.to(tl.int32, bitcast=True),
+        )
+    tl.store(counts_ptr + g, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -175,9 +165,7 @@ def encode_runs_kernel(
     num_runs,
     counts_ptr,
     excl_ptr,
-    nwords_ptr,
     wbits_ptr,
-    wmeta_ptr,
     DTYPE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -185,14 +173,15 @@ def encode_runs_kernel(
 ):
     """Run [new, index, values, offsets, row0, 0, 0, 0] (row0: the global row of its chunk 0):
     chunk `local` of the run writes offsets[local + 1] (offsets[0] = 0 by chunk 0) and its
-    changed elements, in index order, at index/values[offsets[local] ...], from the compacted
-    bitmap words `count_runs_kernel` wrote (excl: exclusive prefix sum of all rows' counts).
-    Only the changed elements of `new` are read."""
+    changed elements, in index order, at index/values[offsets[local] ...], from the bitmap
+    words `count_runs_kernel` wrote (excl: exclusive prefix sum of all rows' counts). Work per
+    block of words is its largest word's set bits, skipped when none is set; only the changed
+    elements of `new` are read."""
     pid = tl.program_id(0).to(tl.int64)
     run = _find_run(first_ptr, num_runs, pid, LOG)
     local = pid - tl.load(first_ptr + run)
     r = runs_ptr + run * 8
-    new = tl.load(r).to(tl.pointer_type(DTYPE))
+    new = tl.load(r).to(tl.pointer_type(DTYPE)) + local * CHUNK
     index = tl.load(r + 1).to(tl.pointer_type(tl.int16))
     values = tl.load(r + 2).to(tl.pointer_type(DTYPE))
     offsets = tl.load(r + 3).to(tl.pointer_type(tl.int64))
@@ -201,25 +190,28 @@ def encode_runs_kernel(
     start = tl.load(excl_ptr + g) - tl.load(excl_ptr + row0)
     tl.store(offsets + local + 1, start + tl.load(counts_ptr + g))
     tl.store(offsets, start * 0, mask=local == 0)
-    k = tl.load(nwords_ptr + g)
     W: tl.constexpr = CHUNK // 32
-    b = tl.arange(0, 32).to(tl.uint32)
-    below = (tl.full([32], 1, tl.uint32) << b) - 1
-    base = new + local * CHUNK
+    one = tl.full([BLOCK], 1, tl.uint32)
+    at = start
     for j in range(0, W, BLOCK):
-        if j < k:
-            e = j + tl.arange(0, BLOCK)
-            m = e < k
-            w = tl.load(wbits_ptr + g * W + e, mask=m, other=0).to(tl.uint32, bitcast=True)
-            meta = tl.load(wmeta_ptr + g * W + e, mask=m, other=0)
-            pre = (meta & 0xFFFF).to(tl.int64)
-            lane = (meta >> 16)[:, None] * 32 + b[None, :].to(tl.int32)
-            keep = (((w[:, None] >> b[None, :]) & 1) != 0) & m[:, None]
-            rank = _popc32(w[:, None] & below[None, :]).to(tl.int64)
-            pos = start + pre[:, None] + rank
-            v = tl.load(base + lane, mask=keep, other=0)
-            tl.store(index + pos, lane.to(tl.int16), mask=keep)
-            tl.store(values + pos, v, mask=keep)
+        e = j + tl.arange(0, BLOCK)
+        w = tl.load(wbits_ptr + g * W + e).to(tl.uint32, bitcast=True)
+        pc = _popc32(w).to(tl.int32)
+        total = tl.sum(pc, axis=0)
+        if total > 0:
+            pre = at + (tl.cumsum(pc, axis=0) - pc).to(tl.int64)
+            most = tl.max(pc, axis=0)
+            for t in range(0, 32):
+                if t < most:
+                    has = w != 0
+                    # The lowest set bit's index: w ^ (w - 1) has that many + 1 low bits set.
+                    below = w - one
+                    lane = e.to(tl.int32) * 32 + _popc32(w ^ below).to(tl.int32) - 1
+                    v = tl.load(new + lane, mask=has, other=0)
+                    tl.store(index + pre + t, lane.to(tl.int16), mask=has)
+                    tl.store(values + pre + t, v, mask=has)
+                    w = w & below
+        at += total
 
 
 @triton.jit

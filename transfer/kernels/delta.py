@@ -342,15 +342,15 @@ def diff_encode(
 # element size, and a whole patch applied with one launch per element size. Each program owns
 # one chunk of one run and finds its run by binary search in a table of runs (device
 # addresses, int64 words; one small host-to-device copy per launch). The count pass also
-# writes the non-zero 32-element words of the change bitmap, compacted (8 bytes per such word;
-# scratch of 1/8 byte per element, the only buffer proportional to the runs), so the encode
-# pass touches only words with changes and reads only the changed elements of the new run:
-# count + encode read each run about once, and the encode's work scales with the changes.
+# writes the change bitmap (one bit per element: scratch of 1/8 byte per element, the only
+# buffer proportional to the runs), so the encode pass reads the bitmap and only the changed
+# elements of the new run, walking set bits (work per block of 64 words: its fullest word's
+# set bits, nothing for a block without changes): count + encode read each run about once.
 
 _COUNT_TILE = 4096
 """Elements one step of a count program compares."""
 _ENCODE_BLOCK = 64
-"""Bitmap words one step of an encode program expands."""
+"""Bitmap words one step of an encode program reads."""
 _APPLY_TILE = 1024
 """Entries one step of an apply program scatters."""
 _COUNT_WARPS, _ENCODE_WARPS, _APPLY_WARPS = 8, 4, 4
@@ -406,9 +406,7 @@ class CountedRuns:
     counts: np.ndarray
     """Changed elements per row (int64)."""
     device_counts: torch.Tensor | None = None
-    nwords: torch.Tensor | None = None
     wbits: torch.Tensor | None = None
-    wmeta: torch.Tensor | None = None
 
     def run_counts(self, i: int) -> np.ndarray:
         """Changed elements per chunk of run `i`."""
@@ -441,35 +439,46 @@ def count_runs(news: Sequence[torch.Tensor], olds: Sequence[torch.Tensor]) -> Co
             count_changes(a, b, counts[first[i] : first[i] + sizes[i]])
         return CountedRuns(news=list(news), first_row=first, counts=counts.numpy())
     device = news[0].device
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for i, (a, b) in enumerate(zip(news, olds, strict=True)):
-        aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-        groups.setdefault((a.element_size(), aligned), []).append(i)
-    rows = sum(sizes)
+    first_row, rows = [], 0
+    for c in sizes:
+        first_row.append(rows)
+        rows += c
     counts = torch.empty(rows, dtype=torch.int64, device=device)
-    nwords = torch.empty(rows, dtype=torch.int32, device=device)
     wbits = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
-    wmeta = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
-    first_row = [0] * len(news)
-    row = 0
-    for (esize, aligned), members in sorted(groups.items()):
-        base = row
-        for i in members:
-            first_row[i] = row
-            row += sizes[i]
+    # Two launches per element size: the whole chunks of aligned runs (no mask), and every
+    # other chunk (a run's partial last chunk; every chunk of an unaligned run) masked.
+    launches: dict[tuple[int, bool], tuple[list[tuple[int, int, int, int]], list[int]]] = {}
+    for i, (a, b) in enumerate(zip(news, olds, strict=True)):
+        n, esize = a.numel(), a.element_size()
+        aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        whole = n // CHUNK_ELEMENTS if aligned else 0
+        if whole:
+            runs, chunks = launches.setdefault((esize, True), ([], []))
+            runs.append((a.data_ptr(), b.data_ptr(), whole * CHUNK_ELEMENTS, first_row[i]))
+            chunks.append(whole)
+        if sizes[i] > whole:
+            step = whole * CHUNK_ELEMENTS * esize
+            runs, chunks = launches.setdefault((esize, False), ([], []))
+            runs.append(
+                (
+                    a.data_ptr() + step,
+                    b.data_ptr() + step,
+                    n - whole * CHUNK_ELEMENTS,
+                    first_row[i] + whole,
+                )
+            )
+            chunks.append(sizes[i] - whole)
+    for (esize, full), (runs, chunks) in sorted(launches.items()):
         _run_launch(
             _jit().count_runs_kernel,
-            [(news[i].data_ptr(), olds[i].data_ptr(), news[i].numel(), 0) for i in members],
-            [sizes[i] for i in members],
+            runs,
+            chunks,
             device,
-            base,
             counts,
-            nwords,
             wbits,
-            wmeta,
             num_warps=_COUNT_WARPS,
             DTYPE=_tl_dtype(esize),
-            ALIGNED=aligned,
+            FULL=full,
             CHUNK=CHUNK_ELEMENTS,
             TILE=_COUNT_TILE,
         )
@@ -478,9 +487,7 @@ def count_runs(news: Sequence[torch.Tensor], olds: Sequence[torch.Tensor]) -> Co
         first_row=first_row,
         counts=counts.cpu().numpy(),
         device_counts=counts,
-        nwords=nwords,
         wbits=wbits,
-        wmeta=wmeta,
     )
 
 
@@ -539,9 +546,7 @@ def encode_runs(
             device,
             counts,
             excl,
-            counted.nwords,
             counted.wbits,
-            counted.wmeta,
             num_warps=_ENCODE_WARPS,
             DTYPE=_tl_dtype(esize),
             CHUNK=CHUNK_ELEMENTS,
