@@ -38,7 +38,8 @@ import torch
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.kernels.delta import (
     CHUNK_ELEMENTS,
-    apply_runs,
+    apply_changes,
+    apply_table,
     count_changes,
     count_runs,
     diff_encode,
@@ -380,34 +381,6 @@ def _words(t: torch.Tensor, offset: int, count: int) -> list[int]:
     return [int(x) for x in t[offset : offset + 8 * count].view(torch.int64).cpu().tolist()]
 
 
-def _check_chunk_offsets(
-    patch: torch.Tensor, plan: Sequence[tuple[int, list[int]]], wheres: Sequence[str]
-) -> None:
-    """Read every sparse segment's chunk offsets in one transfer and check them: a prefix sum
-    from 0 to its entries, no chunk with more entries than elements."""
-    sparse = [i for i, (_, row) in enumerate(plan) if row[4] == SPARSE]
-    if not sparse:
-        return
-    words: list[np.ndarray] = []
-    for i in sparse:
-        base, (_, _, _, numel, _, _, data_at, _) = plan[i]
-        start = (base + data_at) // 8
-        words.append(np.arange(start, start + num_chunks(numel) + 1, dtype=np.int64))
-    flat = patch[: patch.numel() & ~7].view(torch.int64)
-    where_idx = torch.from_numpy(np.concatenate(words)).to(flat.device)
-    got = flat[where_idx].cpu().numpy()
-    at = 0
-    for i, w in zip(sparse, words, strict=True):
-        o = got[at : at + w.size]
-        at += w.size
-        entries = plan[i][1][5]
-        counts = np.diff(o)
-        if int(o[0]) != 0 or int(o[-1]) != entries or bool((counts < 0).any()):
-            raise PatchError(f"{wheres[i]}: chunk offsets are not a prefix sum")
-        if bool((counts > CHUNK_ELEMENTS).any()):
-            raise PatchError(f"{wheres[i]}: a chunk has more entries than elements")
-
-
 def apply_patch_region(
     patch: torch.Tensor,
     regions: Sequence[torch.Tensor],
@@ -442,9 +415,8 @@ def apply_patch_region(
         or HEADER_BYTES + num_slots * slot_bytes > patch.numel()
     ):
         raise PatchError(f"patch region header is inconsistent ({num_slots} x {slot_bytes})")
-    plan: list[tuple[int, list[int]]] = []
-    wheres: list[str] = []
-    used_slots = 0
+    tables: list[np.ndarray] = []
+    slot_rows: list[tuple[int, int, int, int]] = []  # (slot, base, table_at, segments)
     patch_bytes = 0
     for s in range(num_slots):
         base = HEADER_BYTES + s * slot_bytes
@@ -457,59 +429,197 @@ def apply_patch_region(
                 f"patch slot {s} was encoded against version {slot_base_step}, the engine "
                 f"holds {base_step}: nothing was written"
             )
-        if not (HEADER_BYTES <= table_at and table_at + nseg * SEGMENT_BYTES == used <= slot_bytes):
+        if not (
+            0 <= nseg <= slot_bytes // SEGMENT_BYTES
+            and HEADER_BYTES <= table_at
+            and table_at + nseg * SEGMENT_BYTES == used <= slot_bytes
+        ):
             raise PatchError(f"patch slot {s}: table or size out of bounds")
-        used_slots += 1
         patch_bytes += used
-        rows = _words(patch, base + table_at, 8 * nseg)
-        for i in range(nseg):
-            row = rows[8 * i : 8 * i + 8]
-            region, dest, esize, numel, kind, entries, data_at, _ = row
-            where = f"patch slot {s} segment {i}"
-            if not 0 <= region < len(regions) or esize not in _INT_OF_SIZE or numel <= 0:
-                raise PatchError(f"{where}: bad region {region} or element size {esize}")
-            if dest < 0 or dest % esize or dest + numel * esize > regions[region].numel():
-                raise PatchError(f"{where}: destination outside region {region}")
-            if kind == SPARSE:
-                size = 8 * (num_chunks(numel) + 1) + _pad8(2 * entries) + _pad8(esize * entries)
-                if not 0 < entries <= numel:
-                    raise PatchError(f"{where}: {entries} entries for {numel} elements")
-            elif kind == DENSE:
-                size = numel * esize
-                if entries != numel:
-                    raise PatchError(f"{where}: dense segment of {entries} != {numel}")
-            else:
-                raise PatchError(f"{where}: unknown kind {kind}")
-            if data_at < HEADER_BYTES or data_at % 8 or data_at + size > table_at:
-                raise PatchError(f"{where}: data outside the slot")
-            plan.append((base, row))
-            wheres.append(where)
-    _check_chunk_offsets(patch, plan, wheres)
-    num_entries = 0
-    batched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for base, (region, dest, esize, numel, kind, entries, data_at, _) in plan:
-        itype = _INT_OF_SIZE[esize]
-        dst = regions[region][dest : dest + numel * esize].view(itype)
-        data = patch[base + data_at :]
-        if kind == DENSE:
-            dst.copy_(data[: numel * esize].view(itype))
-        else:
-            c = num_chunks(numel)
-            offsets = data[: 8 * (c + 1)].view(torch.int64)
-            i0 = 8 * (c + 1)
-            index = data[i0 : i0 + 2 * entries].view(torch.int16)
-            v0 = i0 + _pad8(2 * entries)
-            values = data[v0 : v0 + esize * entries].view(itype)
-            batched.append((dst, offsets, index, values))
-        num_entries += entries
-    apply_runs(batched)
+        words = patch[base + table_at : base + table_at + SEGMENT_BYTES * nseg]
+        tables.append(words.view(torch.int64).cpu().numpy().reshape(nseg, 8))
+        slot_rows.append((s, base, table_at, nseg))
+    if not slot_rows:
+        return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+    table = np.concatenate(tables)
+    counts = [n for _, _, _, n in slot_rows]
+    seg = _Segments(
+        table=table,
+        slot=np.repeat([s for s, _, _, _ in slot_rows], counts),
+        index=np.concatenate([np.arange(n) for n in counts]),
+        base=np.repeat([b for _, b, _, _ in slot_rows], counts).astype(np.int64),
+        table_at=np.repeat([t for _, _, t, _ in slot_rows], counts).astype(np.int64),
+    )
+    _check_segments(seg, [r.numel() for r in regions])
+    _check_chunk_offsets(patch, seg)
+    _apply_segments(patch, regions, seg)
     return ApplyStats(
         step=step,
-        num_slots=used_slots,
-        num_segments=len(plan),
-        num_entries=num_entries,
+        num_slots=len(slot_rows),
+        num_segments=int(table.shape[0]),
+        num_entries=int(table[:, 5].sum()),
         patch_bytes=patch_bytes,
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Segments:
+    """Every segment of a patch region's committed slots, as numpy columns."""
+
+    table: np.ndarray
+    """[segments, 8]: region, dest_offset, elem_size, numel, kind, entries, data_offset, 0."""
+    slot: np.ndarray
+    index: np.ndarray
+    """Segment index inside its slot."""
+    base: np.ndarray
+    """Offset of its slot in the patch region."""
+    table_at: np.ndarray
+    """Its slot's table offset (data must end before it)."""
+
+    def where(self, i: int) -> str:
+        return f"patch slot {int(self.slot[i])} segment {int(self.index[i])}"
+
+    def data_size(self) -> np.ndarray:
+        """Bytes of each segment's data (sparse: offsets, index, values; dense: the run)."""
+        _, _, esize, numel, kind, entries, _, _ = self.table.T
+        chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
+        sparse = 8 * (chunks + 1) + _pad8_np(2 * entries) + _pad8_np(esize * entries)
+        return np.where(kind == SPARSE, sparse, numel * esize)
+
+
+def _pad8_np(n: np.ndarray) -> np.ndarray:
+    return (n + 7) & ~7
+
+
+def _check_segments(seg: _Segments, region_bytes: Sequence[int]) -> None:
+    """Bounds, kinds and sizes of every segment, in one pass over the table; the first bad
+    segment raises `PatchError` naming it (checks in the order a reader would apply them).
+    Every bound is checked before it is used in arithmetic (no int64 overflow)."""
+    region, dest, esize, numel, kind, entries, data_at, _ = seg.table.T
+    sizes = np.array(region_bytes, dtype=np.int64)
+    known = (region >= 0) & (region < len(sizes))
+    rb = sizes[np.where(known, region, 0)]
+    esize_ok = np.isin(esize, list(_INT_OF_SIZE))
+    es = np.where(esize_ok, esize, 1)
+    bad_region = ~known | ~esize_ok | (numel <= 0)
+    numel_c = np.clip(numel, 0, rb)
+    dest_c = np.clip(dest, 0, rb)
+    bad_dest = (
+        (dest < 0) | (dest > rb) | (numel > rb) | (dest_c % es != 0) | (dest_c + numel_c * es > rb)
+    )
+    sparse, dense = kind == SPARSE, kind == DENSE
+    bad_entries = (sparse & ~((entries > 0) & (entries <= numel))) | (dense & (entries != numel))
+    bad_kind = ~(sparse | dense)
+    ok_so_far = ~(bad_region | bad_dest | bad_entries | bad_kind)
+    size = np.where(
+        ok_so_far,
+        _Segments(
+            table=np.where(ok_so_far[:, None], seg.table, 0),
+            slot=seg.slot,
+            index=seg.index,
+            base=seg.base,
+            table_at=seg.table_at,
+        ).data_size(),
+        0,
+    )
+    bad_data = (data_at < HEADER_BYTES) | (data_at % 8 != 0) | (data_at > seg.table_at)
+    bad_data |= np.where(bad_data, False, data_at + size > seg.table_at)
+    bad = np.flatnonzero(bad_region | bad_dest | bad_entries | bad_kind | bad_data)
+    if bad.size == 0:
+        return
+    i = int(bad[0])
+    where = seg.where(i)
+    r, d, e, n, k, m = (int(x) for x in seg.table[i, :6])
+    if bad_region[i]:
+        raise PatchError(f"{where}: bad region {r} or element size {e}")
+    if bad_dest[i]:
+        raise PatchError(f"{where}: destination outside region {r}")
+    if bad_kind[i]:
+        raise PatchError(f"{where}: unknown kind {k}")
+    if bad_entries[i]:
+        if k == SPARSE:
+            raise PatchError(f"{where}: {m} entries for {n} elements")
+        raise PatchError(f"{where}: dense segment of {m} != {n}")
+    raise PatchError(f"{where}: data outside the slot")
+
+
+def _check_chunk_offsets(patch: torch.Tensor, seg: _Segments) -> None:
+    """Read every sparse segment's chunk offsets in one transfer and check them: a prefix sum
+    from 0 to its entries, no chunk with more entries than elements."""
+    sparse = np.flatnonzero(seg.table[:, 4] == SPARSE)
+    if sparse.size == 0:
+        return
+    numel, entries = seg.table[sparse, 3], seg.table[sparse, 5]
+    words = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS + 1  # offsets per segment
+    start = (seg.base[sparse] + seg.table[sparse, 6]) // 8
+    first = np.zeros(sparse.size + 1, dtype=np.int64)
+    np.cumsum(words, out=first[1:])
+    idx = np.repeat(start - first[:-1], words) + np.arange(int(first[-1]), dtype=np.int64)
+    flat = patch[: patch.numel() & ~7].view(torch.int64)
+    o = flat[torch.from_numpy(idx).to(flat.device)].cpu().numpy()
+    step = np.diff(o)
+    inside = np.ones(step.size, dtype=bool)
+    inside[first[1:-1] - 1] = False  # the step from one segment's last word to the next's
+    owner = np.repeat(np.arange(sparse.size), words - 1)
+    not_prefix = (o[first[:-1]] != 0) | (o[first[1:] - 1] != entries)
+    neg = np.zeros(sparse.size, dtype=bool)
+    big = np.zeros(sparse.size, dtype=bool)
+    within = step[inside]
+    np.logical_or.at(neg, owner, within < 0)
+    np.logical_or.at(big, owner, within > CHUNK_ELEMENTS)
+    bad = np.flatnonzero(not_prefix | neg | big)
+    if bad.size == 0:
+        return
+    k = int(bad[0])
+    where = seg.where(int(sparse[k]))
+    if not_prefix[k] or neg[k]:
+        raise PatchError(f"{where}: chunk offsets are not a prefix sum")
+    raise PatchError(f"{where}: a chunk has more entries than elements")
+
+
+def _apply_segments(patch: torch.Tensor, regions: Sequence[torch.Tensor], seg: _Segments) -> None:
+    """Write every (checked) segment into its region: dense ones by copy; sparse ones on a GPU
+    by one table launch per element size from addresses computed here (no per-segment view),
+    on the CPU by `apply_changes` per segment."""
+    region, dest, esize, numel, kind, entries, data_at, _ = seg.table.T
+    data = seg.base + data_at
+    tables = all(r.device == patch.device for r in regions) and uses_triton(patch)
+    for i in np.flatnonzero(kind == DENSE).tolist():
+        it = _INT_OF_SIZE[int(esize[i])]
+        n = int(numel[i]) * int(esize[i])
+        d, at = int(dest[i]), int(data[i])
+        regions[int(region[i])][d : d + n].view(it).copy_(patch[at : at + n].view(it))
+    sparse = kind == SPARSE
+    chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
+    index_at = data + 8 * (chunks + 1)
+    values_at = index_at + _pad8_np(2 * entries)
+    if tables:
+        ptr = np.array([r.data_ptr() for r in regions], dtype=np.int64)
+        base = patch.data_ptr()
+        for size in np.unique(esize[sparse]).tolist():
+            sel = sparse & (esize == size)
+            rows = np.stack(
+                [
+                    ptr[region[sel]] + dest[sel],
+                    base + data[sel],
+                    base + index_at[sel],
+                    base + values_at[sel],
+                    numel[sel],
+                ],
+                axis=1,
+            )
+            apply_table(patch.device, int(size), rows)
+        return
+    for i in np.flatnonzero(sparse).tolist():
+        it = _INT_OF_SIZE[int(esize[i])]
+        n, e, m = int(numel[i]), int(esize[i]), int(entries[i])
+        d = int(dest[i])
+        dst = regions[int(region[i])][d : d + n * e].view(it)
+        c = int(chunks[i])
+        offsets = patch[int(data[i]) : int(data[i]) + 8 * (c + 1)].view(torch.int64)
+        index = patch[int(index_at[i]) : int(index_at[i]) + 2 * m].view(torch.int16)
+        values = patch[int(values_at[i]) : int(values_at[i]) + e * m].view(it)
+        apply_changes(dst, offsets, index, values)
 
 
 class Snapshot:
@@ -527,31 +637,66 @@ class Snapshot:
 
     def advance(self, builder: PatchBuilder) -> None:
         """Apply the committed patch in `builder` to the snapshot (same kernels as the engine;
-        on a GPU one launch per element size for the segments `add_runs` encoded)."""
-        batched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for seg in builder.segments:
+        on a GPU one table launch per element size, addresses computed from the segment
+        table, no view per segment)."""
+        segs = builder.segments
+        if not segs:
+            return
+        same = builder.staging.device == self.buffer.device and uses_triton(self.buffer)
+        if same:
+            cols = np.array(
+                [
+                    (s.snapshot_offset, s.elem_size, s.numel, s.kind, s.num_entries, s.data_offset)
+                    for s in segs
+                ],
+                dtype=np.int64,
+            )
+            at, esize, numel, kind, entries, data_at = cols.T
+            for i in np.flatnonzero(kind == DENSE).tolist():
+                self._copy_dense(builder, segs[i])
+            sparse = kind == SPARSE
+            chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
+            index_at = data_at + 8 * (chunks + 1)
+            values_at = index_at + _pad8_np(2 * entries)
+            dst_ptr, src_ptr = self.buffer.data_ptr(), builder.staging.data_ptr()
+            for size in np.unique(esize[sparse]).tolist():
+                sel = sparse & (esize == size)
+                rows = np.stack(
+                    [
+                        dst_ptr + at[sel],
+                        src_ptr + data_at[sel],
+                        src_ptr + index_at[sel],
+                        src_ptr + values_at[sel],
+                        numel[sel],
+                    ],
+                    axis=1,
+                )
+                apply_table(self.buffer.device, int(size), rows)
+            return
+        for seg in segs:
+            if seg.kind == DENSE:
+                self._copy_dense(builder, seg)
+                continue
             itype = _INT_OF_SIZE[seg.elem_size]
             dst = self.buffer[seg.snapshot_offset : seg.snapshot_offset + seg.nbytes].view(itype)
-            if seg.kind == DENSE:
-                size = seg.nbytes
-            else:
-                size = 8 * (num_chunks(seg.numel) + 1) + _pad8(2 * seg.num_entries)
-                size += seg.elem_size * seg.num_entries
+            size = 8 * (num_chunks(seg.numel) + 1) + _pad8(2 * seg.num_entries)
+            size += seg.elem_size * seg.num_entries
             data = builder.staging[seg.data_offset : seg.data_offset + size]
             if data.device != dst.device:
                 # A host snapshot of a GPU patch: bring this segment over (patch-sized).
                 data = data.to(dst.device)
-            if seg.kind == DENSE:
-                dst.copy_(data[: seg.nbytes].view(itype))
-                continue
             c = num_chunks(seg.numel)
             offsets = data[: 8 * (c + 1)].view(torch.int64)
             i0 = 8 * (c + 1)
             index = data[i0 : i0 + 2 * seg.num_entries].view(torch.int16)
             v0 = i0 + _pad8(2 * seg.num_entries)
             values = data[v0 : v0 + seg.elem_size * seg.num_entries].view(itype)
-            batched.append((dst, offsets, index, values))
-        apply_runs(batched)
+            apply_changes(dst, offsets, index, values)
+
+    def _copy_dense(self, builder: PatchBuilder, seg: Segment) -> None:
+        it = _INT_OF_SIZE[seg.elem_size]
+        dst = self.buffer[seg.snapshot_offset : seg.snapshot_offset + seg.nbytes]
+        dst.view(it).copy_(builder.staging[seg.data_offset : seg.data_offset + seg.nbytes].view(it))
 
 
 __all__ = [

@@ -131,7 +131,23 @@ def test_patch_is_small_at_low_density() -> None:
     assert n < 0.2 * full, (n, full)
 
 
-@pytest.mark.parametrize("damage", ["magic", "table", "region", "dest", "offsets"])
+DAMAGES = {
+    "magic": "no header",
+    "table": "table or size",
+    "region": "segment 0: bad region",
+    "dest": "segment 0: destination outside",
+    "offsets": "segment 0: chunk offsets",
+    "kind": "segment 0: unknown kind",
+    "entries": "segment 0: 0 entries",
+    "data": "segment 0: data outside the slot",
+    "numel_huge": "segment 0: destination outside",  # numel * size would overflow int64
+    "dest_huge": "segment 0: destination outside",
+    "second_dest": "segment 1: destination outside",  # the first segment is fine
+    "negative_chunk": "segment 0: chunk offsets are not a prefix sum",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
 def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
     old = _regions(6)
     slot_bytes = 1 << 19
@@ -152,9 +168,24 @@ def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
         elif damage == "offsets":
             d0 = int(words[table + 6]) // 8
             words[d0 + 1] = 10**9  # chunk offsets no longer a prefix sum of the entries
+        elif damage == "kind":
+            words[table + 4] = 7
+        elif damage == "entries":
+            words[table + 5] = 0
+        elif damage == "data":
+            words[table + 6] = words[5]  # data starting at the table runs into it
+        elif damage == "numel_huge":
+            words[table + 3] = 2**62
+        elif damage == "dest_huge":
+            words[table + 1] = 2**62
+        elif damage == "second_dest":
+            words[table + 8 + 1] = REGION_BYTES[0]
+        elif damage == "negative_chunk":
+            d0 = int(words[table + 6]) // 8
+            words[d0 + 1] = -5  # RUNS[0] has two chunks: offsets [0, c0, c0 + c1]
         region = _patch_region([(0, data)], 1, slot_bytes)
     engine = [r.clone() for r in old]
-    with pytest.raises(PatchError):
+    with pytest.raises(PatchError, match=DAMAGES[damage]):
         apply_patch_region(region, engine, 2)
     for got, want in zip(engine, old, strict=True):
         assert torch.equal(got, want), "a refused patch wrote something"

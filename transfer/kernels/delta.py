@@ -51,6 +51,7 @@ __all__ = [
     "CountedRuns",
     "apply_changes",
     "apply_runs",
+    "apply_table",
     "count_changes",
     "count_runs",
     "diff_encode",
@@ -366,32 +367,51 @@ def _tl_dtype(esize: int) -> Any:
 
 def _run_launch(
     kernel: Any,
-    runs: Sequence[Sequence[int]],
-    chunks: Sequence[int],
+    runs: Sequence[Sequence[int]] | np.ndarray,
+    chunks: Sequence[int] | np.ndarray,
     device: torch.device,
     *args: Any,
     num_warps: int,
     **meta: Any,
 ) -> None:
     """Launch `kernel` over every chunk of `runs` (rows of int64 fields; `chunks` per run)."""
-    if not runs:
+    table = np.asarray(runs, dtype=np.int64)
+    if table.shape[0] == 0:
         return
-    first = [0]
-    for c in chunks:
-        first.append(first[-1] + c)
-    if first[-1] == 0:
+    first = np.zeros(table.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.asarray(chunks, dtype=np.int64), out=first[1:])
+    total = int(first[-1])
+    if total == 0:
         return
-    table = torch.tensor([list(r) for r in runs], dtype=torch.int64)
-    packed = torch.cat([table.reshape(-1), torch.tensor(first, dtype=torch.int64)])
-    on = packed.to(device)
-    width = table.shape[1]
-    runs_t, first_t = on[: len(runs) * width], on[len(runs) * width :]
-    log = max(1, len(runs).bit_length())
+    on = torch.from_numpy(np.concatenate([table.reshape(-1), first])).to(device)
+    runs_t, first_t = on[: table.size], on[table.size :]
+    log = max(1, int(table.shape[0]).bit_length())
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        kernel[(first[-1],)](
-            runs_t, first_t, len(runs), *args, LOG=log, num_warps=num_warps, **meta
+        kernel[(total,)](
+            runs_t, first_t, table.shape[0], *args, LOG=log, num_warps=num_warps, **meta
         )
+
+
+def apply_table(device: torch.device, elem_size: int, table: np.ndarray) -> None:
+    """`apply_runs` from device addresses: rows of int64 [dst, offsets, index, values, numel]
+    (one sparse chunk list per row, all of element size `elem_size`, offsets validated by the
+    caller). One launch, asynchronous. For callers that know many segments' addresses by
+    arithmetic (an engine's patch region): no tensor view per segment."""
+    if table.shape[0] == 0:
+        return
+    rows = np.zeros((table.shape[0], 8), dtype=np.int64)
+    rows[:, :5] = table[:, :5]
+    _run_launch(
+        _jit().apply_runs_kernel,
+        rows,
+        (rows[:, 4] + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS,
+        device,
+        num_warps=_APPLY_WARPS,
+        DTYPE=_tl_dtype(elem_size),
+        CHUNK=CHUNK_ELEMENTS,
+        TILE=_APPLY_TILE,
+    )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
