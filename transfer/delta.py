@@ -282,12 +282,9 @@ class PatchBuilder:
                     view[i0 : i0 + 2 * total].view(torch.int16),
                     view[v0 : v0 + esize * total].view(a.dtype),
                 )
-                kind, num = SPARSE, total
+                self.segments.append(Segment(region, dest, esize, n, SPARSE, total, at, snap_at))
             else:
-                at = self._take(n * esize, f"a dense run of {n} elements")
-                self.staging[at : at + n * esize].view(a.dtype).copy_(a)
-                kind, num = DENSE, n
-            self.segments.append(Segment(region, dest, esize, n, kind, num, at, snap_at))
+                self._add_dense(a, region, dest, snap_at)
         encode_runs(counted, outputs)
         return self.wire_bytes - before
 
@@ -329,13 +326,19 @@ class PatchBuilder:
                 values.copy_(entries[1])
             else:
                 encode_changes(a, b, offsets, index, values)
-            kind, num = SPARSE, total
+            self.segments.append(
+                Segment(region, dest_offset, esize, n, SPARSE, total, at, snapshot_offset)
+            )
         else:
-            at = self._take(n * esize, f"a dense run of {n} elements")
-            self.staging[at : at + n * esize].view(a.dtype).copy_(a)
-            kind, num = DENSE, n
-        self.segments.append(Segment(region, dest_offset, esize, n, kind, num, at, snapshot_offset))
+            self._add_dense(a, region, dest_offset, snapshot_offset)
         return self.wire_bytes - before
+
+    def _add_dense(self, a: torch.Tensor, region: int, dest: int, snapshot_offset: int) -> None:
+        """The run `a` (a flat integer view) as raw bytes: denser than its sparse list."""
+        n, esize = a.numel(), a.element_size()
+        at = self._take(n * esize, f"a dense run of {n} elements")
+        self.staging[at : at + n * esize].view(a.dtype).copy_(a)
+        self.segments.append(Segment(region, dest, esize, n, DENSE, n, at, snapshot_offset))
 
     def finish(self, *, step: int, base_step: int, rank: int) -> int:
         """Write the segment table and the slot header; returns the slot's bytes to send

@@ -218,6 +218,20 @@ def test_overflow_raises_and_adds_nothing() -> None:
     assert builder.segments == [] and builder.wire_bytes == HEADER_BYTES
 
 
+def _runs_over(
+    new_runs: list[torch.Tensor], snap: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, int, int, int]]:
+    """(new, old, region, dest_offset, snapshot_offset) of every run, the old bytes in `snap`
+    laid out run after run as `_build` lays them."""
+    so = 0
+    runs = []
+    for (region, off, dtype, numel, _), run in zip(RUNS, new_runs, strict=True):
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        runs.append((run, snap[so : so + size].view(dtype), region, off, so))
+        so += size
+    return runs
+
+
 def test_count_then_add_counted_equals_add() -> None:
     """The batched path (count every run, one read of all totals, then encode) writes the same
     slot bytes as `add` run by run (the GPU sender uses the first, the CPU one the second)."""
@@ -225,12 +239,7 @@ def test_count_then_add_counted_equals_add() -> None:
     new_runs = _new_runs(old, 13)
     one, snap, n = _build(old, new_runs, step=2, slot_bytes=1 << 20)
     two = PatchBuilder(torch.zeros(1 << 20, dtype=torch.uint8))
-    so = 0
-    runs = []
-    for (region, off, dtype, numel, _), run in zip(RUNS, new_runs, strict=True):
-        size = numel * torch.empty((), dtype=dtype).element_size()
-        runs.append((run, snap[so : so + size].view(dtype), region, off, so))
-        so += size
+    runs = _runs_over(new_runs, snap)
     counted = [two.count(a, b) for a, b, _, _, _ in runs]
     totals = torch.stack([o[-1] for o in counted]).tolist()
     for (a, b, region, off, at), offsets, total in zip(runs, counted, totals, strict=True):
@@ -249,12 +258,7 @@ def test_add_runs_equals_add() -> None:
     new_runs = _new_runs(old, 15)
     one, snap, n = _build(old, new_runs, step=2, slot_bytes=1 << 20)
     two = PatchBuilder(torch.zeros(1 << 20, dtype=torch.uint8))
-    so = 0
-    runs = []
-    for (region, off, dtype, numel, _), run in zip(RUNS, new_runs, strict=True):
-        size = numel * torch.empty((), dtype=dtype).element_size()
-        runs.append((run, snap[so : so + size].view(dtype), region, off, so))
-        so += size
+    runs = _runs_over(new_runs, snap)
     two.add_runs(runs)
     m = two.finish(step=2, base_step=1, rank=0)
     assert m == n and torch.equal(two.staging[:m], one.staging[:n])
