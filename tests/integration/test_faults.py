@@ -90,9 +90,14 @@ def trainer_proc(
     paused: Any,
     resume: Any,
     finish: Any,
+    constructed: Any,
     out: Any,
 ) -> None:
-    """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`."""
+    """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`. Every rank
+    constructs its sender before any starts the update (`constructed`, a barrier): the faults
+    land mid-update, not while another rank is still joining (rank 0 does not wait for the
+    others before it writes, so a controller killed at its first write could otherwise die
+    while rank 1 is still in its constructor)."""
     from weight_transfer.backends.base import WeightTransferError
     from weight_transfer.sender import WeightSender
 
@@ -107,6 +112,7 @@ def trainer_proc(
         world_size=world,
     )
     out.put(("tasks", rank, len(sender.schedule.tasks)))
+    constructed.wait(60)
     transport = sender._transport
     post, post_prepared = transport.post_writes, transport.post_prepared
     posted = [0]
@@ -191,12 +197,26 @@ def _run(
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
+    constructed = ctx.Barrier(world)
     port, token = free_port(), secrets.token_hex(16)
     children = [
         Child(
             f"trainer{r}",
             trainer_proc,
-            (r, world, engines, backend, port, token, fault, big, paused, resume, finish),
+            (
+                r,
+                world,
+                engines,
+                backend,
+                port,
+                token,
+                fault,
+                big,
+                paused,
+                resume,
+                finish,
+                constructed,
+            ),
         )
         for r in range(world)
     ] + [
