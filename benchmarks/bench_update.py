@@ -95,6 +95,9 @@ class BenchUpdateConfig:
     """Perfetto trace of the last timed update ("" for none)."""
     plot_path: str = ""
     """PNG timeline of that update ("" for none)."""
+    profile_path: str = ""
+    """Host profiles (cProfile, as text) of trainer rank 0's timed updates (this path +
+    ".STEP") and of engine 0's `apply_delta` of them (+ ".engine.STEP"); "" for none."""
     transport_options: tuple[tuple[str, str], ...] = ()
     """Backend options."""
     delta_density: float = 0.0
@@ -102,11 +105,11 @@ class BenchUpdateConfig:
     of every trainer tensor's elements (the size of an RL step; a measured density goes here)
     and run the sender in delta mode; 0: full updates of freshly perturbed weights."""
     delta_anchor: int = 2
+    """Delta mode: a full update every this many updates, so full and delta updates are timed
+    in the same run on the same weights."""
     delta_full_when_slower: bool = False
     """Let delta mode fall back to full updates while deltas are slower (DeltaConfig's
     default); off by default here, so the benchmark measures the delta it asks for."""
-    """Delta mode: a full update every this many updates, so full and delta updates are timed
-    in the same run on the same weights."""
     delta_snapshot: str = "device"
     """Delta mode: where the sender keeps its snapshot ("device" or "host")."""
     patch_region_fraction: float = 0.25
@@ -393,9 +396,11 @@ def trainer_main(
                 _perturb(model, 1000 + step)  # new weights for every update, off the clock
                 dist.barrier()
                 torch.cuda.synchronize()
+            prof = _profiler(cfg, rank == 0 and i >= cfg.warmups)
             t0 = time.perf_counter()
             stats = sender.update(step)
             wall = time.perf_counter() - t0
+            _write_profile(prof, f"{cfg.profile_path}.{step}")
             if i >= cfg.warmups:
                 update_s.append(wall)
                 executor_s.append(stats.seconds)
@@ -484,6 +489,34 @@ def trainer_main(
         out.put(("trainer", rank, res))
     finally:
         dist.destroy_process_group()
+
+
+def _profiler(cfg: BenchUpdateConfig, now: bool) -> Any:
+    """A running cProfile when `--profile` is set and `now`, else None."""
+    if not cfg.profile_path or not now:
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _write_profile(prof: Any, path: str) -> None:
+    """Stop `prof` (None: nothing) and write its top functions, by cumulative and by own
+    time, as text to `path`."""
+    if prof is None:
+        return
+    import io
+    import pstats
+
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def _host_cost(stats: Any) -> dict[str, float]:
@@ -670,8 +703,10 @@ def engine_main(
         # Every update is checked: digest every tensor under the key the trainer draws
         # after the update, once this step's version is committed (and, in delta mode,
         # its patches applied: the engine's per-update work, timed).
+        prof = _profiler(cfg, rank == 0 and step > cfg.warmups)
         t_apply = time.perf_counter()
         applied = rx.apply_delta(step, cfg.timeout_s)
+        _write_profile(prof, f"{cfg.profile_path}.engine.{step}")
         if applied.num_slots:
             # The apply alone (checks, kernels, sync), and the call as the engine sees it:
             # its wait for the update included (the trainer's whole update and whatever ran
@@ -1020,6 +1055,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--trace", default="", help="Perfetto trace of the last timed update")
     p.add_argument("--plot", default="", help="PNG timeline of that update (needs matplotlib)")
     p.add_argument(
+        "--profile",
+        default="",
+        help="cProfile text of trainer 0's timed updates (PATH.STEP; PATH.engine.STEP: engine 0)",
+    )
+    p.add_argument(
         "--no-table-quant",
         action="store_true",
         help="FP8 graph groups: one quantize kernel per call instead of one table launch",
@@ -1080,6 +1120,7 @@ def main(ns: argparse.Namespace) -> int:
             json_path=ns.json,
             trace_path=ns.trace,
             plot_path=ns.plot,
+            profile_path=ns.profile,
             transport_options=tuple(options),
             delta_density=ns.delta_density,
             delta_anchor=ns.delta_anchor,
