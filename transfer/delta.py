@@ -586,7 +586,10 @@ def _apply_segments(patch: torch.Tensor, regions: Sequence[torch.Tensor], seg: _
     on the CPU by `apply_changes` per segment."""
     region, dest, esize, numel, kind, entries, data_at, _ = seg.table.T
     data = seg.base + data_at
-    tables = all(r.device == patch.device for r in regions) and uses_triton(patch)
+    # The table path for segments whose region is on the patch's device (an engine's version
+    # word may live in host memory: it must not send every segment down the per-segment path).
+    on_device = np.array([r.device == patch.device for r in regions], dtype=bool)
+    tables = uses_triton(patch)
     for i in np.flatnonzero(kind == DENSE).tolist():
         it = _INT_OF_SIZE[int(esize[i])]
         n = int(numel[i]) * int(esize[i])
@@ -599,8 +602,10 @@ def _apply_segments(patch: torch.Tensor, regions: Sequence[torch.Tensor], seg: _
     if tables:
         ptr = np.array([r.data_ptr() for r in regions], dtype=np.int64)
         base = patch.data_ptr()
-        for size in np.unique(esize[sparse]).tolist():
-            sel = sparse & (esize == size)
+        by_table = sparse & on_device[region]
+        sparse = sparse & ~by_table  # the rest: per segment, below
+        for size in np.unique(esize[by_table]).tolist():
+            sel = by_table & (esize == size)
             rows = np.stack(
                 [
                     ptr[region[sel]] + dest[sel],
@@ -612,7 +617,6 @@ def _apply_segments(patch: torch.Tensor, regions: Sequence[torch.Tensor], seg: _
                 axis=1,
             )
             apply_table(patch.device, int(size), rows)
-        return
     for i in np.flatnonzero(sparse).tolist():
         it = _INT_OF_SIZE[int(esize[i])]
         n, e, m = int(numel[i]), int(esize[i]), int(entries[i])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.markers import requires_cuda
 from weight_transfer.delta import (
     HEADER_BYTES,
     PatchBuilder,
@@ -271,3 +272,29 @@ def test_add_runs_equals_add() -> None:
     s.buffer.copy_(snap)
     s.advance(two)
     assert torch.equal(s.buffer, torch.cat([r.view(torch.uint8) for r in new_runs]))
+
+
+@requires_cuda
+def test_gpu_engine_with_a_host_region_applies_by_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's version word lives in host memory while its weights and patch region are
+    on the GPU: every sparse segment must still go through the table kernels (the per-segment
+    path, `apply_changes`, once ran for all 7,869 segments of an MoE patch because one region
+    was on the host), and the result is the old bytes with the new runs sliced in."""
+    import weight_transfer.delta as delta_mod
+
+    old = _regions(21)
+    new_runs = _new_runs(old, 22)
+    slot = slot_layout(1 << 20, 1)
+    builder, _, n = _build(old, new_runs, 3, slot)
+    patch = _patch_region([(0, builder.staging[:n])], 1, slot).cuda()
+    regions = [r.cuda() for r in old] + [torch.zeros(8, dtype=torch.uint8)]  # + host word
+
+    def per_segment(*_: object) -> None:
+        raise AssertionError("a sparse segment took the per-segment path")
+
+    monkeypatch.setattr(delta_mod, "apply_changes", per_segment)
+    stats = apply_patch_region(patch, regions, 3)
+    torch.cuda.synchronize()
+    assert stats.num_segments == 4
+    for got, want in zip(regions, _expected(old, new_runs), strict=False):
+        assert torch.equal(got.cpu(), want)
