@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,10 +41,10 @@ from weight_transfer.kernels.delta import (
     apply_changes,
     apply_table,
     count_changes,
-    count_runs,
+    count_table,
     diff_encode,
     encode_changes,
-    encode_runs,
+    encode_table,
     int_view,
     num_chunks,
     uses_triton,
@@ -149,23 +149,48 @@ class PatchBuilder:
             raise ConfigurationError("patch staging must be a flat uint8 tensor")
         self.staging = staging
         self.capacity = staging.numel()
-        self.segments: list[Segment] = []
         self.cursor = HEADER_BYTES
         self._offsets = torch.empty(0, dtype=torch.int64)
+        self._blocks: list[np.ndarray] = []
+        self._num_segments = 0
 
     def reset(self) -> None:
         """Forget the previous patch (its update committed or failed)."""
-        self.segments = []
+        self._blocks = []
+        self._num_segments = 0
         self.cursor = HEADER_BYTES
+
+    @property
+    def num_segments(self) -> int:
+        """Segments of the patch so far."""
+        return self._num_segments
+
+    def segment_table(self) -> np.ndarray:
+        """The segments so far as int64 rows [region, dest_offset, elem_size, numel, kind,
+        num_entries, data_offset, snapshot_offset] (`Segment`'s fields, in order)."""
+        if not self._blocks:
+            return np.zeros((0, 8), dtype=np.int64)
+        if len(self._blocks) > 1:
+            self._blocks = [np.concatenate(self._blocks)]
+        return self._blocks[0]
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The segments so far, as objects (`segment_table` is the same without them)."""
+        return [Segment(*(int(x) for x in row)) for row in self.segment_table()]
+
+    def _append(self, rows: np.ndarray) -> None:
+        self._blocks.append(np.asarray(rows, dtype=np.int64).reshape(-1, 8))
+        self._num_segments += self._blocks[-1].shape[0]
 
     @property
     def wire_bytes(self) -> int:
         """Bytes of the patch so far, table and header included."""
-        return self.cursor + SEGMENT_BYTES * len(self.segments)
+        return self.cursor + SEGMENT_BYTES * self._num_segments
 
     def _take(self, nbytes: int, what: str) -> int:
         at = self.cursor
-        need = at + _pad8(nbytes) + SEGMENT_BYTES * (len(self.segments) + 1)
+        need = at + _pad8(nbytes) + SEGMENT_BYTES * (self._num_segments + 1)
         if need > self.capacity:
             raise PatchError(
                 f"patch needs more than its slot's {self.capacity} bytes at {what} "
@@ -244,7 +269,7 @@ class PatchBuilder:
     def add_runs(self, runs: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> int:
         """`add` for many runs at once: (new, old, region, dest_offset, snapshot_offset) each.
         On a GPU: one count launch per element size, one synchronization (to read the counts),
-        one encode launch per element size (`weight_transfer.kernels.delta.count_runs`). Returns
+        one encode launch per element size (`add_table`). Returns
         the bytes added.
 
         Raises:
@@ -259,33 +284,88 @@ class PatchBuilder:
             for a, b, region, dest, at in runs:
                 added += self.add(a, b, region=region, dest_offset=dest, snapshot_offset=at)
             return added
+        return self.add_table(
+            views[0][0].device,
+            np.array([a.data_ptr() for a, _ in views], dtype=np.int64),
+            np.array([b.data_ptr() for _, b in views], dtype=np.int64),
+            np.array([a.numel() for a, _ in views], dtype=np.int64),
+            np.array([a.element_size() for a, _ in views], dtype=np.int64),
+            np.array([r[2] for r in runs], dtype=np.int64),
+            np.array([r[3] for r in runs], dtype=np.int64),
+            np.array([r[4] for r in runs], dtype=np.int64),
+            lambda i: views[i][0],
+        )
+
+    def add_table(
+        self,
+        device: torch.device,
+        new_ptr: np.ndarray,
+        old_ptr: np.ndarray,
+        numel: np.ndarray,
+        esize: np.ndarray,
+        region: np.ndarray,
+        dest_offset: np.ndarray,
+        snapshot_offset: np.ndarray,
+        dense_source: Callable[[int], torch.Tensor],
+    ) -> int:
+        """`add_runs` from a table of runs given by device addresses (int64 arrays, one entry
+        per run: its new bytes, its snapshot bytes, elements, element size, where it lands,
+        where it lives in the snapshot; the staging is on `device` too): counted and encoded
+        by the table kernels (`count_table`, `encode_table`: one synchronization), laid out by
+        numpy over the table, so the host work does not grow with Python per run.
+        `dense_source(i)` gives run i's new bytes as a flat integer view, asked only for the
+        rare run sent dense. The bytes are those `add` would write, run after run. Returns the
+        bytes added.
+
+        Raises:
+            PatchError: the slot is full (nothing of the batch was added; the update must
+                fail).
+        """
+        counted = count_table(device, new_ptr, old_ptr, numel, esize)
+        totals = counted.totals
+        keep = np.flatnonzero(totals > 0)
+        if keep.size == 0:
+            return 0
         before = self.wire_bytes
-        counted = count_runs([a for a, _ in views], [b for _, b in views])
-        outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
-        for i, ((a, _), (_, _, region, dest, snap_at), total) in enumerate(
-            zip(views, runs, counted.totals, strict=True)
-        ):
-            outputs.append(None)
-            if total == 0:
-                continue
-            n, esize = a.numel(), a.element_size()
-            chunks = num_chunks(n)
-            sparse = 8 * (chunks + 1) + _pad8(2 * total) + _pad8(esize * total)
-            if sparse < n * esize:
-                at = self._take(sparse, f"a run of {n} elements")
-                view = self.staging[at : at + sparse]
-                i0 = 8 * (chunks + 1)
-                v0 = i0 + _pad8(2 * total)
-                outputs[-1] = (
-                    i,
-                    view[:i0].view(torch.int64),
-                    view[i0 : i0 + 2 * total].view(torch.int16),
-                    view[v0 : v0 + esize * total].view(a.dtype),
-                )
-                self.segments.append(Segment(region, dest, esize, n, SPARSE, total, at, snap_at))
-            else:
-                self._add_dense(a, region, dest, snap_at)
-        encode_runs(counted, outputs)
+        n, es, tot = counted.numel[keep], counted.esize[keep], totals[keep]
+        chunks = counted.first_row[keep + 1] - counted.first_row[keep]
+        sparse_bytes = 8 * (chunks + 1) + _pad8_np(2 * tot) + _pad8_np(es * tot)
+        is_sparse = sparse_bytes < n * es
+        size = np.where(is_sparse, sparse_bytes, _pad8_np(n * es))
+        ends = self.cursor + np.cumsum(size)
+        at = ends - size
+        need = ends + SEGMENT_BYTES * (self._num_segments + 1 + np.arange(keep.size))
+        over = np.flatnonzero(need > self.capacity)
+        if over.size:
+            i = int(over[0])
+            raise PatchError(
+                f"patch needs more than its slot's {self.capacity} bytes at a run of "
+                f"{int(n[i])} elements (changes too dense for a delta; the next update is full)"
+            )
+        self.cursor = int(ends[-1])
+        sp = np.flatnonzero(is_sparse)
+        offsets_ptr = self.staging.data_ptr() + at[sp]
+        index_ptr = offsets_ptr + 8 * (chunks[sp] + 1)
+        encode_table(counted, keep[sp], offsets_ptr, index_ptr, index_ptr + _pad8_np(2 * tot[sp]))
+        for j in np.flatnonzero(~is_sparse).tolist():
+            a = dense_source(int(keep[j]))
+            nbytes, pos = int(n[j] * es[j]), int(at[j])
+            self.staging[pos : pos + nbytes].view(a.dtype).copy_(a)
+        self._append(
+            np.stack(
+                [
+                    np.asarray(region, np.int64)[keep],
+                    np.asarray(dest_offset, np.int64)[keep],
+                    es,
+                    n,
+                    np.where(is_sparse, SPARSE, DENSE),
+                    np.where(is_sparse, tot, n),
+                    at,
+                    np.asarray(snapshot_offset, np.int64)[keep],
+                ],
+                axis=1,
+            )
+        )
         return self.wire_bytes - before
 
     def add_counted(
@@ -326,8 +406,8 @@ class PatchBuilder:
                 values.copy_(entries[1])
             else:
                 encode_changes(a, b, offsets, index, values)
-            self.segments.append(
-                Segment(region, dest_offset, esize, n, SPARSE, total, at, snapshot_offset)
+            self._append(
+                np.array([region, dest_offset, esize, n, SPARSE, total, at, snapshot_offset])
             )
         else:
             self._add_dense(a, region, dest_offset, snapshot_offset)
@@ -338,24 +418,22 @@ class PatchBuilder:
         n, esize = a.numel(), a.element_size()
         at = self._take(n * esize, f"a dense run of {n} elements")
         self.staging[at : at + n * esize].view(a.dtype).copy_(a)
-        self.segments.append(Segment(region, dest, esize, n, DENSE, n, at, snapshot_offset))
+        self._append(np.array([region, dest, esize, n, DENSE, n, at, snapshot_offset]))
 
     def finish(self, *, step: int, base_step: int, rank: int) -> int:
         """Write the segment table and the slot header; returns the slot's bytes to send
         (`staging[:n]`)."""
         table_at = self.cursor
-        need = table_at + SEGMENT_BYTES * len(self.segments)
+        need = table_at + SEGMENT_BYTES * self._num_segments
         if need > self.capacity:
             raise PatchError(f"patch table does not fit its slot of {self.capacity} bytes")
-        rows = [
-            [s.region, s.dest_offset, s.elem_size, s.numel, s.kind, s.num_entries, s.data_offset, 0]
-            for s in self.segments
-        ]
-        if rows:
-            table = torch.tensor(rows, dtype=torch.int64).view(torch.uint8).reshape(-1)
+        if self._num_segments:
+            rows = self.segment_table().copy()
+            rows[:, 7] = 0  # the snapshot offset stays on the sender
+            table = torch.from_numpy(rows).view(torch.uint8).reshape(-1)
             self.staging[table_at:need].copy_(table)
         header = torch.tensor(
-            [MAGIC, step, base_step, need, len(self.segments), table_at, rank, 0],
+            [MAGIC, step, base_step, need, self._num_segments, table_at, rank, 0],
             dtype=torch.int64,
         )
         self.staging[:HEADER_BYTES].copy_(header.view(torch.uint8))
@@ -646,21 +724,14 @@ class Snapshot:
         """Apply the committed patch in `builder` to the snapshot (same kernels as the engine;
         on a GPU one table launch per element size, addresses computed from the segment
         table, no view per segment)."""
-        segs = builder.segments
-        if not segs:
+        if not builder.num_segments:
             return
         same = builder.staging.device == self.buffer.device and uses_triton(self.buffer)
         if same:
-            cols = np.array(
-                [
-                    (s.snapshot_offset, s.elem_size, s.numel, s.kind, s.num_entries, s.data_offset)
-                    for s in segs
-                ],
-                dtype=np.int64,
-            )
-            at, esize, numel, kind, entries, data_at = cols.T
+            table = builder.segment_table()
+            _, _, esize, numel, kind, entries, data_at, at = table.T
             for i in np.flatnonzero(kind == DENSE).tolist():
-                self._copy_dense(builder, segs[i])
+                self._copy_dense(builder, Segment(*(int(x) for x in table[i])))
             sparse = kind == SPARSE
             chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
             index_at = data_at + 8 * (chunks + 1)
@@ -680,7 +751,7 @@ class Snapshot:
                 )
                 apply_table(self.buffer.device, int(size), rows)
             return
-        for seg in segs:
+        for seg in builder.segments:
             if seg.kind == DENSE:
                 self._copy_dense(builder, seg)
                 continue

@@ -32,8 +32,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from weight_transfer.backends.base import (
@@ -58,6 +59,8 @@ from weight_transfer.delta import (
     slot_layout,
 )
 from weight_transfer.delta_verify import DeltaVerifier
+from weight_transfer.kernels import table_copy
+from weight_transfer.kernels.delta import uses_triton
 from weight_transfer.planner.types import QuantWrite, RankSchedule, SliceWrite, dtype_size
 from weight_transfer.protocol import Decision
 
@@ -168,6 +171,64 @@ class _Slot:
     """Offset of this engine's region header bytes in the staging region."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Columns:
+    """A batch of writes as int64 columns, one entry per write."""
+
+    sources: tuple[Any, ...]
+    """The distinct source regions; `source` indexes them."""
+    source: np.ndarray
+    source_offset: np.ndarray
+    snapshot_offset: np.ndarray
+    nbytes: np.ndarray
+    esize: np.ndarray
+    region: np.ndarray
+    dest: np.ndarray
+
+    def source_ptr(self) -> np.ndarray:
+        """Each write's source address now (the regions' tensors may be moved between
+        updates; their addresses are read again every time)."""
+        base = np.array([r.tensor.data_ptr() for r in self.sources], dtype=np.int64)
+        out: np.ndarray = base[self.source] + self.source_offset
+        return out
+
+
+_INT_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _int_run(op: WriteOp, size: int) -> torch.Tensor:
+    """A write's source bytes as a flat integer view of element size `size`."""
+    src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
+    return src.view(_INT_DTYPE[size])
+
+
+def _copy_into(
+    buffer: torch.Tensor,
+    offsets: np.ndarray,
+    src_ptr: np.ndarray,
+    nbytes: np.ndarray,
+    ops: Sequence[WriteOp],
+) -> None:
+    """buffer[offsets[i]:][:nbytes[i]] = write i's source bytes, for every write of a batch: on
+    one GPU the aligned ones as table-copy launches (`weight_transfer.kernels.table_copy`),
+    the rest as one copy each."""
+    first = ops[0].source.tensor
+    rest = range(len(ops))
+    if buffer.is_cuda and buffer.device == first.device and table_copy.available():
+        dst = buffer.data_ptr() + offsets
+        ok = (dst % table_copy.ALIGN == 0) & (src_ptr % table_copy.ALIGN == 0)
+        ok &= nbytes % table_copy.ALIGN == 0
+        table = table_copy.chunk_arrays(dst[ok], src_ptr[ok], nbytes[ok])
+        with torch.cuda.device(buffer.device):
+            table_copy.launch(table_copy.to_device(table, buffer.device, int(ok.sum())))
+        rest = np.flatnonzero(~ok).tolist()
+    for i in rest:
+        op = ops[i]
+        at = int(offsets[i])
+        src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
+        buffer[at : at + op.nbytes].copy_(src, non_blocking=buffer.is_pinned())
+
+
 class DeltaTransport:
     """The transport the pipeline sees in delta mode (module docstring). Forwards everything
     it does not change to the real transport; not thread-safe (the write stage drives it)."""
@@ -187,7 +248,9 @@ class DeltaTransport:
     def post_writes(self, peer: str, ops: Sequence[WriteOp]) -> WriteHandle:
         """Full: snapshot, then post. Delta: encode, complete at once. Version words pass."""
         if self.session.intercepts(ops):
-            return self.session.take(peer, ops)
+            handle = self.session.take(peer, ops)
+            if handle is not None:
+                return handle
         return self.inner.post_writes(peer, ops)
 
     def prepare_writes(self, peer: str, ops: Sequence[WriteOp]) -> PreparedWrites:
@@ -202,10 +265,13 @@ class DeltaTransport:
         )
 
     def post_prepared(self, prepared: PreparedWrites) -> WriteHandle:
-        """As `post_writes` for a prepared batch."""
-        if self.session.intercepts(prepared.ops):
-            return self.session.take(prepared.peer, prepared.ops)
+        """As `post_writes` for a prepared batch (a full update posts it prepared on the real
+        transport; the delta layer keeps its per-batch columns in the batch's state)."""
         state = prepared.state
+        if self.session.intercepts(prepared.ops):
+            handle = self.session.take(prepared.peer, prepared.ops, state)
+            if handle is not None:
+                return handle
         if state["inner"] is None:
             state["inner"] = self.inner.prepare_writes(prepared.peer, prepared.ops)
         return self.inner.post_prepared(state["inner"])
@@ -272,6 +338,8 @@ class DeltaSession:
         self._sizes = _ElemSizes(schedule)
         self._offsets: dict[tuple[str, int, int, int], int] = {}
         self._next_offset = 0
+        self._layout_gen = 0
+        """Bumped whenever `_offsets` is laid out anew (cached batch columns then expire)."""
         # Patch slots: the region right after an engine's version word, split over the ranks.
         slots: dict[str, tuple[RegionDescriptor, int, int]] = {}
         self.missing_patch_region = sorted(
@@ -407,6 +475,7 @@ class DeltaSession:
             # The runs' places in the snapshot are laid out anew by every full update.
             self._offsets = {}
             self._next_offset = 0  # becomes valid again when this full update commits
+            self._layout_gen += 1
 
     def _wait_applied(self, deadline: float) -> None:
         """Bounded wait until every engine sent the last committed delta acknowledged it."""
@@ -463,32 +532,81 @@ class DeltaSession:
             assert self._next_offset <= self.full_bytes, "snapshot smaller than the writes"
         return region, at, self._sizes.of(peer, region, op.target_offset, op.nbytes)
 
-    def take(self, peer: str, ops: Sequence[WriteOp]) -> WriteHandle:
-        """The delta layer's part of posting `ops` to `peer` (see `DeltaTransport`)."""
+    def _columns(self, peer: str, ops: Sequence[WriteOp], cache: dict[str, Any] | None) -> _Columns:
+        """The batch's per-write columns (`_where` of every write); kept in `cache` (a prepared
+        batch's state) while the snapshot's layout holds, so a batch posted every update costs
+        no per-write Python after its first full update."""
+        if cache is not None:
+            hit = cache.get("delta")
+            if hit is not None and hit[0] == self._layout_gen:
+                return cast(_Columns, hit[1])
+        sources: dict[int, int] = {}
+        regions: list[Any] = []
+        rows = []
+        for op in ops:
+            region, at, size = self._where(peer, op)
+            k = sources.setdefault(id(op.source), len(regions))
+            if k == len(regions):
+                regions.append(op.source)
+            rows.append((k, op.source_offset, at, op.nbytes, size, region, op.target_offset))
+        t = np.array(rows, dtype=np.int64).reshape(-1, 7)
+        cols = _Columns(
+            sources=tuple(regions),
+            source=t[:, 0],
+            source_offset=t[:, 1],
+            snapshot_offset=t[:, 2],
+            nbytes=t[:, 3],
+            esize=t[:, 4],
+            region=t[:, 5],
+            dest=t[:, 6],
+        )
+        if cache is not None:
+            cache["delta"] = (self._layout_gen, cols)
+        return cols
+
+    def take(
+        self, peer: str, ops: Sequence[WriteOp], cache: dict[str, Any] | None = None
+    ) -> WriteHandle | None:
+        """The delta layer's part of posting `ops` to `peer` (see `DeltaTransport`): in a full
+        update the bytes are copied into the snapshot and None is returned (the caller posts
+        them); in a delta they are encoded and a completed handle is returned."""
         snap = self.snapshot
         assert snap is not None
         if self.mode == FULL:
-            for op in ops:
-                _, at, _ = self._where(peer, op)
-                src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
-                snap.buffer[at : at + op.nbytes].copy_(src)
+            cols = self._columns(peer, ops, cache)
+            _copy_into(snap.buffer, cols.snapshot_offset, cols.source_ptr(), cols.nbytes, ops)
             self._sync(ops)
-            return self.transport.post_writes(peer, ops)
+            return None
         t0 = time.perf_counter()
         builder = self.slots[peer].builder
-        runs = []
-        for op in ops:
-            region, at, size = self._where(peer, op)
-            src = op.source.tensor[op.source_offset : op.source_offset + op.nbytes]
-            old = snap.buffer[at : at + op.nbytes]
-            if old.device != src.device:
-                old = old.to(src.device, non_blocking=True)
-            dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
-            runs.append((src.view(dtype), old.view(dtype), region, op.target_offset, at))
+        cols = self._columns(peer, ops, cache)
+        first = ops[0].source.tensor
         try:
-            # On a GPU: every run of the batch counted and encoded by table kernels, one
-            # synchronization (PatchBuilder.add_runs); on the CPU run by run.
-            builder.add_runs(runs)
+            if snap.buffer.device == first.device and uses_triton(first):
+                # Every run of the batch counted and encoded by table kernels from addresses,
+                # one synchronization (PatchBuilder.add_table).
+                builder.add_table(
+                    first.device,
+                    cols.source_ptr(),
+                    snap.buffer.data_ptr() + cols.snapshot_offset,
+                    cols.nbytes // cols.esize,
+                    cols.esize,
+                    cols.region,
+                    cols.dest,
+                    cols.snapshot_offset,
+                    lambda i: _int_run(ops[i], int(cols.esize[i])),
+                )
+            else:
+                # A host snapshot of device runs (brought over run by run), or the CPU path.
+                runs = []
+                for i, op in enumerate(ops):
+                    size, at = int(cols.esize[i]), int(cols.snapshot_offset[i])
+                    src = _int_run(op, size)
+                    old = snap.buffer[at : at + op.nbytes].view(src.dtype)
+                    if old.device != src.device:
+                        old = old.to(src.device, non_blocking=True)
+                    runs.append((src, old, int(cols.region[i]), op.target_offset, at))
+                builder.add_runs(runs)
         except PatchError:
             self._overflowed = True  # this update fails; the next one is full
             raise
@@ -499,7 +617,7 @@ class DeltaSession:
             handle_id=-1,
             peer=peer,
             num_ops=len(ops),
-            nbytes=sum(op.nbytes for op in ops),
+            nbytes=int(cols.nbytes.sum()),
             posted_at=time.monotonic(),
             done=True,
             state="encoded",
@@ -541,7 +659,7 @@ class DeltaSession:
             reason=self.reason,
             wire_bytes=wire_bytes if self.mode == DELTA else self.full_bytes,
             full_bytes=self.full_bytes,
-            num_segments=sum(len(s.builder.segments) for s in self.slots.values())
+            num_segments=sum(s.builder.num_segments for s in self.slots.values())
             if self.mode == DELTA
             else 0,
             encode_s=self._encode_s,

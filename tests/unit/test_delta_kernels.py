@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.markers import requires_cuda, requires_module
+from weight_transfer.config import DeltaConfig
 from weight_transfer.errors import ConfigurationError
 from weight_transfer.kernels import delta
 from weight_transfer.kernels.delta import (
@@ -265,11 +266,30 @@ def _case_tables() -> None:
     _tables_roundtrip("cpu")
 
 
+def _case_sender_tables() -> None:
+    # A whole sender and two receivers in delta mode with the sender on the table path
+    # (PatchBuilder.add_table from addresses, the batch columns cached across updates):
+    # bit-exact against slicing written in the test over deltas and anchors, then a slot
+    # overflow failing cleanly.
+    from tests.unit import test_delta_runtime as rt
+
+    assert delta.uses_triton(torch.zeros(1))
+    s = rt.Setup(
+        "loopback", DeltaConfig(enabled=True, anchor_every_updates=5, full_when_slower=False)
+    )
+    try:
+        rt.test_bit_exact_over_many_steps_with_anchors(s)
+    finally:
+        s.close()
+    rt.test_patch_slot_overflow_fails_cleanly_then_full()
+
+
 INTERPRETER_CASES = {
     "roundtrips": _case_roundtrips,
     "triton_equals_cpu": _case_triton_equals_cpu,
     "tables": _case_tables,
     "patch_tables": _case_patch_tables,
+    "sender_tables": _case_sender_tables,
 }
 
 

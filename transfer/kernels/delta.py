@@ -49,14 +49,17 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "ENCODINGS",
     "CountedRuns",
+    "CountedTable",
     "apply_changes",
     "apply_runs",
     "apply_table",
     "count_changes",
     "count_runs",
+    "count_table",
     "diff_encode",
     "encode_changes",
     "encode_runs",
+    "encode_table",
     "encoded_nbytes",
     "int_view",
     "num_chunks",
@@ -345,13 +348,15 @@ def diff_encode(
 # addresses, int64 words; one small host-to-device copy per launch). The count pass also
 # writes the change bitmap (one bit per element: scratch of 1/8 byte per element, the only
 # buffer proportional to the runs), so the encode pass reads the bitmap and only the changed
-# elements of the new run, walking set bits (work per block of 64 words: its fullest word's
+# elements of the new run, walking set bits (work per block of words: its fullest word's
 # set bits, nothing for a block without changes): count + encode read each run about once.
 
 _COUNT_TILE = 4096
 """Elements one step of a count program compares."""
-_ENCODE_BLOCK = 64
-"""Bitmap words one step of an encode program reads."""
+_ENCODE_BLOCK = 128
+"""Bitmap words one step of an encode program reads (128 with 4 warps: 0.83 ms per 4 GiB of
+BF16 at 0.78% changed on an H200, against 1.44 ms with 64; 256 and 512 were not faster
+there: benchmarks/results/archive/delta_h200_202612_s3_encode_block.json)."""
 _APPLY_TILE = 1024
 """Entries one step of an apply program scatters."""
 _COUNT_WARPS, _ENCODE_WARPS, _APPLY_WARPS = 8, 4, 4
@@ -415,6 +420,152 @@ def apply_table(device: torch.device, elem_size: int, table: np.ndarray) -> None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class CountedTable:
+    """What `count_table` found: changed elements per chunk (on the host) of every run of a
+    table, and the device scratch `encode_table` reads. Keep it until `encode_table`
+    returned."""
+
+    new_ptr: np.ndarray
+    """Each run's new bytes (device addresses)."""
+    numel: np.ndarray
+    esize: np.ndarray
+    first_row: np.ndarray
+    """Row (global chunk index) of each run's first chunk; one more entry: the rows."""
+    counts: np.ndarray
+    """Changed elements per row (int64)."""
+    device_counts: torch.Tensor
+    wbits: torch.Tensor
+
+    @property
+    def totals(self) -> np.ndarray:
+        """Changed elements per run (int64)."""
+        inclusive = np.zeros(self.counts.size + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=inclusive[1:])
+        out: np.ndarray = inclusive[self.first_row[1:]] - inclusive[self.first_row[:-1]]
+        return out
+
+
+def count_table(
+    device: torch.device,
+    new_ptr: np.ndarray,
+    old_ptr: np.ndarray,
+    numel: np.ndarray,
+    esize: np.ndarray,
+) -> CountedTable:
+    """Count the changed elements of every chunk of every run given by addresses: run i
+    compares `numel[i]` elements of `esize[i]` bytes at `new_ptr[i]` with those at
+    `old_ptr[i]` (device memory of `device`, the caller keeps it alive; numel > 0). One launch
+    per element size and alignment (whole chunks of 16-byte aligned runs unmasked), then one
+    synchronization to read the counts. Host work is numpy over the table, none per run."""
+    new_ptr, old_ptr = np.asarray(new_ptr, np.int64), np.asarray(old_ptr, np.int64)
+    numel, esize = np.asarray(numel, np.int64), np.asarray(esize, np.int64)
+    chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
+    first_row = np.zeros(numel.size + 1, dtype=np.int64)
+    np.cumsum(chunks, out=first_row[1:])
+    rows = int(first_row[-1])
+    counts = torch.empty(rows, dtype=torch.int64, device=device)
+    wbits = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
+    aligned = (new_ptr % 16 == 0) & (old_ptr % 16 == 0)
+    whole = np.where(aligned, numel // CHUNK_ELEMENTS, 0)
+    step = whole * CHUNK_ELEMENTS
+    for size in np.unique(esize).tolist():
+        of = esize == size
+        # The whole chunks of aligned runs (no mask), then every other chunk (a run's
+        # partial last chunk; every chunk of an unaligned run) masked.
+        for full, sel in ((True, of & (whole > 0)), (False, of & (chunks > whole))):
+            if not sel.any():
+                continue
+            if full:
+                table = np.stack(
+                    [new_ptr[sel], old_ptr[sel], step[sel], first_row[:-1][sel]], axis=1
+                )
+                n_chunks = whole[sel]
+            else:
+                table = np.stack(
+                    [
+                        new_ptr[sel] + step[sel] * size,
+                        old_ptr[sel] + step[sel] * size,
+                        numel[sel] - step[sel],
+                        first_row[:-1][sel] + whole[sel],
+                    ],
+                    axis=1,
+                )
+                n_chunks = chunks[sel] - whole[sel]
+            _run_launch(
+                _jit().count_runs_kernel,
+                table,
+                n_chunks,
+                device,
+                counts,
+                wbits,
+                num_warps=_COUNT_WARPS,
+                DTYPE=_tl_dtype(size),
+                FULL=full,
+                CHUNK=CHUNK_ELEMENTS,
+                TILE=_COUNT_TILE,
+            )
+    return CountedTable(
+        new_ptr=new_ptr,
+        numel=numel,
+        esize=esize,
+        first_row=first_row,
+        counts=counts.cpu().numpy(),
+        device_counts=counts,
+        wbits=wbits,
+    )
+
+
+def encode_table(
+    counted: CountedTable,
+    runs: np.ndarray,
+    offsets_ptr: np.ndarray,
+    index_ptr: np.ndarray,
+    values_ptr: np.ndarray,
+) -> None:
+    """Encode runs `runs` (indices into `counted`'s table) of what `count_table` counted, each
+    into its sparse chunk list at device addresses: offsets int64[chunks + 1], index
+    int16[total], values[total] of its element size (the caller sized them from `totals`).
+    One launch per element size, asynchronous."""
+    runs = np.asarray(runs, dtype=np.int64)
+    if runs.size == 0:
+        return
+    counts = counted.device_counts
+    excl = torch.cumsum(counts, 0) - counts
+    device = counts.device
+    esize = counted.esize[runs]
+    chunks = counted.first_row[runs + 1] - counted.first_row[runs]
+    zeros = np.zeros(runs.size, dtype=np.int64)
+    table = np.stack(
+        [
+            counted.new_ptr[runs],
+            np.asarray(index_ptr, np.int64),
+            np.asarray(values_ptr, np.int64),
+            np.asarray(offsets_ptr, np.int64),
+            counted.first_row[runs],
+            zeros,
+            zeros,
+            zeros,
+        ],
+        axis=1,
+    )
+    for size in np.unique(esize).tolist():
+        sel = esize == size
+        _run_launch(
+            _jit().encode_runs_kernel,
+            table[sel],
+            chunks[sel],
+            device,
+            counts,
+            excl,
+            counted.wbits,
+            num_warps=_ENCODE_WARPS,
+            DTYPE=_tl_dtype(size),
+            CHUNK=CHUNK_ELEMENTS,
+            BLOCK=_ENCODE_BLOCK,
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class CountedRuns:
     """What `count_runs` found: per run its change counts per chunk (on the host), and the
     device scratch `encode_runs` reads. Keep it until `encode_runs` returned."""
@@ -425,8 +576,8 @@ class CountedRuns:
     """Row (global chunk index) of each run's first chunk."""
     counts: np.ndarray
     """Changed elements per row (int64)."""
-    device_counts: torch.Tensor | None = None
-    wbits: torch.Tensor | None = None
+    table: CountedTable | None = None
+    """The device counts and bitmap (GPU, or triton's interpreter)."""
 
     def run_counts(self, i: int) -> np.ndarray:
         """Changed elements per chunk of run `i`."""
@@ -442,73 +593,30 @@ class CountedRuns:
 def count_runs(news: Sequence[torch.Tensor], olds: Sequence[torch.Tensor]) -> CountedRuns:
     """Count the changed elements of every chunk of every run (`news[i]` against `olds[i]`,
     flat integer views of equal size and dtype, on one device). On a GPU (or under triton's
-    interpreter): one launch per element size and alignment, then one synchronization to read
-    the counts; on the CPU: `count_changes` per run."""
+    interpreter): `count_table` over the runs' addresses; on the CPU: `count_changes` per
+    run."""
     if len(news) != len(olds):
         raise ConfigurationError("count_runs needs one old run per new run")
     for a, b in zip(news, olds, strict=True):
         _check_pair(a, b)
     sizes = [num_chunks(a.numel()) for a in news]
+    first, rows = [], 0
+    for c in sizes:
+        first.append(rows)
+        rows += c
     if not news or not _use_triton(news[0]):
-        first, rows = [], 0
-        for c in sizes:
-            first.append(rows)
-            rows += c
         counts = torch.empty(rows, dtype=torch.int64)
         for i, (a, b) in enumerate(zip(news, olds, strict=True)):
             count_changes(a, b, counts[first[i] : first[i] + sizes[i]])
         return CountedRuns(news=list(news), first_row=first, counts=counts.numpy())
-    device = news[0].device
-    first_row, rows = [], 0
-    for c in sizes:
-        first_row.append(rows)
-        rows += c
-    counts = torch.empty(rows, dtype=torch.int64, device=device)
-    wbits = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
-    # Two launches per element size: the whole chunks of aligned runs (no mask), and every
-    # other chunk (a run's partial last chunk; every chunk of an unaligned run) masked.
-    launches: dict[tuple[int, bool], tuple[list[tuple[int, int, int, int]], list[int]]] = {}
-    for i, (a, b) in enumerate(zip(news, olds, strict=True)):
-        n, esize = a.numel(), a.element_size()
-        aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-        whole = n // CHUNK_ELEMENTS if aligned else 0
-        if whole:
-            runs, chunks = launches.setdefault((esize, True), ([], []))
-            runs.append((a.data_ptr(), b.data_ptr(), whole * CHUNK_ELEMENTS, first_row[i]))
-            chunks.append(whole)
-        if sizes[i] > whole:
-            step = whole * CHUNK_ELEMENTS * esize
-            runs, chunks = launches.setdefault((esize, False), ([], []))
-            runs.append(
-                (
-                    a.data_ptr() + step,
-                    b.data_ptr() + step,
-                    n - whole * CHUNK_ELEMENTS,
-                    first_row[i] + whole,
-                )
-            )
-            chunks.append(sizes[i] - whole)
-    for (esize, full), (runs, chunks) in sorted(launches.items()):
-        _run_launch(
-            _jit().count_runs_kernel,
-            runs,
-            chunks,
-            device,
-            counts,
-            wbits,
-            num_warps=_COUNT_WARPS,
-            DTYPE=_tl_dtype(esize),
-            FULL=full,
-            CHUNK=CHUNK_ELEMENTS,
-            TILE=_COUNT_TILE,
-        )
-    return CountedRuns(
-        news=list(news),
-        first_row=first_row,
-        counts=counts.cpu().numpy(),
-        device_counts=counts,
-        wbits=wbits,
+    table = count_table(
+        news[0].device,
+        np.array([a.data_ptr() for a in news], dtype=np.int64),
+        np.array([b.data_ptr() for b in olds], dtype=np.int64),
+        np.array([a.numel() for a in news], dtype=np.int64),
+        np.array([a.element_size() for a in news], dtype=np.int64),
     )
+    return CountedRuns(news=list(news), first_row=first, counts=table.counts, table=table)
 
 
 def encode_runs(
@@ -518,10 +626,11 @@ def encode_runs(
 ) -> None:
     """Encode the runs `count_runs` counted: for run i, ``outputs[k]`` = (i, offsets int64
     [chunks + 1], index int16 [total], values [total]) receives its sparse chunk list, or None
-    to skip it. Asynchronous on a GPU (one launch per element size). On the CPU `olds` (the
-    runs `count_runs` compared with) are needed: the CPU path compares again."""
+    to skip it. Asynchronous on a GPU (`encode_table`: one launch per element size). On the
+    CPU `olds` (the runs `count_runs` compared with) are needed: the CPU path compares
+    again."""
     jobs = [o for o in outputs if o is not None]
-    if counted.device_counts is None:
+    if counted.table is None:
         if olds is None:
             raise ConfigurationError("encode_runs on the CPU needs the old runs")
         for i, offsets, index, values in jobs:
@@ -529,49 +638,20 @@ def encode_runs(
             torch.cumsum(torch.from_numpy(counted.run_counts(i)), 0, out=offsets[1:])
             encode_changes(counted.news[i], olds[i], offsets, index, values)
         return
-    by_size: dict[int, list[int]] = {}
-    for k, (i, offsets, index, values) in enumerate(jobs):
+    for i, offsets, index, values in jobs:
         a = counted.news[i]
         chunks = num_chunks(a.numel())
         if offsets.numel() != chunks + 1 or index.numel() < int(counted.run_counts(i).sum()):
             raise ConfigurationError(f"encode_runs: outputs of run {i} do not fit its counts")
         if values.dtype != a.dtype or index.dtype != torch.int16 or offsets.dtype != torch.int64:
             raise ConfigurationError(f"encode_runs: outputs of run {i} have the wrong dtypes")
-        by_size.setdefault(a.element_size(), []).append(k)
-    if not by_size:
-        return
-    counts = counted.device_counts
-    excl = torch.cumsum(counts, 0) - counts
-    device = counts.device
-    for esize, members in sorted(by_size.items()):
-        runs = []
-        for k in members:
-            i, offsets, index, values = jobs[k]
-            runs.append(
-                (
-                    counted.news[i].data_ptr(),
-                    index.data_ptr(),
-                    values.data_ptr(),
-                    offsets.data_ptr(),
-                    counted.first_row[i],
-                    0,
-                    0,
-                    0,
-                )
-            )
-        _run_launch(
-            _jit().encode_runs_kernel,
-            runs,
-            [num_chunks(counted.news[jobs[k][0]].numel()) for k in members],
-            device,
-            counts,
-            excl,
-            counted.wbits,
-            num_warps=_ENCODE_WARPS,
-            DTYPE=_tl_dtype(esize),
-            CHUNK=CHUNK_ELEMENTS,
-            BLOCK=_ENCODE_BLOCK,
-        )
+    encode_table(
+        counted.table,
+        np.array([i for i, _, _, _ in jobs], dtype=np.int64),
+        np.array([o.data_ptr() for _, o, _, _ in jobs], dtype=np.int64),
+        np.array([x.data_ptr() for _, _, x, _ in jobs], dtype=np.int64),
+        np.array([v.data_ptr() for _, _, _, v in jobs], dtype=np.int64),
+    )
 
 
 def apply_runs(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 CHUNK_BYTES = 64 << 10
@@ -109,27 +110,43 @@ class ChunkTable:
 
 def chunk_table(copies: Sequence[Copy], chunk_bytes: int | None = None) -> ChunkTable:
     """Cut coalesced copies into full chunks and tails; unaligned copies go to `plain`."""
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
     aligned = [c for c in copies if not (c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)]
     plain = tuple(c for c in copies if c.dst % ALIGN or c.src % ALIGN or c.nbytes % ALIGN)
-    i64 = torch.int64
-    dst = torch.tensor([c.dst for c in aligned], dtype=i64)
-    src = torch.tensor([c.src for c in aligned], dtype=i64)
-    n = torch.tensor([c.nbytes for c in aligned], dtype=i64)
+    table = chunk_arrays(
+        np.array([c.dst for c in aligned], dtype=np.int64),
+        np.array([c.src for c in aligned], dtype=np.int64),
+        np.array([c.nbytes for c in aligned], dtype=np.int64),
+        chunk_bytes,
+    )
+    total = table.nbytes + sum(c.nbytes for c in plain)
+    return ChunkTable(table.chunks, table.tails, plain, total)
+
+
+def chunk_arrays(
+    dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, chunk_bytes: int | None = None
+) -> ChunkTable:
+    """`chunk_table` of copies given as address columns, all aligned to `ALIGN` (numpy over
+    the columns, nothing per copy; no coalescing)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    dst, src, n = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (dst, src, nbytes))
     full = n // chunk_bytes
-    copy_of = torch.repeat_interleave(torch.arange(len(aligned), dtype=i64), full)
-    first = torch.cumsum(full, 0) - full  # index of each copy's first chunk row
-    within = torch.arange(int(full.sum()), dtype=i64) - torch.repeat_interleave(first, full)
-    chunks = torch.stack(
-        [src[copy_of] + within * chunk_bytes, dst[copy_of] + within * chunk_bytes], dim=1
+    copy_of = np.repeat(np.arange(n.size, dtype=np.int64), full)
+    first = np.cumsum(full) - full  # index of each copy's first chunk row
+    within = np.arange(int(full.sum()), dtype=np.int64) - np.repeat(first, full)
+    chunks = np.stack(
+        [src[copy_of] + within * chunk_bytes, dst[copy_of] + within * chunk_bytes], axis=1
     )
     rest = n - full * chunk_bytes
     has = rest > 0
-    tails = torch.stack(
-        [src[has] + full[has] * chunk_bytes, dst[has] + full[has] * chunk_bytes, rest[has]], dim=1
+    tails = np.stack(
+        [src[has] + full[has] * chunk_bytes, dst[has] + full[has] * chunk_bytes, rest[has]], axis=1
     )
-    total = int(n.sum()) + sum(c.nbytes for c in plain)
-    return ChunkTable(chunks.reshape(-1, 2), tails.reshape(-1, 3), plain, total)
+    return ChunkTable(
+        torch.from_numpy(chunks.reshape(-1, 2)),
+        torch.from_numpy(tails.reshape(-1, 3)),
+        (),
+        int(n.sum()),
+    )
 
 
 @functools.cache
