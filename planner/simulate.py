@@ -101,15 +101,15 @@ class Rates:
     control_message_s: float = 57e-6
     """Controller CPU per rank report it reads (authenticate, decrypt, decode). Default:
     measured (`bench control-plane`, median of 2000)."""
-    diff_gb_per_s: float = 780.0
+    diff_gb_per_s: float = 1066.0
     """Delta updates: engine-format bytes one trainer GPU compares with its snapshot and
     encodes per second (reads both). Measured on one H200: 4 GiB of BF16 in 130 runs of
-    Llama-3.1-8B tensor sizes at 0.78% changed, count + encode 5.51 ms median
-    (`benchmarks/results/delta_h200_202612.md`; one run of 4 GiB: 1085 GB/s)."""
-    apply_gb_per_s: float = 48.0
+    Llama-3.1-8B tensor sizes at 0.78% changed, count + encode 4.03 ms median
+    (`benchmarks/results/delta_h200_202612.md`, third round; one run of 4 GiB: 1255 GB/s)."""
+    apply_gb_per_s: float = 64.0
     """Delta updates: patch bytes one engine GPU applies (scatters) per second. Measured on
-    one H200, same runs: 67 MB of patch in 1.39 ms median (a scatter touches a 32-byte sector
-    per changed element, so the rate is far below a copy's; 219 GB/s at 5.4% changed)."""
+    one H200, same runs: 67 MB of patch in 1.05 ms median (a scatter touches a 32-byte sector
+    per changed element, so the rate is far below a copy's)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
