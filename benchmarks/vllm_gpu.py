@@ -21,6 +21,10 @@ Cases:
   checkpoint of the same weights quantized by the reference quantizer (`planner.fp8`). The
   JSON records which kernel vLLM chose and how it laid weights and scales out.
 - `moe`: `bf16` for a tiny Qwen3-MoE.
+- `delta`: `bf16` in delta mode (`docs/delta.md`): before each update about 2% of every
+  parameter's elements move by a small step (in place, on the trainer's shard), the first
+  update is full and the next ones send only patches, which the plug-in applies inside vLLM's
+  `update_weights`; judged like `bf16`, and the modes must be full, delta, delta, ...
 - `timing`: Llama-3.1-8B-shaped random BF16 weights in the trainer's GPU memory. Per update,
   the whole call a user waits for, `OneSidedUpdater.update` (vLLM's `start_weight_update`
   with its pause, the one-sided writes, the engine's refresh, `finish_weight_update`), beside
@@ -69,7 +73,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch  # noqa: E402
 
-CASES = ("bf16", "fp8", "moe", "timing")
+CASES = ("bf16", "fp8", "moe", "delta", "timing")
 
 # Every linear dimension is a multiple of 128, so vLLM's FP8 loader (which quantizes each HF
 # tensor of the checkpoint alone) and the plug-in's recipes (which quantize the fused, sharded
@@ -394,6 +398,18 @@ def _trainer(arch: str, fields: dict[str, Any], device: torch.device, dtype: tor
     return model
 
 
+def _perturb_sparse(model: Any, g: torch.Generator, density: float = 0.02) -> float:
+    """About `density` of every parameter's elements move by a small step, in place on the
+    trainer's (one-rank FSDP2) shard. Returns 0.0 (no loss: no training step)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            mask = torch.rand(t.shape, generator=g, device=t.device) < density
+            noise = 1e-2 * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)
+            t.add_(noise * mask)
+    return 0.0
+
+
 def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float:
     tokens = torch.randint(0, vocab, (2, 16), device=device)
     loss = model(input_ids=tokens, labels=tokens).loss
@@ -404,7 +420,8 @@ def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float
 
 
 def run_colocated(cfg: RunConfig) -> dict[str, Any]:
-    """bf16 / fp8 / moe (module docstring)."""
+    """bf16 / fp8 / moe / delta (module docstring)."""
+    from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
     from weight_transfer.vllm import (
         BACKEND,
         ControlPlaneConfig,
@@ -415,6 +432,7 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     )
 
     fp8 = cfg.case == "fp8"
+    delta = cfg.case == "delta"
     arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if cfg.case == "moe" else ("llama", TINY_LLAMA)
     device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.gpu else torch.float32
@@ -437,6 +455,8 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
                 num_engines=1,
                 control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
                 vllm=VllmConfig(hf_moe_layout="fused" if arch == "qwen3_moe" else "per_expert"),
+                sender=SenderConfig(delta=DeltaConfig(enabled=delta, full_when_slower=False)),
+                receiver=ReceiverConfig(patch_region_bytes=(16 << 20) if delta else 0),
             )
         ),
         trainer,
@@ -452,11 +472,17 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     ]
     baseline = at_start if cfg.gpu else at_init
     steps: list[dict[str, Any]] = []
+    g = torch.Generator(device=device).manual_seed(7)
     for step in range(1, cfg.steps + 1):
-        loss = _train_step(trainer, opt, fields["vocab_size"], device)
+        loss = (
+            _perturb_sparse(trainer, g)
+            if delta
+            else _train_step(trainer, opt, fields["vocab_size"], device)
+        )
         t0 = time.perf_counter()
         stats = updater.update(step)
         seconds = time.perf_counter() - t0
+        ds = updater.sender.delta_stats
         state = llm.collective_rpc(_worker_state)[0]
         moved = [
             n
@@ -471,6 +497,7 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
                 "update_s": seconds,
                 "phases_s": dict(client.last),
                 "nbytes": stats.nbytes,
+                "delta": dataclasses.asdict(ds) if delta and ds is not None else None,
                 "version": client.get_weight_version(),
                 "moved": moved,
                 "generation": _generate(llm),
@@ -525,6 +552,10 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
             f"{'equal' if same_gen else 'DIFFERS'}, {len(differ)} parameters differ, "
             f"{len(s['moved'])} moved: {'ok' if ok else 'FAILED'}"
         )
+    modes = [s["delta"]["mode"] if s["delta"] else "full" for s in steps]
+    modes_ok = not delta or modes == ["full"] + ["delta"] * (len(steps) - 1)
+    if delta:
+        _say(f"delta: modes {modes}: {'ok' if modes_ok else 'FAILED'}")
     first = at_start["params"]
     return {
         "case": cfg.case,
@@ -544,7 +575,8 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
             {k: v for k, v in s.items() if k not in ("state", "generation", "ckpt")} for s in steps
         ],
         "checks": checks,
-        "ok": all(c["ok"] for c in checks),
+        "modes": modes,
+        "ok": all(c["ok"] for c in checks) and modes_ok,
     }
 
 

@@ -1,4 +1,4 @@
-"""Bandwidth of the delta kernels on a GPU against its memory bound (not run yet: docs/delta.md).
+"""Bandwidth of the delta kernels on a GPU against its memory bound (H200 runs: docs/delta.md).
 
 For a BF16 tensor of `--gib` GiB and each density: the count + encode pass (reads new and
 snapshot: 2 N bytes; writes the patch) and the apply (reads the patch, scatters into N bytes),
