@@ -643,11 +643,10 @@ def _check_chunk_offsets(patch: torch.Tensor, seg: _Segments) -> None:
     inside[first[1:-1] - 1] = False  # the step from one segment's last word to the next's
     owner = np.repeat(np.arange(sparse.size), words - 1)
     not_prefix = (o[first[:-1]] != 0) | (o[first[1:] - 1] != entries)
-    neg = np.zeros(sparse.size, dtype=bool)
-    big = np.zeros(sparse.size, dtype=bool)
     within = step[inside]
-    np.logical_or.at(neg, owner, within < 0)
-    np.logical_or.at(big, owner, within > CHUNK_ELEMENTS)
+    # Per segment: any step below 0 / above a chunk (bincount: ufunc.at is slow per element).
+    neg = np.bincount(owner[within < 0], minlength=sparse.size) > 0
+    big = np.bincount(owner[within > CHUNK_ELEMENTS], minlength=sparse.size) > 0
     bad = np.flatnonzero(not_prefix | neg | big)
     if bad.size == 0:
         return
