@@ -294,6 +294,8 @@ class WeightReceiver:
         self._regions.append(vregion)
         version_region = len(self._regions) - 1
         self._patch: torch.Tensor | None = None
+        self._version_index = version_region
+        self._patch_index: int | None = None
         if self.config.patch_region_bytes > 0:
             # Delta updates: the patch region comes right after the version word (the trainers
             # find it there, docs/delta.md), on the device of the weights.
@@ -302,6 +304,7 @@ class WeightReceiver:
             pregion = self._transport.register(buf, role=RegionRole.TARGET)
             self._patch = pregion.tensor
             self._regions.append(pregion)
+            self._patch_index = len(self._regions) - 1
         regions = tuple(
             DestRegion(index=i, nbytes=r.nbytes, descriptor=r.descriptor.to_bytes())
             for i, r in enumerate(self._regions)
@@ -512,10 +515,11 @@ class WeightReceiver:
             if serve:
                 self.gate.commit(step)
             return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
-        targets = [r.tensor for r in self._regions]
         t0 = time.perf_counter()
         try:
-            stats = apply_patch_region(self._patch, targets, step, base_step=self._applied)
+            stats = apply_patch_region(
+                self._patch, self._delta_targets(), step, base_step=self._applied
+            )
         except PatchError as exc:
             self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
             self.gate.fail(step, str(exc))
@@ -529,6 +533,16 @@ class WeightReceiver:
         if serve:
             self.gate.commit(step)
         return stats
+
+    def _delta_targets(self) -> list[torch.Tensor]:
+        """The regions a patch may write, by region index: the weights' regions as they are;
+        the version word and the patch region itself as empty views, so a segment aimed at
+        either fails the bounds checks before anything is written."""
+        out = [r.tensor for r in self._regions]
+        for i in (self._version_index, self._patch_index):
+            if i is not None:
+                out[i] = out[i][:0]
+        return out
 
     def _publish_position_digest(self, step: int) -> None:
         """Delta verification (`DeltaConfig.verify`): when the trainers asked for it, publish

@@ -279,6 +279,44 @@ def test_patch_slot_overflow_fails_cleanly_then_full() -> None:
         s.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aim", ["version word", "patch region"])
+def test_patch_aimed_at_the_engines_own_regions_is_refused(aim: str) -> None:
+    # A patch segment whose region is the engine's version word or its patch region (a
+    # corrupted or hostile patch: trainers never write those through patches) is refused
+    # before anything is written, the engine does not serve it, and the next update is full.
+    s = Setup("loopback", DeltaConfig(enabled=True, full_when_slower=False))
+    try:
+        _perturb(s.src, 1, 0.02)
+        s.update(1)
+        _perturb(s.src, 2, 0.01)
+        s.sender.update(2)
+        rx = s.receivers[0]
+        assert rx._patch is not None
+        words = rx._patch.view(torch.int64)
+        slot = 64 // 8  # slot 0's header (one trainer rank)
+        nseg, table_at = int(words[slot + 4]), int(words[slot + 5])
+        assert nseg > 0
+        row = slot + table_at // 8
+        # The patch region is registered last, right after the version word (docs/delta.md).
+        target = len(rx._regions) - (2 if aim == "version word" else 1)
+        words[row] = target  # the first segment's region
+        words[row + 1] = 0  # its destination offset
+        before = [t.clone() for t in s.engines[0].values()]
+        patch_before = rx._patch.clone()
+        with pytest.raises(PatchError, match="destination outside region"):
+            rx.apply_delta(2, 20.0)
+        for got, want in zip(s.engines[0].values(), before, strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(rx._patch, patch_before)
+        s.receivers[1].apply_delta(2, 20.0)
+        _perturb(s.src, 3, 0.01)
+        assert s.update(3) == "full"
+        s.check()
+    finally:
+        s.close()
+
+
 def test_patch_error_is_a_weight_transfer_error() -> None:
     assert issubclass(PatchError, WeightTransferError)
 
