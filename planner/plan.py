@@ -84,6 +84,11 @@ class PlannerConfig:
     they mark as padding (`SourceSpec.padded_dims`: the vLLM preset marks the vocabulary rows
     of embeddings and LM heads), and its trailing padding is never sent. Off: every trainer
     tensor must have exactly the shape its recipes declare."""
+    quantize_in_shards: bool = True
+    """FP8 units whose trainer shards split them on block rows are quantized by the ranks
+    holding those rows, from their own shards, with no `full_tensor()` (an expert's 2,048 rows
+    over 8 FSDP ranks: 256 rows, two 128-row blocks, each). Same bytes as a gathered unit. Off:
+    every FP8 unit that spans ranks is gathered on its mesh."""
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes <= 0:
@@ -825,7 +830,9 @@ def _compile_layout(
         if units is None:
             units = quant_by_value.get((rc, *place))
             if units is None:
-                units = quant_by_value[(rc, *place)] = _quant_units(rc, dt, st, table)
+                units = quant_by_value[(rc, *place)] = _quant_units(
+                    rc, dt, st, table, bands=config.quantize_in_shards
+                )
             quant_by_id[(id(rc), *place)] = units
         for u in units:
             names: tuple[str, ...] | None = None
@@ -1350,9 +1357,10 @@ def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:
 
 
 def _quant_units(
-    rc: Recipe, dt: DestTensor, st: DestTensor, table: dict[str, _Source]
+    rc: Recipe, dt: DestTensor, st: DestTensor, table: dict[str, _Source], *, bands: bool
 ) -> list[_QuantUnit]:
-    """Quantization units of an FP8 recipe (one per leading index, e.g. per expert)."""
+    """Quantization units of an FP8 recipe (one per leading index, e.g. per expert; with
+    `bands`, a unit spanning trainer shards on block rows becomes one unit per shard band)."""
     assert rc.quant is not None
     lead = dt.shape[:-2]
     nlead = len(lead)
@@ -1380,6 +1388,47 @@ def _quant_units(
             )
             if c is not None
         )
+        local = _local_holder(parts, table)
+        cut = _row_bands(parts, ubox, rc.quant.block, table) if bands and not local else None
+        if cut is not None:
+            # A band is whole rows of one leading slice: one contiguous run of weights, one
+            # of scales.
+            flat = 0
+            for i, n in zip(idx, lead, strict=True):
+                flat = flat * n + i
+            rows, cols = dt.shape[-2:]
+            srows, scols = st.shape[-2:]
+            b0 = rc.quant.block[0]
+            for bbox, bparts, holders in cut:
+                r0, r1 = bbox[-2]
+                s0, s1 = r0 // b0, -(-r1 // b0)
+                bsbox = (*sbox[:-2], (s0, s1), sbox[-1])
+                wruns = (
+                    WriteRun(
+                        dt.region, dt.offset_bytes + (flat * rows + r0) * cols, (r1 - r0) * cols
+                    ),
+                )
+                sruns = (
+                    WriteRun(
+                        st.region,
+                        st.offset_bytes + (flat * srows + s0) * scols * 4,
+                        (s1 - s0) * scols * 4,
+                    ),
+                )
+                out.append(
+                    _QuantUnit(
+                        bbox,
+                        bsbox,
+                        bparts,
+                        tuple(sorted({p.source for p in bparts})),
+                        wruns,
+                        sruns,
+                        holders,
+                        sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns),
+                        numel(box_shape(bbox)),
+                    )
+                )
+            continue
         if lead:
             # A unit is one whole leading slice: one run at its flat index.
             flat = 0
@@ -1398,12 +1447,74 @@ def _quant_units(
                 tuple(sorted({p.source for p in parts})),
                 wruns,
                 sruns,
-                _local_holder(parts, table),
+                local,
                 sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns),
                 numel(box_shape(ubox)),
             )
         )
     return out
+
+
+def _row_bands(
+    parts: Sequence[Part], ubox: Box, block: tuple[int, int], table: dict[str, _Source]
+) -> list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] | None:
+    """Cut a quant unit into bands of whole block rows that each lie in one rank's own shards.
+
+    A unit (one expert's fused gate_up, a tensor-parallel slice) usually spans several trainer
+    shards, and quantizing it whole needs `full_tensor()` on the sources' mesh. The unit is cut
+    at every part's edge and every shard edge mapped into destination rows; adjacent pieces
+    held by a common rank merge into a band. When every band starts on a block row (FSDP's
+    dim-0 chunks of 128-row multiples: 256 rows of an expert over 8 ranks), each band holds
+    whole 128x128 blocks of one rank's shards, so that rank quantizes it alone and nothing is
+    gathered; its scales are the numbers the gathered unit would give. None when a piece spans
+    ranks or a band starts inside a block (the unit is then gathered, as before).
+    """
+    rd = len(ubox) - 2
+    lo, hi = ubox[rd]
+    b0 = block[0]
+    cuts = {lo, hi}
+    for p in parts:
+        d0, d1 = p.dest_box[rd]
+        cuts.update((d0, d1))
+        if d1 - d0 == 1:
+            continue
+        sdims = [d for d, (a, b) in enumerate(p.source_box) if b - a != 1]
+        ddims = [d for d, (a, b) in enumerate(p.dest_box) if b - a != 1]
+        sd = next((s for s, d in zip(sdims, ddims, strict=True) if d == rd), None)
+        if sd is None:
+            return None
+        s0, s1 = p.source_box[sd]
+        for box in table[p.source].by_box():
+            for edge in box[sd]:
+                if s0 < edge < s1:
+                    cuts.add(d0 + edge - s0)
+    ordered = sorted(cuts)
+    bands: list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] = []
+    for a, b in itertools.pairwise(ordered):
+        bbox = (*ubox[:rd], (a, b), *ubox[rd + 1 :])
+        bparts = tuple(
+            c
+            for c in (
+                _clip_part_to_dest(p, bbox)
+                for p in parts
+                if p.dest_box[rd][0] < b and a < p.dest_box[rd][1]
+            )
+            if c is not None
+        )
+        holders = _local_holder(bparts, table)
+        if not holders:
+            return None
+        if bands:
+            pbox, pparts, pholders = bands[-1]
+            common = tuple(sorted(set(pholders) & set(holders)))
+            if common:
+                merged = (*ubox[:rd], (pbox[rd][0], b), *ubox[rd + 1 :])
+                bands[-1] = (merged, pparts + bparts, common)
+                continue
+        bands.append((bbox, bparts, holders))
+    if any(box[rd][0] % b0 for box, _, _ in bands):
+        return None  # a block would mix rows of two ranks
+    return bands
 
 
 def _common_gather_meshes(srcs: Sequence[_Source]) -> list[tuple[int, ...]]:

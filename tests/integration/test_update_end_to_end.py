@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from tests.markers import backend_unavailable_reason
+from tests.unit.test_plan import engine_manifest, fsdp_sources
 from weight_transfer.cli.run_demo import DemoConfig, run_demo
+from weight_transfer.planner.plan import PlannerConfig, plan
+from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
+from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+from weight_transfer.planner.types import QuantWrite
 
 BACKENDS = ["loopback", "tcp", "ucx", "nixl"]
 
@@ -54,6 +59,52 @@ def test_fsdp2_trainers_update_tp2_engines(backend: str, fp8: bool) -> None:
         engine_ranks=2,
         steps=3,
         trainer_dtype="float32" if fp8 else "bfloat16",
+        return_tensors=True,
+        timeout_s=240,
+    )
+    _check(run_demo(cfg), cfg.steps, cfg.engine_ranks)
+
+
+@pytest.mark.timeout(600)
+def test_fp8_units_quantized_from_the_trainers_own_shards() -> None:
+    """Two FSDP2 ranks, tp=2 engines: the tiny model's o_proj and down_proj units span both
+    ranks' shards, split on a block row (128 of 256 rows), so each rank quantizes its own rows
+    from its own shard with no gather (the other units lie in one rank's shards already); every
+    engine byte must equal the reference quantizer's of the whole tensor, after real steps."""
+    shape = get_model_shape("tiny")
+    sources = fsdp_sources(hf_parameter_shapes(shape), 2, "float32")
+    dests = [
+        engine_manifest(
+            f"engine{e}",
+            vllm_recipes(shape, e, 2, fp8=True),
+            vllm_tensor_specs(shape, e, 2, fp8=True),
+        )
+        for e in range(2)
+    ]
+
+    def rows_by_rank(schedule, dest: str) -> set[tuple[int, str, tuple[int, int]]]:
+        return {
+            (r.rank, t.kind, w.dest_box[0])
+            for r in schedule.ranks
+            for t in r.tasks
+            for w in t.writes
+            if isinstance(w, QuantWrite) and w.dest == dest and w.engine == "engine0"
+        }
+
+    banded = plan(sources, dests)
+    gathered = plan(sources, dests, PlannerConfig(quantize_in_shards=False))
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        dest = f"model.layers.0.{name}"
+        assert rows_by_rank(banded, dest) == {(0, "direct", (0, 128)), (1, "direct", (128, 256))}
+        assert {k for _, k, _ in rows_by_rank(gathered, dest)} == {"gather"}
+    assert not any(t.kind == "gather" for r in banded.ranks for t in r.tasks)
+    cfg = DemoConfig(
+        backend="loopback",
+        fp8=True,
+        train_ranks=2,
+        engine_ranks=2,
+        steps=2,
+        trainer_dtype="float32",
         return_tensors=True,
         timeout_s=240,
     )

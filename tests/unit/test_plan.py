@@ -17,7 +17,7 @@ from weight_transfer.planner.plan import (
     schedule_from_json,
     schedule_to_json,
 )
-from weight_transfer.planner.presets.models import get_model_shape, hf_parameter_shapes
+from weight_transfer.planner.presets.models import ModelShape, get_model_shape, hf_parameter_shapes
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
 from weight_transfer.planner.recipes import split_bounds
 from weight_transfer.planner.reference import materialize
@@ -223,7 +223,9 @@ def test_mesh_groups_for_disjoint_meshes():
             TensorSpec(n, (256, 128), "float8_e4m3fn"),
             TensorSpec(n + "_scale_inv", (2, 1), "float32"),
         ]
-    s = plan(sources, [engine_manifest("e", recipes, specs)])
+    # Gathered on purpose (each 128-row shard is a whole block row: banded otherwise).
+    cfg = PlannerConfig(quantize_in_shards=False)
+    s = plan(sources, [engine_manifest("e", recipes, specs)], cfg)
     groups = {t.gather: t.mesh_group for r in s.ranks for t in r.tasks if t.kind == "gather"}
     assert groups[("a",)] == groups[("b",)] != groups[("c",)]
     assert s.num_mesh_groups == 2
@@ -561,3 +563,103 @@ def test_untied_trainer_into_tied_engine_and_inconsistent_aliases():
     tied[0] = dataclasses.replace(tied[0], tensors=tied[0].tensors + (extra,))
     probs = problems_of(tied, engines_for(qwen3_shape(864, tie=True), 1))
     assert any("listed both as a tensor and as an alias" in p for p in probs), probs
+
+
+# Every FSDP shard of this model is whole 128-row blocks at 2 trainer ranks (q: 512 rows, k/v:
+# 256, experts' gate/up: 256, their down: 512, dense MLP: 512), GQA included: 8 query heads
+# over 4 kv heads.
+BLOCK_ROWS = ModelShape(
+    vocab_size=1000,
+    hidden_size=512,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    num_experts=2,
+    moe_intermediate_size=256,
+    first_k_dense=1,
+)
+
+
+def _block_row_setup(world: int, tp: int):
+    sources = fsdp_sources(hf_parameter_shapes(BLOCK_ROWS), world)
+    dests = [
+        engine_manifest(
+            f"engine{e}",
+            vllm_recipes(BLOCK_ROWS, e, tp, fp8=True),
+            vllm_tensor_specs(BLOCK_ROWS, e, tp, fp8=True),
+        )
+        for e in range(tp)
+    ]
+    return sources, dests
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_units_on_block_row_shards_are_quantized_from_the_shards(tp):
+    """Units whose shards split them on block rows need no gather, and give the same bytes."""
+    sources, dests = _block_row_setup(2, tp)
+    schedule = plan(sources, dests)
+    gathered = plan(sources, dests, PlannerConfig(quantize_in_shards=False))
+    assert all(t.kind == "direct" for r in schedule.ranks for t in r.tasks)
+    assert any(t.kind == "gather" for r in gathered.ranks for t in r.tasks)
+    # Each rank quantizes only rows of its own shards (FSDP chunks of 2 ranks: the first or
+    # the second half of every source's rows).
+    for r in schedule.ranks:
+        for t in r.tasks:
+            for w in t.writes:
+                if isinstance(w, QuantWrite):
+                    for p in w.parts:
+                        half = hf_parameter_shapes(BLOCK_ROWS)[p.source][0] // 2
+                        a, b = p.source_box[0]
+                        assert r.rank * half <= a < b <= (r.rank + 1) * half, (r.rank, w.dest, p)
+    if tp == 1:
+        # An expert's fused gate_up [512 rows] is four bands: gate rows 0-127 (rank 0), 128-255
+        # (rank 1), up rows 0-127 (rank 0), 128-255 (rank 1).
+        w13 = {
+            (r.rank, w.dest_box[1])
+            for r in schedule.ranks
+            for t in r.tasks
+            for w in t.writes
+            if isinstance(w, QuantWrite) and w.dest.endswith("routed_experts.w13_weight")
+        }
+        assert w13 == {(0, (0, 128)), (1, (128, 256)), (0, (256, 384)), (1, (384, 512))}
+    assert schedule.bytes_per_engine == gathered.bytes_per_engine
+    g = torch.Generator().manual_seed(5)
+    full = {
+        n: torch.randn(s, generator=g).to(torch.bfloat16)
+        for n, s in hf_parameter_shapes(BLOCK_ROWS).items()
+    }
+    # An executor of the test's own (simulate_schedule) against the reference layout, whose
+    # quantizer sees each whole tensor.
+    mems = simulate_schedule(schedule, sources, dests, full)
+    for e, d in enumerate(dests):
+        specs = vllm_tensor_specs(BLOCK_ROWS, e, tp, fp8=True)
+        expect = materialize(vllm_recipes(BLOCK_ROWS, e, tp, fp8=True), specs, full)
+        for t in d.tensors:
+            n = numel(t.shape) * dtype_size(t.dtype)
+            got = torch.frombuffer(
+                bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
+            )
+            want = expect[t.name].contiguous().view(-1).view(torch.uint8)
+            assert torch.equal(got, want), f"{d.engine}:{t.name}"
+
+
+def test_fp8_unit_split_inside_a_block_is_gathered():
+    """Shards of 96 rows (3 ranks over 288): a block would mix two ranks' rows, so gather."""
+    shape = dataclasses.replace(
+        BLOCK_ROWS, hidden_size=288, num_heads=4, num_kv_heads=4, head_dim=72
+    )
+    sources, dests = (
+        fsdp_sources(hf_parameter_shapes(shape), 3),
+        [
+            engine_manifest(
+                "engine0",
+                vllm_recipes(shape, 0, 1, fp8=True),
+                vllm_tensor_specs(shape, 0, 1, fp8=True),
+            )
+        ],
+    )
+    schedule = plan(sources, dests)
+    gathers = {n for r in schedule.ranks for t in r.tasks if t.kind == "gather" for n in t.gather}
+    assert "model.layers.0.self_attn.o_proj.weight" in gathers
