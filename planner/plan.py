@@ -11,9 +11,13 @@ How a schedule is made:
 2. Turn recipes into work. A copy recipe (no transform) becomes "direct" writes: each part is
    cut along the trainer shards it spans, and each piece is sent by a rank that holds it in its
    own shard, so no rank gathers anything and there is no rank-0 funnel. An FP8 recipe needs
-   whole 128x128 blocks of the fused, sharded destination, so its sources are rebuilt with
-   `full_tensor()` on their mesh ("gather" tasks); destinations that share the same sources
-   share one gather, and the quantize-and-write units of a gather are spread over the mesh.
+   whole 128x128 blocks of the fused, sharded destination. A unit (one expert, one tensor-
+   parallel slice) that lies in one rank's shards is quantized there; one whose shards split
+   it on block rows (FSDP's dim-0 chunks of 128-row multiples) is cut into bands, each
+   quantized by the rank holding its rows (`PlannerConfig.quantize_in_shards`). Any other
+   unit's sources are rebuilt with `full_tensor()` on their mesh ("gather" tasks);
+   destinations that share the same sources share one gather, and the quantize-and-write
+   units of a gather are spread over the mesh.
 3. Balance: work is assigned largest first to the least-loaded rank that can send it.
 4. Order: gather tasks of one mesh appear in the same order on every rank of that mesh; meshes
    that share no rank form a mesh group and run in parallel; groups follow each other with a
@@ -707,6 +711,17 @@ class _Gather:
     seq: int  # position of the gather's first unit in the engines' recipe order
 
 
+@dataclasses.dataclass(slots=True)
+class _LocalBatch:
+    """Local quantization units of one rank being batched into one task."""
+
+    group: int
+    names: list[str]
+    writes: list[SliceWrite | QuantWrite]
+    staging: int
+    scratch: int
+
+
 def _pieces(part: Part, src: _Source) -> list[tuple[Box, tuple[_Holder, ...]]] | None:
     """Cut a part's source box along trainer shards; None if it needs a gather."""
     groups = src.by_box()
@@ -1189,7 +1204,7 @@ class _Planning:
             (g for g in self.gathers.values() if g.local), key=lambda g: (g.seq, g.mesh, g.sources)
         )
         ordered.sort(key=lambda x: (x[0], x[1], x[2]))
-        for g in [x[3] for x in ordered] + local_gathers:
+        for g in [x[3] for x in ordered]:
             group = self.mesh_group.get(g.mesh, 0)
             task_kind: Literal["direct", "gather"] = "direct" if g.local else "gather"
             for rank in g.mesh:
@@ -1212,6 +1227,59 @@ class _Planning:
                     )
                 )
             self.next_id += 1
+        self._local_quant_tasks(local_gathers)
+
+    def _local_quant_tasks(self, local_gathers: list[_Gather]) -> None:
+        """Local quantization units as tasks of about `task_target_bytes` each.
+
+        A rank's units that need no collective (whole units in its shards, and the bands of
+        units its shards split) are batched in recipe order, as small direct writes are: one
+        band of one expert is a few MB, and a task per source set cost Kimi-K2's ranks 2,300
+        tasks each. Merging never crosses a mesh group, and a batch closes before it would
+        exceed the target or half the memory budget (its staging is held at once)."""
+        limit = min(self.config.task_target_bytes, self.config.memory_budget_bytes // 2)
+        batches: dict[int, _LocalBatch] = {}
+
+        def close(rank: int) -> None:
+            b = batches.pop(rank)
+            self.rank_bytes[rank] += b.staging
+            self.per_rank[rank].append(
+                Task(
+                    self.next_id,
+                    "direct",
+                    b.group,
+                    (rank,),
+                    tuple(dict.fromkeys(b.names)),
+                    tuple(b.writes),
+                    b.staging,
+                    b.scratch,
+                    0,
+                )
+            )
+            self.next_id += 1
+
+        for g in local_gathers:
+            rank = g.mesh[0]
+            mine = g.by_rank[rank]
+            if not mine:
+                continue
+            group = self.mesh_group.get(g.mesh, 0)
+            nbytes = g.staging[rank]
+            b = batches.get(rank)
+            if b is not None and (b.group != group or b.staging + nbytes > limit):
+                close(rank)
+                b = None
+            if b is None:
+                batches[rank] = _LocalBatch(
+                    group, list(g.sources), list(mine), nbytes, g.scratch_bytes
+                )
+            else:
+                b.names.extend(g.sources)
+                b.writes.extend(mine)
+                b.staging += nbytes
+                b.scratch = max(b.scratch, g.scratch_bytes)
+        for rank in sorted(batches):
+            close(rank)
 
     def direct_tasks(self) -> None:
         """Direct writes: per rank, interleave engines (each rank starting at its own engine),

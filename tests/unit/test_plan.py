@@ -663,3 +663,20 @@ def test_fp8_unit_split_inside_a_block_is_gathered():
     schedule = plan(sources, dests)
     gathers = {n for r in schedule.ranks for t in r.tasks if t.kind == "gather" for n in t.gather}
     assert "model.layers.0.self_attn.o_proj.weight" in gathers
+
+
+def test_local_quant_units_are_batched_into_tasks_of_the_target_size():
+    sources, dests = _block_row_setup(2, 1)
+    for target in (1 << 30, 256 << 10):
+        s = plan(sources, dests, PlannerConfig(task_target_bytes=target))
+        for r in s.ranks:
+            quant = [t for t in r.tasks if any(isinstance(w, QuantWrite) for w in t.writes)]
+            units = sum(len(t.writes) for t in quant)
+            assert units > 10
+            if target == 1 << 30:
+                assert len(quant) == 1  # everything in one task
+            else:
+                assert 1 < len(quant) < units
+                for t in quant:  # each batch within its target, unless one unit alone is larger
+                    assert t.staging_bytes <= target or len(t.writes) == 1
+                    assert set(t.gather) == {p.source for w in t.writes for p in w.parts}

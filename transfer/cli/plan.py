@@ -31,6 +31,12 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nics-per-gpu", type=int, help="NICs per GPU")
     g.add_argument("--nvlink-gb-per-s", type=float, help="per-GPU NVLink GB/s")
     g.add_argument(
+        "--gather-fp8",
+        action="store_true",
+        help="gather every FP8 unit that spans trainer ranks, even where the shards split it "
+        "on block rows (PlannerConfig.quantize_in_shards off)",
+    )
+    g.add_argument(
         "--memory-budget-gib",
         type=float,
         default=1.0,
@@ -104,7 +110,9 @@ def _build(ns: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     from weight_transfer.planner.presets.clusters import cluster_manifests
 
     preset = _preset(ns)
-    config = PlannerConfig(memory_budget_bytes=int(ns.memory_budget_gib * 2**30))
+    config = PlannerConfig(
+        memory_budget_bytes=int(ns.memory_budget_gib * 2**30), quantize_in_shards=not ns.gather_fp8
+    )
     _progress(preset.describe())
     t0 = time.perf_counter()
     _progress("building manifests ...")
