@@ -1077,7 +1077,18 @@ class _Planning:
         # (bytes, kind, index): kind 0 a direct piece, 1 a local unit; reverse=True keeps equal
         # sizes in generation order (Python's sort is stable both ways).
         work = [(it[0].nbytes, 0, i) for i, it in enumerate(directs)]
-        work.extend((lu[0][1], 1, i) for i, lu in enumerate(local_units))
+        # Units one rank alone holds (a band of an FSDP shard) go to it whatever the order:
+        # counted first, so the choices below see them.
+        for i, lu in enumerate(local_units):
+            if len(lu[1]) == 1:
+                unit, cands, names, sq = lu
+                key = (cands, names)
+                self.gather_local.add(key)
+                self.gather_units[key].append(unit)
+                self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
+                load[cands[0]] += unit[1]
+            else:
+                work.append((lu[0][1], 1, i))
         work.sort(key=operator.itemgetter(0), reverse=True)
         for nbytes, kind, i in work:
             if kind == 0:
@@ -1085,7 +1096,7 @@ class _Planning:
                 self.assigned[i] = r
             else:
                 unit, cands, names, sq = local_units[i]
-                r = min(cands, key=load.__getitem__)
+                r = cands[0] if len(cands) == 1 else min(cands, key=load.__getitem__)
                 key = ((r,), names)
                 self.gather_local.add(key)
                 self.gather_units[key].append(unit)
@@ -1539,49 +1550,75 @@ def _row_bands(
     """
     rd = len(ubox) - 2
     lo, hi = ubox[rd]
-    b0 = block[0]
     cuts = {lo, hi}
+    # Per part: its destination rows and, for each shard box holding the part's extent in
+    # every other dimension, the destination rows that box covers and the ranks holding it.
+    spans: list[tuple[int, int, list[tuple[int, int, frozenset[int]]]]] = []
+    row_dim: list[int | None] = []  # the source dimension of each part's destination rows
     for p in parts:
         d0, d1 = p.dest_box[rd]
         cuts.update((d0, d1))
         if d1 - d0 == 1:
+            ranks = frozenset(_local_holder([p], table))
+            if not ranks:
+                return None
+            spans.append((d0, d1, [(d0, d1, ranks)]))
+            row_dim.append(None)
             continue
         sdims = [d for d, (a, b) in enumerate(p.source_box) if b - a != 1]
         ddims = [d for d, (a, b) in enumerate(p.dest_box) if b - a != 1]
         sd = next((s for s, d in zip(sdims, ddims, strict=True) if d == rd), None)
         if sd is None:
             return None
-        s0, s1 = p.source_box[sd]
-        for box in table[p.source].by_box():
-            for edge in box[sd]:
-                if s0 < edge < s1:
-                    cuts.add(d0 + edge - s0)
-    ordered = sorted(cuts)
-    bands: list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] = []
-    for a, b in itertools.pairwise(ordered):
-        bbox = (*ubox[:rd], (a, b), *ubox[rd + 1 :])
-        bparts = tuple(
-            c
-            for c in (
-                _clip_part_to_dest(p, bbox)
-                for p in parts
-                if p.dest_box[rd][0] < b and a < p.dest_box[rd][1]
-            )
-            if c is not None
-        )
-        holders = _local_holder(bparts, table)
-        if not holders:
-            return None
-        if bands:
-            pbox, pparts, pholders = bands[-1]
-            common = tuple(sorted(set(pholders) & set(holders)))
-            if common:
-                merged = (*ubox[:rd], (pbox[rd][0], b), *ubox[rd + 1 :])
-                bands[-1] = (merged, pparts + bparts, common)
+        sb = p.source_box
+        s0, s1 = sb[sd]
+        covers = []
+        for box, hs in table[p.source].by_box().items():
+            if any(box[d][0] > sb[d][0] or sb[d][1] > box[d][1] for d in range(len(sb)) if d != sd):
                 continue
-        bands.append((bbox, bparts, holders))
-    if any(box[rd][0] % b0 for box, _, _ in bands):
+            a, b = max(box[sd][0], s0), min(box[sd][1], s1)
+            if a < b:
+                covers.append((d0 + a - s0, d0 + b - s0, frozenset(h[RANK] for h in hs)))
+                cuts.update((d0 + a - s0, d0 + b - s0))
+        spans.append((d0, d1, covers))
+        row_dim.append(sd)
+    ordered = sorted(cuts)
+    merged: list[tuple[int, int, frozenset[int]]] = []  # (first row, end row, holders)
+    for a, b in itertools.pairwise(ordered):
+        holders: frozenset[int] | None = None
+        for d0, d1, covers in spans:
+            if d1 <= a or b <= d0:
+                continue
+            ranks = frozenset[int]().union(*(r for c0, c1, r in covers if c0 <= a and b <= c1))
+            holders = ranks if holders is None else holders & ranks
+            if not holders:
+                return None
+        assert holders is not None  # the parts cover the unit
+        if merged:
+            common = merged[-1][2] & holders
+            if common:
+                merged[-1] = (merged[-1][0], b, common)
+                continue
+        merged.append((a, b, holders))
+    if any(m[0] % block[0] for m in merged):
         return None  # a block would mix rows of two ranks
+    bands: list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] = []
+    for a, b, holders in merged:
+        bparts = []
+        for p, sd in zip(parts, row_dim, strict=True):
+            d0, d1 = p.dest_box[rd]
+            if d1 <= a or b <= d0:
+                continue
+            if a <= d0 and d1 <= b:
+                bparts.append(p)
+                continue
+            assert sd is not None  # a one-row part lies inside any band it meets
+            r0, r1 = max(a, d0), min(b, d1)
+            s0 = p.source_box[sd][0] + r0 - d0
+            src = (*p.source_box[:sd], (s0, s0 + r1 - r0), *p.source_box[sd + 1 :])
+            bparts.append(Part(p.source, src, (*p.dest_box[:rd], (r0, r1), *p.dest_box[rd + 1 :])))
+        bbox = (*ubox[:rd], (a, b), *ubox[rd + 1 :])
+        bands.append((bbox, tuple(bparts), tuple(sorted(holders))))
     return bands
 
 

@@ -118,6 +118,7 @@ class Cluster:
         backend: str = "loopback",
         timeout_s: float = 30.0,
         memory_budget_bytes: int = 16 << 20,
+        task_target_bytes: int = 16 << 20,
         update_timeout_s: float = 30.0,
         wrap: Callable[[WeightSender], None] | None = None,
     ) -> None:
@@ -173,7 +174,9 @@ class Cluster:
             num_engines=len(self.engines),
             control=self.control,
             sender=SenderConfig(update_timeout_s=update_timeout_s),
-            planner=PlannerConfig(memory_budget_bytes=memory_budget_bytes),
+            planner=PlannerConfig(
+                memory_budget_bytes=memory_budget_bytes, task_target_bytes=task_target_bytes
+            ),
         )
         # Made by hand (not hosted by rank 0's sender): the engines join before any sender.
         self.controller = Controller(config.controller_config(world), self.control)

@@ -680,3 +680,77 @@ def test_local_quant_units_are_batched_into_tasks_of_the_target_size():
                 for t in quant:  # each batch within its target, unless one unit alone is larger
                     assert t.staging_bytes <= target or len(t.writes) == 1
                     assert set(t.gather) == {p.source for w in t.writes for p in w.parts}
+
+
+def test_fp8_bands_of_hsdp_replicas_are_spread_over_the_replicas():
+    """HSDP: 2 replica groups of 2 FSDP shards. Every band is held by one rank of each group;
+    the planner gives each to either and the bytes still equal the reference layout."""
+    shapes = hf_parameter_shapes(BLOCK_ROWS)
+    sources = []
+    for r in range(4):
+        g, i = divmod(r, 2)
+        tensors = []
+        for name, dims in sorted(shapes.items()):
+            half = -(-dims[0] // 2)
+            box = ((min(dims[0], i * half), min(dims[0], (i + 1) * half)),)
+            box += tuple((0, n) for n in dims[1:])
+            tensors.append(SourceTensor(name, dims, "bfloat16", box, (2 * g, 2 * g + 1), "cpu"))
+        sources.append(SourceManifest(rank=r, world_size=4, host="h", tensors=tuple(tensors)))
+    dests = [
+        engine_manifest(
+            "engine0",
+            vllm_recipes(BLOCK_ROWS, 0, 1, fp8=True),
+            vllm_tensor_specs(BLOCK_ROWS, 0, 1, fp8=True),
+        )
+    ]
+    schedule = plan(sources, dests)
+    assert all(t.kind == "direct" for r in schedule.ranks for t in r.tasks)
+    for r in schedule.ranks:
+        i = r.rank % 2  # which half of every source's rows this rank holds
+        for t in r.tasks:
+            for w in t.writes:
+                if isinstance(w, QuantWrite):
+                    for p in w.parts:
+                        half = shapes[p.source][0] // 2
+                        a, b = p.source_box[0]
+                        assert i * half <= a < b <= (i + 1) * half, (r.rank, w.dest, p)
+    per_rank = schedule.bytes_per_rank
+    assert min(per_rank) > 0 and max(per_rank) <= 1.3 * min(per_rank), per_rank
+    g = torch.Generator().manual_seed(9)
+    full = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    mems = simulate_schedule(schedule, sources, dests, full)
+    specs = vllm_tensor_specs(BLOCK_ROWS, 0, 1, fp8=True)
+    expect = materialize(vllm_recipes(BLOCK_ROWS, 0, 1, fp8=True), specs, full)
+    d = dests[0]
+    for t in d.tensors:
+        n = numel(t.shape) * dtype_size(t.dtype)
+        got = torch.frombuffer(
+            bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
+        )
+        assert torch.equal(got, expect[t.name].contiguous().view(-1).view(torch.uint8)), t.name
+
+
+def test_fp8_unit_sharded_by_columns_is_gathered():
+    """Shards of 128 columns: every row band spans both ranks, so the unit is gathered."""
+    from weight_transfer.planner.recipes import TensorSpec, identity, with_fp8
+
+    sources = [
+        SourceManifest(
+            rank=r,
+            world_size=2,
+            host="h",
+            tensors=(
+                SourceTensor(
+                    "w", (256, 256), "bfloat16", ((0, 256), (r * 128, r * 128 + 128)), (0, 1), "cpu"
+                ),
+            ),
+        )
+        for r in range(2)
+    ]
+    specs = [
+        TensorSpec("w", (256, 256), "float8_e4m3fn"),
+        TensorSpec("w_scale_inv", (2, 2), "float32"),
+    ]
+    dests = [engine_manifest("e", [with_fp8(identity("w", "w", (256, 256)))], specs)]
+    schedule = plan(sources, dests)
+    assert [t.kind for r in schedule.ranks for t in r.tasks] == ["gather", "gather"]

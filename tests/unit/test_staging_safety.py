@@ -126,6 +126,9 @@ def test_failed_update_never_frees_staging_a_write_still_reads(
         engines,
         world=1,
         memory_budget_bytes=8 << 20,
+        # One quantized unit per task, so the sixth quantization comes after the first staged
+        # batch was posted (batched into larger tasks, it would come before).
+        task_target_bytes=64 << 10,
         wrap=wrap,
     ) as cluster:
         slow = state["slow"]
