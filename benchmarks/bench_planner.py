@@ -31,6 +31,8 @@ class BenchConfig:
     preset: str = "kimi-k2"
     """Cluster preset name."""
     repeats: int = 1
+    gather_fp8: bool = False
+    """Plan with `PlannerConfig.quantize_in_shards` off (every FP8 unit spanning ranks gathered)."""
     """Planner runs (the median is reported)."""
     json_path: str | None = None
     """Where to write the results."""
@@ -76,7 +78,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
     sources, dests = cluster_manifests(preset)
     t_manifests = time.perf_counter() - t0
     rss_manifests = _rss_gib()
-    config = PlannerConfig()
+    config = PlannerConfig(quantize_in_shards=not cfg.gather_fp8)
     times = []
     cpu_times = []
     schedule = None
@@ -105,6 +107,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
     )
     out: dict[str, object] = {
         "preset": cfg.preset,
+        "quantize_in_shards": not cfg.gather_fp8,
         "describe": preset.describe(),
         "num_manifest_entries": sum(len(m.tensors) for m in sources),
         "manifests_s": t_manifests,
@@ -141,8 +144,11 @@ def main() -> int:
     ap.add_argument("--preset", default="kimi-k2")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--gather-fp8", action="store_true", help="quantize_in_shards off")
     ns = ap.parse_args()
-    cfg = BenchConfig(preset=ns.preset, repeats=ns.repeats, json_path=ns.json_path)
+    cfg = BenchConfig(
+        preset=ns.preset, repeats=ns.repeats, json_path=ns.json_path, gather_fp8=ns.gather_fp8
+    )
     out = run(cfg)
     for k, v in out.items():
         print(f"{k}: {v}")

@@ -20,7 +20,8 @@ Pure: no clocks, no I/O. `simulate` replays a `Schedule` on a described cluster:
 * A barrier separates mesh groups: no rank prepares a task of group g before every rank has
   prepared all its tasks of earlier groups (plus `barrier_s`).
 * Delta updates (`delta=DeltaDensity(...)`): every task still gathers (where the plan gathers:
-  FP8 units split inside a block) and quantizes as above, then compares its engine bytes with the snapshot (`diff_gb_per_s`, zero-copy writes too) and
+  FP8 units split inside a block) and quantizes as above, then compares its engine bytes with
+  the snapshot (`diff_gb_per_s`, zero-copy writes too) and
   writes one patch per engine whose size is `planner.delta.expected_wire_nbytes` of each write
   at the measured density (sparse or dense, whichever is smaller; FP8 scales at their own
   density). After the last write the engines apply their patches (`apply_gb_per_s` of patch
