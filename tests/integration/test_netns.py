@@ -333,7 +333,9 @@ def test_readme_two_hosts_runs_as_written(tmp_path: Path) -> None:
         **os.environ,
         "WT_TOKEN": new_token(),
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        "PYTHONUNBUFFERED": "1",
+        # Not PYTHONUNBUFFERED: unbuffered, print() writes its text and its newline apart, and
+        # two engines sharing the pipe interleaved them ("...in placeengine tp1: ..."). The
+        # examples flush every line, and a flushed line of a buffered stdout is one write.
     }
     outs: dict[str, str] = {}
     codes: dict[str, int | None] = {}

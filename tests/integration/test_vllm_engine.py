@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.markers import requires_module
+from tests.markers import requires_module, requires_no_amx_vllm_cpu
 from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(900)]
@@ -1312,6 +1312,7 @@ class TestQwen3Moe:
         )
 
 
+@requires_no_amx_vllm_cpu
 def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     """Qwen2-MoE (routed experts, a shared expert and its gate, qkv bias), tp=2, bfloat16: one
     update from a trainer holding the experts one tensor per expert (the checkpoint layout)

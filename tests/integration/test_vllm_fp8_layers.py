@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.markers import requires_module
+from tests.markers import requires_module, requires_no_amx_vllm_cpu
 from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(600)]
@@ -375,6 +375,7 @@ def _mla_worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> N
         raise
 
 
+@requires_no_amx_vllm_cpu
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mla_fp8_recipes_equal_vllms_loader_and_derivation(tp: int, tmp_path: Path) -> None:
     """vLLM's own FP8 DeepseekV3ForCausalLM (Kimi-K2's class) on CPU, filled by vLLM's own

@@ -44,7 +44,7 @@ from tests.integration.test_vllm_engine import (
     _start_llm,
     _tokens,
 )
-from tests.markers import requires_module
+from tests.markers import requires_module, requires_no_amx_vllm_cpu
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(1200)]
 
@@ -284,6 +284,7 @@ class _MlaCase(_EngineCase):
             assert fused == (self.CFG["q_lora_rank"] is not None)
 
 
+@requires_no_amx_vllm_cpu
 class TestDeepseekV3TP1(_MlaCase):
     """q_lora_rank set (as V3 / Kimi-K2), tp=1, float32, 2 FSDP2 trainer ranks. After the first
     update the derived W_UK_T/W_UV are given storage of their own (as on GPUs), so the second
@@ -311,12 +312,14 @@ class TestDeepseekV3TP1(_MlaCase):
         assert "nothing was registered" in msg, msg
 
 
+@requires_no_amx_vllm_cpu
 class TestDeepseekV3TP2(_MlaCase):
     """q_lora_rank set, tp=2, bfloat16 (the router bias stays float32), 3 trainer ranks."""
 
     DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 3, 1
 
 
+@requires_no_amx_vllm_cpu
 class TestDeepseekV3NoQLoraTP1(_MlaCase):
     """q_lora_rank=None (as DeepSeek-V2-Lite / Moonlight): q_proj, kv_a_proj_with_mqa alone."""
 
@@ -324,6 +327,7 @@ class TestDeepseekV3NoQLoraTP1(_MlaCase):
     SEED = 2
 
 
+@requires_no_amx_vllm_cpu
 class TestDeepseekV3NoQLoraTP2(_MlaCase):
     CFG = {**DEEPSEEK_V3, "q_lora_rank": None}
     DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 3, 3
@@ -336,6 +340,7 @@ class TestGlm4MoeTP1(_EngineCase):
     LLM_KWARGS: dict[str, Any] = {}
 
 
+@requires_no_amx_vllm_cpu
 class TestGlm4MoeTP2(_EngineCase):
     """GLM-4.5-MoE, tp=2, bfloat16: its router is float32 in vLLM (cast from the trainer's
     bfloat16), its bias float32 on both sides."""
