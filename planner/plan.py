@@ -1469,12 +1469,13 @@ def _quant_units(
         )
         local = _local_holder(parts, table)
         cut = _row_bands(parts, ubox, rc.quant.block, table) if bands and not local else None
+        # The leading slice's row-major index (0 without leading dims).
+        flat = 0
+        for i, n in zip(idx, lead, strict=True):
+            flat = flat * n + i
         if cut is not None:
             # A band is whole rows of one leading slice: one contiguous run of weights, one
             # of scales.
-            flat = 0
-            for i, n in zip(idx, lead, strict=True):
-                flat = flat * n + i
             rows, cols = dt.shape[-2:]
             srows, scols = st.shape[-2:]
             b0 = rc.quant.block[0]
@@ -1510,9 +1511,6 @@ def _quant_units(
             continue
         if lead:
             # A unit is one whole leading slice: one run at its flat index.
-            flat = 0
-            for i, n in zip(idx, lead, strict=True):
-                flat = flat * n + i
             wruns = (WriteRun(dt.region, dt.offset_bytes + flat * unit_w, unit_w),)
             sruns = (WriteRun(st.region, st.offset_bytes + flat * unit_s, unit_s),)
         else:

@@ -140,7 +140,14 @@ def simulate_schedule(
 def test_schedule_reproduces_reference_layout(world, tp, fp8):
     shape, sources, dests = tiny_setup(world, tp, fp8)
     schedule = plan(sources, dests)
-    g = torch.Generator().manual_seed(7)
+    assert_reference_layout(schedule, sources, dests, shape, tp, fp8, seed=7)
+
+
+def assert_reference_layout(schedule, sources, dests, shape, tp, fp8, *, seed):
+    """Run `schedule` with the test's own executor (`simulate_schedule`) on seeded random
+    weights and compare every engine tensor, byte for byte, with the reference layout
+    (`materialize`, whose quantizer sees each whole tensor)."""
+    g = torch.Generator().manual_seed(seed)
     full = {
         n: torch.randn(s, generator=g).to(torch.bfloat16)
         for n, s in hf_parameter_shapes(shape).items()
@@ -625,24 +632,7 @@ def test_fp8_units_on_block_row_shards_are_quantized_from_the_shards(tp):
         }
         assert w13 == {(0, (0, 128)), (1, (128, 256)), (0, (256, 384)), (1, (384, 512))}
     assert schedule.bytes_per_engine == gathered.bytes_per_engine
-    g = torch.Generator().manual_seed(5)
-    full = {
-        n: torch.randn(s, generator=g).to(torch.bfloat16)
-        for n, s in hf_parameter_shapes(BLOCK_ROWS).items()
-    }
-    # An executor of the test's own (simulate_schedule) against the reference layout, whose
-    # quantizer sees each whole tensor.
-    mems = simulate_schedule(schedule, sources, dests, full)
-    for e, d in enumerate(dests):
-        specs = vllm_tensor_specs(BLOCK_ROWS, e, tp, fp8=True)
-        expect = materialize(vllm_recipes(BLOCK_ROWS, e, tp, fp8=True), specs, full)
-        for t in d.tensors:
-            n = numel(t.shape) * dtype_size(t.dtype)
-            got = torch.frombuffer(
-                bytearray(mems[d.engine][t.offset_bytes : t.offset_bytes + n]), dtype=torch.uint8
-            )
-            want = expect[t.name].contiguous().view(-1).view(torch.uint8)
-            assert torch.equal(got, want), f"{d.engine}:{t.name}"
+    assert_reference_layout(schedule, sources, dests, BLOCK_ROWS, tp, True, seed=5)
 
 
 def test_fp8_unit_split_inside_a_block_is_gathered():
