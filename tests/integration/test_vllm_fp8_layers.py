@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.markers import requires_module, requires_no_amx_vllm_cpu
+from tests.markers import requires_module
 from weight_transfer.cli.launch import Child, Launch
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(600)]
@@ -259,11 +259,12 @@ def _mla_worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> N
 
     os.environ["VLLM_DIST_IDENT"] = str(port)
     import vllm.model_executor.layers.quantization.fp8 as fp8_module
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import AttentionConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
     from weight_transfer.planner.presets.models import from_hf_config
@@ -274,7 +275,9 @@ def _mla_worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> N
     vc = VllmConfig(
         model_config=ModelConfig(
             model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128
-        )
+        ),
+        # vLLM's reference MLA backend, named: on CPUs with AMX tiles vLLM picks AMX_MLA.
+        attention_config=AttentionConfig(backend=AttentionBackendEnum.CPU_MLA),
     )
     bad: list[str] = []
     names: list[str] = []
@@ -375,7 +378,6 @@ def _mla_worker(rank: int, world: int, port: int, model_dir: str, out: Any) -> N
         raise
 
 
-@requires_no_amx_vllm_cpu
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mla_fp8_recipes_equal_vllms_loader_and_derivation(tp: int, tmp_path: Path) -> None:
     """vLLM's own FP8 DeepseekV3ForCausalLM (Kimi-K2's class) on CPU, filled by vLLM's own

