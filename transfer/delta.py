@@ -722,11 +722,16 @@ class Snapshot:
     def advance(self, builder: PatchBuilder) -> None:
         """Apply the committed patch in `builder` to the snapshot (same kernels as the engine;
         on a GPU one table launch per element size, addresses computed from the segment
-        table, no view per segment)."""
+        table, no view per segment). A pinned host snapshot of a GPU patch is written by the
+        same launch through its mapped address (CUDA's unified addressing: a kernel may store
+        to pinned host memory), then synchronized: the patch is never brought over segment by
+        segment and applied by the CPU (1.6 s of 1.9 s per Llama-3.1-8B update on an H200)."""
         if not builder.num_segments:
             return
-        same = builder.staging.device == self.buffer.device and uses_triton(self.buffer)
-        if same:
+        staging = builder.staging
+        mapped = staging.is_cuda and self.buffer.device.type == "cpu" and self.buffer.is_pinned()
+        same = staging.device == self.buffer.device and uses_triton(self.buffer)
+        if same or mapped:
             table = builder.segment_table()
             _, _, esize, numel, kind, entries, data_at, at = table.T
             for i in np.flatnonzero(kind == DENSE).tolist():
@@ -748,7 +753,9 @@ class Snapshot:
                     ],
                     axis=1,
                 )
-                apply_table(self.buffer.device, int(size), rows)
+                apply_table(staging.device, int(size), rows)
+            if mapped:
+                torch.cuda.current_stream(staging.device).synchronize()
             return
         for seg in builder.segments:
             if seg.kind == DENSE:

@@ -413,6 +413,18 @@ class DeltaSession:
             snap_device,
             total / 1e9,
         )
+        if self.device.type == "cuda" and not on_device:
+            log.warning(
+                "trainer rank %d: delta snapshot in pinned host memory (delta.snapshot_memory="
+                "%r, snapshot_device_budget_bytes=%d): every update moves its %.3f GB over PCIe "
+                "(a delta reads it to compare, a full update writes it), so a delta is no faster "
+                "than a full update over links as fast as PCIe; snapshot_memory='device' keeps it "
+                "on the GPU (docs/delta.md, Memory)",
+                self.rank,
+                cfg.snapshot_memory,
+                cfg.snapshot_device_budget_bytes,
+                self.full_bytes / 1e9,
+            )
 
     def close(self) -> None:
         """Deregister the patch staging (the snapshot is plain memory)."""

@@ -298,3 +298,28 @@ def test_gpu_engine_with_a_host_region_applies_by_table(monkeypatch: pytest.Monk
     assert stats.num_segments == 4
     for got, want in zip(regions, _expected(old, new_runs), strict=False):
         assert torch.equal(got.cpu(), want)
+
+
+@requires_cuda
+def test_gpu_patch_advances_a_pinned_host_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer's snapshot in pinned host memory (`snapshot_memory="host"`) advances by a
+    GPU patch through the table kernels writing its mapped address, never segment by segment
+    on the CPU, and ends as the new runs' bytes."""
+    import weight_transfer.delta as delta_mod
+
+    old = _regions(31)
+    new_runs = _new_runs(old, 32)
+    _, snap, _ = _build(old, new_runs, step=2, slot_bytes=1 << 20)
+    builder = PatchBuilder(torch.zeros(1 << 20, dtype=torch.uint8, device="cuda"))
+    builder.add_runs(_runs_over([r.cuda() for r in new_runs], snap.cuda()))
+    builder.finish(step=2, base_step=1, rank=0)
+    host = Snapshot(snap.numel(), torch.device("cpu"), pin=True)
+    host.buffer.copy_(snap)
+
+    def per_segment(*_: object) -> None:
+        raise AssertionError("a sparse segment took the per-segment path")
+
+    monkeypatch.setattr(delta_mod, "apply_changes", per_segment)
+    host.advance(builder)
+    assert host.buffer.is_pinned()
+    assert torch.equal(host.buffer, torch.cat([r.view(torch.uint8) for r in new_runs]))
