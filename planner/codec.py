@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import sys
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
@@ -39,9 +41,70 @@ def to_plain(value: Any) -> Any:
     raise TypeError(f"cannot encode {type(value).__name__}")
 
 
-def _hints(cls: type) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    hint: Any
+    required: bool
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[_Field, ...], frozenset[str]]:
+    """A dataclass's init fields with their resolved type hints, computed once per class:
+    resolving string annotations (`typing.get_type_hints`) is about 50 us for a small class,
+    which made decoding one control message cost 57 us (the controller decodes one report per
+    trainer rank per phase)."""
     module = sys.modules[cls.__module__]
-    return typing.get_type_hints(cls, vars(module))
+    hints = typing.get_type_hints(cls, vars(module))
+    fields = tuple(
+        _Field(
+            f.name,
+            hints[f.name],
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    )
+    return fields, frozenset(f.name for f in fields)
+
+
+def _bool(data: Any, path: str) -> bool:
+    if not isinstance(data, bool):
+        raise ValueError(f"{path}: expected bool, got {type(data).__name__}")
+    return data
+
+
+def _int(data: Any, path: str) -> int:
+    if not isinstance(data, int) or isinstance(data, bool):
+        raise ValueError(f"{path}: expected int, got {type(data).__name__}")
+    return data
+
+
+def _float(data: Any, path: str) -> float:
+    if isinstance(data, bool) or not isinstance(data, (int, float)):
+        raise ValueError(f"{path}: expected number, got {type(data).__name__}")
+    return float(data)
+
+
+def _str(data: Any, path: str) -> str:
+    if not isinstance(data, str):
+        raise ValueError(f"{path}: expected str, got {type(data).__name__}")
+    return data
+
+
+def _bytes(data: Any, path: str) -> bytes:
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"{path}: expected bytes, got {type(data).__name__}")
+    return bytes(data)
+
+
+_SCALARS: dict[type, Callable[[Any, str], Any]] = {
+    bool: _bool,
+    int: _int,
+    float: _float,
+    str: _str,
+    bytes: _bytes,
+}
 
 
 def from_plain(cls: type[T], data: Any, *, path: str = "$", depth: int = 0) -> T:
@@ -56,6 +119,9 @@ def from_plain(cls: type[T], data: Any, *, path: str = "$", depth: int = 0) -> T
 def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
     if depth > _MAX_DEPTH:
         raise ValueError(f"{path}: nested too deeply")
+    scalar = _SCALARS.get(tp) if isinstance(tp, type) else None
+    if scalar is not None:
+        return scalar(data, path)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
@@ -101,20 +167,19 @@ def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a map for {tp.__name__}, got {type(data).__name__}")
-        hints = _hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
-        unknown = set(data) - set(fields)
-        if unknown:
+        fields, names = _schema(tp)
+        if not names.issuperset(data):
+            unknown = set(data) - names
             raise ValueError(
                 f"{path}: unknown field(s) {sorted(map(str, unknown))} for {tp.__name__}"
             )
         kwargs = {}
-        for name, f in fields.items():
-            if name not in data:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ValueError(f"{path}: missing field {name!r} of {tp.__name__}")
+        for f in fields:
+            if f.name not in data:
+                if f.required:
+                    raise ValueError(f"{path}: missing field {f.name!r} of {tp.__name__}")
                 continue
-            kwargs[name] = _decode(hints[name], data[name], f"{path}.{name}", depth + 1)
+            kwargs[f.name] = _decode(f.hint, data[f.name], f"{path}.{f.name}", depth + 1)
         try:
             return tp(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -124,26 +189,6 @@ def _decode(tp: Any, data: Any, path: str, depth: int) -> Any:
             return tp(data)
         except ValueError as exc:
             raise ValueError(f"{path}: {data!r} is not a valid {tp.__name__}") from exc
-    if tp is bool:
-        if not isinstance(data, bool):
-            raise ValueError(f"{path}: expected bool, got {type(data).__name__}")
-        return data
-    if tp is int:
-        if not isinstance(data, int) or isinstance(data, bool):
-            raise ValueError(f"{path}: expected int, got {type(data).__name__}")
-        return data
-    if tp is float:
-        if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise ValueError(f"{path}: expected number, got {type(data).__name__}")
-        return float(data)
-    if tp is str:
-        if not isinstance(data, str):
-            raise ValueError(f"{path}: expected str, got {type(data).__name__}")
-        return data
-    if tp is bytes:
-        if not isinstance(data, (bytes, bytearray)):
-            raise ValueError(f"{path}: expected bytes, got {type(data).__name__}")
-        return bytes(data)
     if tp is type(None):
         if data is not None:
             raise ValueError(f"{path}: expected null")
