@@ -39,7 +39,7 @@ def main() -> None:
         dtype="float32",
         enforce_eager=True,
         max_model_len=128,
-        gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=256 << 20,  # the KV cache, explicit (see docs/vllm.md)
         weight_transfer_config={"backend": "weight_transfer"},
     )
     with socket.socket() as s:  # a free port for the control plane

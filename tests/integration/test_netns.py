@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.integration.test_vllm_engine import KV_CACHE_BYTES
 from tests.markers import requires_module
 from weight_transfer.benchmarks.netns import enter_host
 from weight_transfer.cli.launch import Child, Launch
@@ -594,7 +595,7 @@ def _start_vllm(model_dir: str, backend: bool) -> Any:
         dtype="float32",
         enforce_eager=True,
         max_model_len=128,
-        gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         seed=0,
         **kwargs,
     )

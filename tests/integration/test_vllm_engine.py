@@ -104,6 +104,11 @@ QWEN3_TIED = dict(
 the issue's 864."""
 PROMPTS = [[1, 5, 9, 33, 71, 2, 640, 18], [7, 300, 999, 4, 12], [250, 251, 8, 77, 3, 10, 11]]
 MAX_TOKENS = 8
+KV_CACHE_BYTES = 256 << 20
+"""The KV cache every test engine reserves. Explicit, not `gpu_memory_utilization`: vLLM's CPU
+backend takes that fraction of the first NUMA node's memory, and on a VM whose node 0 reports
+7.2 GiB of the machine's 23 GiB, 0.08 of it was less than the worker's own footprint (engines
+refused to start: "requested memory for kv (-0.06/0.58 GiB)")."""
 LOGPROB_ATOL = {"float32": 1e-3, "bfloat16": 0.15}
 """Largest |vLLM - transformers| logprob accepted (same weights, different kernels), and the
 largest gap at which a greedy token may differ from transformers' argmax (a near-tie)."""
@@ -138,7 +143,7 @@ def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool, **kwargs: An
         dtype=dtype,
         enforce_eager=True,
         max_model_len=128,
-        gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         tensor_parallel_size=tp,
         seed=0,
         **kwargs,
@@ -1389,7 +1394,7 @@ def test_uncovered_model_is_refused(tmp_path: Path) -> None:
         from vllm import LLM
         if __name__ == "__main__":
             LLM(model={str(tmp_path / "model")!r}, skip_tokenizer_init=True, enforce_eager=True,
-                max_model_len=128, gpu_memory_utilization=0.08,
+                max_model_len=128, kv_cache_memory_bytes=256 << 20,
                 weight_transfer_config={{"backend": "weight_transfer"}})
     """)
     (tmp_path / "start.py").write_text(script)

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 PROBE = [1, 5, 9, 33, 71, 2]
 PROBE_TOKENS = 8
+KV_CACHE_BYTES = 256 << 20
+"""The demo engine's KV cache. Explicit: vLLM's CPU backend would reserve
+`gpu_memory_utilization` of the first NUMA node's memory, too little on a VM with a small node 0
+and wasteful on a large one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -257,7 +261,7 @@ def run_vllm_demo(
             dtype=cfg.dtype,  # type: ignore[arg-type]
             enforce_eager=True,
             max_model_len=128,
-            gpu_memory_utilization=0.08,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
             tensor_parallel_size=cfg.engine_ranks,
             seed=0,
             weight_transfer_config={"backend": BACKEND},
