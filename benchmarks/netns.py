@@ -34,6 +34,21 @@ _MS_SLAVE = 1 << 19
 _MNT_DETACH = 2
 DEVICE = "eth0"
 """Name of every host's link inside its namespace."""
+ADMIN_DIRS = "/usr/local/sbin:/usr/sbin:/sbin"
+"""Where `ip` and `tc` live when PATH lacks them (a minimal PATH, as `env -i` gives, has no
+sbin directory; Debian installs `tc` only there)."""
+
+
+def tool_path(name: str) -> str | None:
+    """The command `name` on PATH, else in `ADMIN_DIRS`; None when neither has it."""
+    return shutil.which(name) or shutil.which(name, path=ADMIN_DIRS)
+
+
+def _tool(name: str) -> str:
+    path = tool_path(name)
+    if path is None:
+        raise RuntimeError(f"needs the {name!r} command (iproute2), on PATH or in {ADMIN_DIRS}")
+    return path
 
 
 def unavailable_reason() -> str | None:
@@ -41,16 +56,16 @@ def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces (CI runs as root)"
     for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (iproute2)"
+        if tool_path(tool) is None:
+            return f"needs the {tool!r} command (iproute2), on PATH or in {ADMIN_DIRS}"
     probe = f"wtprobe{secrets.token_hex(3)}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    r = subprocess.run([_tool("ip"), "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return f"cannot create a network namespace here: {r.stderr.strip()}"
     try:
         r = subprocess.run(
             [
-                "tc",
+                _tool("tc"),
                 "-n",
                 probe,
                 "qdisc",
@@ -72,12 +87,12 @@ def unavailable_reason() -> str | None:
         if r.returncode != 0:
             return f"cannot shape a link with tc tbf here: {r.stderr.strip()}"
     finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        subprocess.run([_tool("ip"), "netns", "del", probe], capture_output=True)
     return None
 
 
 def _run(*cmd: str) -> None:
-    r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    r = subprocess.run([_tool(cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.stdout.strip()}")
 
@@ -220,7 +235,7 @@ class EmulatedCluster:
         out = {}
         for ns in self.hosts:
             r = subprocess.run(
-                ["tc", "-n", ns, "-s", "qdisc", "show", "dev", DEVICE],
+                [_tool("tc"), "-n", ns, "-s", "qdisc", "show", "dev", DEVICE],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -234,7 +249,7 @@ class EmulatedCluster:
             return
         self._closed = True
         for ns in reversed(self._made):
-            r = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+            r = subprocess.run([_tool("ip"), "netns", "del", ns], capture_output=True, text=True)
             if r.returncode != 0:
                 log.warning("could not delete namespace %s: %s", ns, r.stderr.strip())
         self._made.clear()
@@ -249,7 +264,7 @@ class EmulatedCluster:
 
 def leftover_namespaces(names: Sequence[str] | None = None) -> list[str]:
     """Namespaces of emulated clusters that still exist (all ``wt*sw``/``wt*h*`` or `names`)."""
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    r = subprocess.run([_tool("ip"), "netns", "list"], capture_output=True, text=True)
     have = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     if names is not None:
         return [n for n in have if n in set(names)]

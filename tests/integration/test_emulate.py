@@ -23,6 +23,7 @@ from weight_transfer.benchmarks.netns import (
     EmulatedCluster,
     LinkShape,
     leftover_namespaces,
+    tool_path,
     unavailable_reason,
 )
 from weight_transfer.planner.presets.clusters import get_preset, source_manifests, with_overrides
@@ -123,7 +124,7 @@ def test_namespaces_are_removed_when_the_body_fails() -> None:
         names = [c.switch, *c.hosts]
         assert sorted(leftover_namespaces(names)) == sorted(names)
         r = subprocess.run(
-            ["tc", "-n", c.hosts[0], "qdisc", "show", "dev", "eth0"],
+            [tool_path("tc") or "tc", "-n", c.hosts[0], "qdisc", "show", "dev", "eth0"],
             capture_output=True,
             text=True,
             check=True,

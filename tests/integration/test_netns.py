@@ -31,7 +31,6 @@ import multiprocessing as mp
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -44,30 +43,31 @@ import torch
 
 from tests.integration.test_vllm_engine import KV_CACHE_BYTES
 from tests.markers import requires_module
-from weight_transfer.benchmarks.netns import enter_host
+from weight_transfer.benchmarks.netns import enter_host, tool_path
 from weight_transfer.cli.launch import Child, Launch
 
 UPDATE_TIMEOUT_S = 4.0
 CONTROL_TIMEOUT_S = 60.0
 SLACK_S = 15.0
 NAMES = ("a.weight", "b.weight", "c.bias")
+IP = tool_path("ip") or "ip"
 
 
 def _netns_unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces (CI runs as root)"
-    if shutil.which("ip") is None:
+    if tool_path("ip") is None:
         return "needs the 'ip' command (iproute2)"
     probe = f"wtprobe{secrets.token_hex(3)}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    r = subprocess.run([IP, "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return f"cannot create a network namespace here: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run([IP, "netns", "del", probe], capture_output=True)
     return None
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+    subprocess.run([IP, *args], check=True, capture_output=True, text=True, timeout=30)
 
 
 def _src(step: int) -> dict[str, torch.Tensor]:
@@ -228,8 +228,8 @@ def _veth_hosts(ip_a: str, ip_b: str, prefix: int) -> Iterator[dict[str, str]]:
             _ip("-n", ns, "link", "set", "lo", "up")
         yield {"a": a, "b": b, "va": va, "vb": vb, "ip_a": ip_a, "ip_b": ip_b}
     finally:
-        subprocess.run(["ip", "netns", "del", a], capture_output=True)
-        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+        subprocess.run([IP, "netns", "del", a], capture_output=True)
+        subprocess.run([IP, "netns", "del", b], capture_output=True)
 
 
 @pytest.fixture
@@ -343,7 +343,7 @@ def test_readme_two_hosts_runs_as_written(tmp_path: Path) -> None:
     with _veth_hosts("10.0.0.1", "10.0.0.2", 24) as h:
         procs = {
             host: subprocess.Popen(
-                ["ip", "netns", "exec", h[ns], "bash", "-ec", cmd],
+                [IP, "netns", "exec", h[ns], "bash", "-ec", cmd],
                 cwd=tmp_path,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -797,7 +797,7 @@ def test_no_route_to_the_control_plane_is_named_at_construction(
         "except ValueError as exc:\n    print(f'{type(exc).__name__}: {exc}')\n"
     )
     r = subprocess.run(
-        ["ip", "netns", "exec", two_hosts["b"], sys.executable, "-c", code],
+        [IP, "netns", "exec", two_hosts["b"], sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=50,
