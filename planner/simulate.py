@@ -57,6 +57,7 @@ from weight_transfer.planner.types import (
     box_shape,
     dtype_size,
     numel,
+    staging_key,
 )
 
 GB = 1e9
@@ -315,6 +316,17 @@ def _write_cost(
     return wire, compute + w.nbytes / (rates.diff_gb_per_s * GB), 1
 
 
+def _diff_s(w: SliceWrite | QuantWrite, delta: DeltaDensity | None, rates: Rates) -> float:
+    """The delta compare of one write's bytes (0 in a full update)."""
+    if delta is None:
+        return 0.0
+    if isinstance(w, QuantWrite):
+        nbytes = sum(r.nbytes for r in w.weight_runs) + sum(r.nbytes for r in w.scale_runs)
+    else:
+        nbytes = w.nbytes
+    return nbytes / (rates.diff_gb_per_s * GB)
+
+
 def _task_costs(
     schedule: Schedule,
     sources: Sequence[SourceManifest],
@@ -338,8 +350,16 @@ def _task_costs(
             compute = 0.0
             per_engine: dict[str, int] = defaultdict(int)
             runs: dict[str, int] = defaultdict(int)
+            prepared: set[tuple[object, ...]] = set()
             for w in task.writes:
                 wire, prep, nwrites = _write_cost(w, delta, rates)
+                # Engine replicas receive the same bytes: the executor stages (and
+                # quantizes) each distinct unit of a task once; a delta diffs each copy.
+                key = staging_key(w)
+                if key is not None:
+                    if key in prepared:
+                        prep = _diff_s(w, delta, rates)
+                    prepared.add(key)
                 compute += prep
                 if delta is None:
                     runs[w.engine] += nwrites

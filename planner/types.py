@@ -287,6 +287,19 @@ class QuantWrite:
         return sum(r.nbytes for r in self.weight_runs) + sum(r.nbytes for r in self.scale_runs)
 
 
+def staging_key(w: SliceWrite | QuantWrite) -> tuple[object, ...] | None:
+    """What a write's staged bytes are made of; None for a zero-copy write (it stages nothing).
+
+    Engine replicas receive the same bytes: writes of one task with equal keys stage (and
+    quantize) the same bytes, so the executor prepares them once and every replica's writes
+    read that one copy, and the planner and the simulator count them once."""
+    if isinstance(w, QuantWrite):
+        return ("quant", w.block, w.parts, w.dest_box, w.scale_box)
+    if w.zero_copy:
+        return None
+    return ("slice", w.source, w.source_box, w.dtype)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Task:
     """One unit of the pipeline on one trainer rank.

@@ -541,3 +541,63 @@ def test_cli_simulate_delta_prints_both_and_refuses_bad_density(
     assert 0 < delta_s and 0 < full_s and "decision: " in out
     assert main(["simulate", "--preset", "kimi-k2-mini", "--delta-density", "1.5"]) == 2
     assert "--delta-density: DeltaDensity.other must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_replicas_of_one_unit_are_prepared_once_per_task() -> None:
+    """The executor stages and quantizes each distinct unit of a task once however many engine
+    replicas it goes to (`pipeline.prepare`); the model charges the same: a task's preparation
+    time does not change when its duplicate writes (another replica's) are left out, and a
+    delta still pays one compare per write."""
+    import dataclasses
+
+    from weight_transfer.planner import simulate as sim
+    from weight_transfer.planner.delta import DeltaDensity
+    from weight_transfer.planner.plan import plan
+    from weight_transfer.planner.presets.clusters import (
+        dest_manifests,
+        get_preset,
+        source_manifests,
+        with_overrides,
+    )
+    from weight_transfer.planner.types import QuantWrite as QW
+
+    preset = with_overrides(get_preset("emu-dense-fp8"), **{"engine.num_replicas": 2})
+    sources = source_manifests(preset)
+    schedule = plan(sources, dest_manifests(preset))
+    rates = sim.Rates()
+    checked = 0
+    for rs in schedule.ranks:
+        for task in rs.tasks:
+            seen: set[object] = set()
+            unique = []
+            for w in task.writes:
+                key = (w.block, w.parts, w.dest_box, w.scale_box) if isinstance(w, QW) else w
+                if key not in seen:
+                    unique.append(w)
+                seen.add(key)
+            if len(unique) == len(task.writes):
+                continue
+            checked += 1
+            one = dataclasses.replace(rs, tasks=(task,))
+            alone = dataclasses.replace(
+                rs, tasks=(dataclasses.replace(task, writes=tuple(unique)),)
+            )
+            costs = [
+                sim._task_costs(
+                    dataclasses.replace(schedule, ranks=(r,)), sources, rates, ["h"] * 99
+                )[0][0].compute_s
+                for r in (one, alone)
+            ]
+            assert costs[0] == pytest.approx(costs[1]), (task.task_id, costs)
+            delta = DeltaDensity(other=0.01, fp8=0.01, scales=1.0)
+            with_dups, without = (
+                sim._task_costs(
+                    dataclasses.replace(schedule, ranks=(r,)), sources, rates, ["h"] * 99, delta
+                )[0][0].compute_s
+                for r in (one, alone)
+            )
+            extra = sum(sim._diff_s(w, delta, rates) for w in task.writes) - sum(
+                sim._diff_s(w, delta, rates) for w in unique
+            )
+            assert with_dups == pytest.approx(without + extra)
+    assert checked > 0

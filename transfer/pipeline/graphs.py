@@ -40,7 +40,7 @@ from weight_transfer.pipeline.records import TaskRecord
 from weight_transfer.pipeline.sources import PointerCheck, Sources
 from weight_transfer.pipeline.staging import Staging, StagingArena
 from weight_transfer.pipeline.state import Prepared
-from weight_transfer.planner.types import QuantWrite, Task, box_shape, numel
+from weight_transfer.planner.types import QuantWrite, Task, box_shape, numel, staging_key
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class UnitLayout:
     """Its scales' offset, likewise."""
     mapped: tuple[torch.Tensor, torch.Tensor] | None
     """Its weight and scales as views of the engine's own memory, or None (staged)."""
+    quantized: bool = True
+    """False for another engine replica's copy of a unit staged earlier in the task: its
+    writes read that unit's staging, and it is not quantized again."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,6 +230,7 @@ def _lay_out(
             raise NotGraphable(f"source {n!r} is not on {device}")
     size = work = ncalls = 0
     units = []
+    staged: dict[tuple[object, ...], UnitLayout] = {}  # as `PrepareStage` stages replicas
     for w in t.writes:
         assert isinstance(w, QuantWrite)
         shape = box_shape(w.dest_box)
@@ -236,8 +240,18 @@ def _lay_out(
         wb = round_up(numel(shape))
         sb = round_up(numel(box_shape(w.scale_box)) * 4)
         mapped = mapped_views(w, rank, descriptors, transport, device) if mapped_writes else None
-        units.append(UnitLayout(w, aligned, size, size + wb, mapped))
+        key = staging_key(w)
+        assert key is not None
+        first = staged.get(key)
+        if mapped is None and first is not None:
+            units.append(
+                UnitLayout(w, aligned, first.weight_offset, first.scale_offset, None, False)
+            )
+            continue
+        unit = UnitLayout(w, aligned, size, size + wb, mapped)
+        units.append(unit)
         if mapped is None:  # written straight into the engine: no staging needed
+            staged[key] = unit
             size += wb + sb
         work += wb
         ncalls += len(aligned)
@@ -323,18 +337,19 @@ def _capture_group(
                 .view(sshape[-2], sshape[-1])
             )
         b0, b1 = w.block
-        for a in u.parts:
-            src = sources.local_as_global(a.part.source)[slices(a.part.source_box)].reshape(
-                a.row1 - a.row0, a.col1 - a.col0
-            )
-            calls.append(
-                QuantCall(
-                    src,
-                    w.block,
-                    q[a.row0 : a.row1, a.col0 : a.col1],
-                    sc[a.row0 // b0 : -(-a.row1 // b0), a.col0 // b1 : -(-a.col1 // b1)],
+        if u.quantized:  # not another replica's copy of a unit already quantized
+            for a in u.parts:
+                src = sources.local_as_global(a.part.source)[slices(a.part.source_box)].reshape(
+                    a.row1 - a.row0, a.col1 - a.col0
                 )
-            )
+                calls.append(
+                    QuantCall(
+                        src,
+                        w.block,
+                        q[a.row0 : a.row1, a.col0 : a.col1],
+                        sc[a.row0 // b0 : -(-a.row1 // b0), a.col0 // b1 : -(-a.col1 // b1)],
+                    )
+                )
         if u.mapped is not None:
             keep += [q, sc]
             continue

@@ -33,6 +33,7 @@ from weight_transfer.planner.types import (
     Task,
     box_shape,
     numel,
+    staging_key,
 )
 
 GatherFn = Callable[[torch.Tensor], torch.Tensor]
@@ -214,11 +215,14 @@ class PrepareStage:
             for name in task.gather:
                 fulls[name] = self.sources.local_as_global(name)
         ops: dict[str, list[WriteOp]] = defaultdict(list)
+        # Engine replicas receive the same bytes: each distinct slice or unit is staged (and
+        # quantized) once per task, and every replica's writes read that one copy.
+        staged: dict[tuple[object, ...], tuple[int, int]] = {}
         for w in task.writes:
             if isinstance(w, SliceWrite):
-                self._prepare_slice(w, fulls, ops, blocks, deadline, abort)
+                self._prepare_slice(w, fulls, ops, blocks, deadline, abort, staged)
             else:
-                self._prepare_quant(w, fulls, ops, blocks, deadline, abort)
+                self._prepare_quant(w, fulls, ops, blocks, deadline, abort, staged)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -235,8 +239,13 @@ class PrepareStage:
         blocks: list[tuple[int, int]],
         deadline: float,
         abort: threading.Event,
+        staged: dict[tuple[object, ...], tuple[int, int]],
     ) -> None:
         descs = self.descriptors[w.engine]
+        key = staging_key(w)
+        if key is not None and key in staged:  # another replica's bytes: already staged
+            ops_for_runs(descs, w.runs, self.staging.arena.region, staged[key][0], ops[w.engine])
+            return
         if w.source in fulls:
             src = fulls[w.source][slices(w.source_box)]
         else:
@@ -255,6 +264,8 @@ class PrepareStage:
         off = self.staging.alloc(nbytes, blocks, deadline, abort)
         dst = arena.view(off, nbytes).view(torch_dtype(w.dtype)).view(box_shape(w.source_box))
         dst.copy_(src, non_blocking=True)
+        if key is not None:
+            staged[key] = (off, 0)
         ops_for_runs(descs, w.runs, arena.region, off, ops[w.engine])
 
     def _prepare_quant(
@@ -265,8 +276,17 @@ class PrepareStage:
         blocks: list[tuple[int, int]],
         deadline: float,
         abort: threading.Event,
+        staged: dict[tuple[object, ...], tuple[int, int]],
     ) -> None:
         arena = self.staging.arena
+        descs = self.descriptors[w.engine]
+        key = staging_key(w)
+        assert key is not None
+        if key in staged:  # the same unit for another replica: already quantized
+            woff, soff = staged[key]
+            ops_for_runs(descs, w.weight_runs, arena.region, woff, ops[w.engine])
+            ops_for_runs(descs, w.scale_runs, arena.region, soff, ops[w.engine])
+            return
         shape = box_shape(w.dest_box)
         origin = [a for a, _ in w.dest_box]
         wbytes = numel(shape)
@@ -303,6 +323,6 @@ class PrepareStage:
             if hp.device != arena.buffer.device:
                 hp = hp.to(arena.buffer.device)
             self.quantize(hp, w.block, q, s)
-        descs = self.descriptors[w.engine]
+        staged[key] = (woff, soff)
         ops_for_runs(descs, w.weight_runs, arena.region, woff, ops[w.engine])
         ops_for_runs(descs, w.scale_runs, arena.region, soff, ops[w.engine])
