@@ -62,6 +62,7 @@ from weight_transfer.planner.types import (
     dtype_size,
     numel,
     squeeze_shape,
+    staging_key,
 )
 
 FORMAT_VERSION = 1
@@ -706,7 +707,8 @@ class _Gather:
     sources: tuple[str, ...]
     scratch_bytes: int
     by_rank: dict[int, list[SliceWrite | QuantWrite]]  # assigned writes per rank
-    staging: dict[int, int]  # their bytes per rank
+    staging: dict[int, int]  # their staging bytes per rank (engine replicas' copies once)
+    wire: dict[int, int]  # their bytes on the wire per rank
     local: bool  # one rank holds all needed data locally: no collective
     seq: int  # position of the gather's first unit in the engines' recipe order
 
@@ -719,6 +721,7 @@ class _LocalBatch:
     names: list[str]
     writes: list[SliceWrite | QuantWrite]
     staging: int
+    wire: int
     scratch: int
 
 
@@ -1149,19 +1152,29 @@ class _Planning:
             ranks_sorted = sorted(mesh)
             by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
             rank_staging = dict.fromkeys(ranks_sorted, 0)
+            rank_wire = dict.fromkeys(ranks_sorted, 0)
+            # The executor stages each distinct unit of a task once: engine replicas' copies of
+            # one unit (equal `staging_key`) on one rank count once in its staging.
             if not local:
                 units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
+                staged: set[tuple[int, tuple[object, ...] | None]] = set()
                 for w, nb, _ in units_k:
                     # min over the sorted mesh returns the lowest rank among equally loaded ones.
                     r = min(ranks_sorted, key=load.__getitem__)
                     load[r] += nb
                     by_rank[r].append(w)
-                    rank_staging[r] += nb
+                    rank_wire[r] += nb
+                    skey = (r, staging_key(w))
+                    if skey not in staged:
+                        staged.add(skey)
+                        rank_staging[r] += nb
             else:
                 by_rank[mesh[0]] = [u[0] for u in units_k]
-                rank_staging[mesh[0]] = sum(u[1] for u in units_k)
+                rank_wire[mesh[0]] = sum(u[1] for u in units_k)
+                distinct = {staging_key(w): nb for w, nb, _ in units_k}
+                rank_staging[mesh[0]] = sum(distinct.values())
             self.gathers[key] = _Gather(
-                mesh, names, scratch, by_rank, rank_staging, local, self.gather_seq[key]
+                mesh, names, scratch, by_rank, rank_staging, rank_wire, local, self.gather_seq[key]
             )
         budget = self.config.memory_budget_bytes
         for g in self.gathers.values():
@@ -1223,7 +1236,7 @@ class _Planning:
                 if g.local and not mine:
                     continue
                 nbytes = g.staging[rank]
-                self.rank_bytes[rank] += nbytes
+                self.rank_bytes[rank] += g.wire[rank]
                 self.per_rank[rank].append(
                     Task(
                         self.next_id,
@@ -1246,14 +1259,15 @@ class _Planning:
         A rank's units that need no collective (whole units in its shards, and the bands of
         units its shards split) are batched in recipe order, as small direct writes are: one
         band of one expert is a few MB, and a task per source set cost Kimi-K2's ranks 2,300
-        tasks each. Merging never crosses a mesh group, and a batch closes before it would
-        exceed the target or half the memory budget (its staging is held at once)."""
+        tasks each. Merging never crosses a mesh group, and a batch closes before its staging
+        (each unit once, however many engine replicas it is written to) would exceed the target
+        or half the memory budget (its staging is held at once)."""
         limit = min(self.config.task_target_bytes, self.config.memory_budget_bytes // 2)
         batches: dict[int, _LocalBatch] = {}
 
         def close(rank: int) -> None:
             b = batches.pop(rank)
-            self.rank_bytes[rank] += b.staging
+            self.rank_bytes[rank] += b.wire
             self.per_rank[rank].append(
                 Task(
                     self.next_id,
@@ -1282,12 +1296,13 @@ class _Planning:
                 b = None
             if b is None:
                 batches[rank] = _LocalBatch(
-                    group, list(g.sources), list(mine), nbytes, g.scratch_bytes
+                    group, list(g.sources), list(mine), nbytes, g.wire[rank], g.scratch_bytes
                 )
             else:
                 b.names.extend(g.sources)
                 b.writes.extend(mine)
                 b.staging += nbytes
+                b.wire += g.wire[rank]
                 b.scratch = max(b.scratch, g.scratch_bytes)
         for rank in sorted(batches):
             close(rank)
@@ -1314,6 +1329,7 @@ class _Planning:
                 active = [lst for lst in active if len(lst) > depth]
             batch: list[SliceWrite] = []
             staging = h2d = batch_bytes = 0
+            staged: set[tuple[str, Box, str]] = set()
             for i in order:
                 pc, engine, dest, dtype = self.directs[i]
                 zkey = id(pc) * world + rank
@@ -1327,13 +1343,20 @@ class _Planning:
                         )
                         zero = is_contiguous_box(box_shape(lb), local_box)
                     zero_memo[zkey] = zero
-                cost = 0 if zero else pc.nbytes
+                # Another engine replica's copy of a piece this batch stages already costs no
+                # staging: the executor stages each distinct piece of a task once.
+                skey = (pc.source, pc.source_box, dtype)
+                cost = 0 if zero or skey in staged else pc.nbytes
                 if batch and (
                     batch_bytes + pc.nbytes > config.task_target_bytes
                     or staging + cost > half_budget
                 ):
                     self._direct_task(rank, batch, staging, h2d)
                     batch, staging, h2d, batch_bytes = [], 0, 0, 0
+                    staged.clear()
+                    cost = 0 if zero else pc.nbytes
+                if not zero:
+                    staged.add(skey)
                 batch.append(
                     SliceWrite(
                         engine, dest, pc.source, pc.source_box, pc.dest_box, dtype, pc.runs, zero

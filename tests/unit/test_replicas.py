@@ -144,6 +144,48 @@ def test_replicas_get_the_same_bytes_and_each_unit_is_quantized_once(
         ctrl.close()
 
 
+def test_plan_counts_each_replicas_unit_once_in_a_tasks_staging() -> None:
+    """Two replicas of the emulated FP8 cluster: a task's `staging_bytes` is the bytes of its
+    distinct staged units (keys and sizes written here), less than the bytes it sends where
+    replicas' copies share a task (a band's copies stay with the rank holding its rows); every
+    rank's `bytes_per_rank` is still the bytes it sends."""
+    from weight_transfer.planner.plan import plan
+    from weight_transfer.planner.presets.clusters import (
+        dest_manifests,
+        get_preset,
+        source_manifests,
+        with_overrides,
+    )
+    from weight_transfer.planner.types import QuantWrite, numel
+    from weight_transfer.planner.types import box_shape as shape_of
+
+    preset = with_overrides(get_preset("emu-dense-fp8"), **{"engine.num_replicas": 2})
+    schedule = plan(source_manifests(preset), dest_manifests(preset))
+    shared = 0
+    for rs in schedule.ranks:
+        sent = 0
+        for task in rs.tasks:
+            distinct: dict[object, int] = {}
+            for w in task.writes:
+                if isinstance(w, QuantWrite):
+                    key: object = ("q", w.block, w.parts, w.dest_box, w.scale_box)
+                    size = numel(shape_of(w.dest_box)) + 4 * numel(shape_of(w.scale_box))
+                elif w.zero_copy:
+                    continue
+                else:
+                    key, size = ("s", w.source, w.source_box, w.dtype), w.nbytes
+                distinct[key] = size
+            assert task.staging_bytes == sum(distinct.values()), task.task_id
+            shared += task.staging_bytes < sum(w.nbytes for w in task.writes if not _zero(w))
+            sent += task.nbytes
+        assert schedule.bytes_per_rank[rs.rank] == sent
+    assert shared > 0
+
+
+def _zero(w: object) -> bool:
+    return getattr(w, "zero_copy", False)
+
+
 @requires_cuda
 @requires_module("triton")
 @pytest.mark.timeout(300)
