@@ -328,10 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                 + ", ".join(f"{k} {v}x" for k, v in summary.items()),
                 flush=True,
             )
-    out = {"gpu": torch.cuda.get_device_name(dev), "bytes": 2 * n, "rows": rows, "exact": exact_all}
+    result = {
+        "gpu": torch.cuda.get_device_name(dev),
+        "bytes": 2 * n,
+        "rows": rows,
+        "exact": exact_all,
+    }
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(result, f, indent=1)
     print("all outputs equal to the library's:", exact_all)
     return 0 if exact_all else 1
 
