@@ -320,11 +320,7 @@ def _diff_s(w: SliceWrite | QuantWrite, delta: DeltaDensity | None, rates: Rates
     """The delta compare of one write's bytes (0 in a full update)."""
     if delta is None:
         return 0.0
-    if isinstance(w, QuantWrite):
-        nbytes = sum(r.nbytes for r in w.weight_runs) + sum(r.nbytes for r in w.scale_runs)
-    else:
-        nbytes = w.nbytes
-    return nbytes / (rates.diff_gb_per_s * GB)
+    return w.nbytes / (rates.diff_gb_per_s * GB)
 
 
 def _task_costs(

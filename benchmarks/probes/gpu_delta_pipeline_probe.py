@@ -21,27 +21,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from weight_transfer.benchmarks.probes.gpu_delta_kernel_probe import _split, _wall
 from weight_transfer.kernels import delta as lib
 from weight_transfer.kernels.delta import count_runs, encode_runs, int_view, num_chunks
-
-_LLAMA_RUNS = (4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 4096)
-
-
-def _split(n: int, whole: bool) -> list[tuple[int, int]]:
-    if whole:
-        return [(0, n)]
-    out, at, k = [], 0, 0
-    while at < n:
-        size = min(_LLAMA_RUNS[k % len(_LLAMA_RUNS)], n - at)
-        out.append((at, size))
-        at, k = at + size, k + 1
-    return out
 
 
 def _pieces(runs: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
@@ -205,18 +192,6 @@ def pipelined(pieces: list[Piece], stream: torch.cuda.Stream) -> None:
     torch.cuda.current_stream().wait_stream(stream)
 
 
-def _wall(fn: Any, repeats: int) -> list[float]:
-    ts = []
-    for i in range(repeats + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i:
-            ts.append(time.perf_counter() - t0)
-    return ts
-
-
 def _reference(a: torch.Tensor, b: torch.Tensor, runs: list[tuple[int, int]]) -> list[Any]:
     """The library's count_runs + encode_runs of each run: (offsets, index, values)."""
     news = [a[o : o + s] for o, s in runs]
@@ -283,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         a[mask] ^= 1
         del mask
         for whole in (True, False):
-            runs = _split(n, whole)
+            runs = [(0, n)] if whole else _split(n)
             ref = _reference(a, b, runs)
             news = [a[o : o + s] for o, s in runs]
             olds = [b[o : o + s] for o, s in runs]
