@@ -1,7 +1,7 @@
 """vLLM on a GPU: the plug-in's updates into a running vLLM, judged by fresh vLLM engines, and
 the whole update a user waits for, timed beside vLLM's own `ipc` backend and the copy ceiling.
 
-    python -m weight_transfer.benchmarks.vllm_gpu --case bf16|fp8|moe|timing --out DIR
+    python -m weight_transfer.benchmarks.vllm_gpu --case CASE --out DIR   # CASES below
 
 Each case writes `DIR/vllm_gpu_<case>.json` and prints one line per check; the exit code is
 non-zero if any check failed. `docs/gpu_runs.md` has the commands of the recorded runs and
@@ -25,6 +25,8 @@ Cases:
   parameter's elements move by a small step (in place, on the trainer's shard), the first
   update is full and the next ones send only patches, which the plug-in applies inside vLLM's
   `update_weights`; judged like `bf16`, and the modes must be full, delta, delta, ...
+- `delta-fp8`, `delta-moe`: `delta` with `fp8`'s block-FP8 linears (patches of FP8 bytes and
+  scales), and for `moe`'s tiny Qwen3-MoE (patches into the fused experts).
 - `timing`: Llama-3.1-8B-shaped random BF16 weights in the trainer's GPU memory. Per update,
   the whole call a user waits for, `OneSidedUpdater.update` (vLLM's `start_weight_update`
   with its pause, the one-sided writes, the engine's refresh, `finish_weight_update`), beside
@@ -73,7 +75,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch  # noqa: E402
 
-CASES = ("bf16", "fp8", "moe", "delta", "timing")
+CASES = ("bf16", "fp8", "moe", "delta", "delta-fp8", "delta-moe", "timing")
 
 # Every linear dimension is a multiple of 128, so vLLM's FP8 loader (which quantizes each HF
 # tensor of the checkpoint alone) and the plug-in's recipes (which quantize the fused, sharded
@@ -398,14 +400,16 @@ def _trainer(arch: str, fields: dict[str, Any], device: torch.device, dtype: tor
     return model
 
 
-def _perturb_sparse(model: Any, g: torch.Generator, density: float = 0.02) -> float:
-    """About `density` of every parameter's elements move by a small step, in place on the
-    trainer's (one-rank FSDP2) shard. Returns 0.0 (no loss: no training step)."""
+def _perturb_sparse(
+    model: Any, g: torch.Generator, density: float = 0.02, step: float = 1e-2
+) -> float:
+    """About `density` of every parameter's elements move by `step` times a normal draw, in
+    place on the trainer's (one-rank FSDP2) shard. Returns 0.0 (no loss: no training step)."""
     with torch.no_grad():
         for p in model.parameters():
             t = p.to_local() if hasattr(p, "to_local") else p
             mask = torch.rand(t.shape, generator=g, device=t.device) < density
-            noise = 1e-2 * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)
+            noise = step * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)
             t.add_(noise * mask)
     return 0.0
 
@@ -420,7 +424,7 @@ def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float
 
 
 def run_colocated(cfg: RunConfig) -> dict[str, Any]:
-    """bf16 / fp8 / moe / delta (module docstring)."""
+    """bf16 / fp8 / moe / delta / delta-fp8 / delta-moe (module docstring)."""
     from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
     from weight_transfer.vllm import (
         BACKEND,
@@ -431,9 +435,10 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
         VllmConfig,
     )
 
-    fp8 = cfg.case == "fp8"
-    delta = cfg.case == "delta"
-    arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if cfg.case == "moe" else ("llama", TINY_LLAMA)
+    fp8 = cfg.case in ("fp8", "delta-fp8")
+    delta = cfg.case.startswith("delta")
+    moe = cfg.case in ("moe", "delta-moe")
+    arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if moe else ("llama", TINY_LLAMA)
     device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.gpu else torch.float32
     _init_trainer_group()
@@ -475,7 +480,9 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     g = torch.Generator(device=device).manual_seed(7)
     for step in range(1, cfg.steps + 1):
         loss = (
-            _perturb_sparse(trainer, g)
+            # FP8: steps about one BF16 ulp of the weights, so that few blocks' scales move (an
+            # RL step's FP8 density, `docs/delta.md`: 0.07-0.6% of the bytes).
+            _perturb_sparse(trainer, g, step=1e-4 if fp8 else 1e-2)
             if delta
             else _train_step(trainer, opt, fields["vocab_size"], device)
         )
