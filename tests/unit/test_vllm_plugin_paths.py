@@ -8,6 +8,7 @@ the client's weight version on a vLLM without one.
 
 from __future__ import annotations
 
+import secrets
 import types
 from typing import Any
 
@@ -104,6 +105,112 @@ def test_refresh_that_drops_a_parameter_fails() -> None:
     del layer.weight
     with pytest.raises(WeightTransferError, match="dropped 'weight'"):
         engine._restore_captured("layer", layer)
+
+
+def test_ue8m0_scales_are_told_from_a_trainers() -> None:
+    """DeepGEMM's UE8M0 re-quantization leaves power-of-two scales (or exponent bytes); the
+    reference quantizer's scales (amax / 448) are not."""
+    from weight_transfer.engines.vllm import _power_of_two_scales
+    from weight_transfer.planner.fp8 import quantize_fp8_blockwise
+
+    g = torch.Generator().manual_seed(3)
+    _, trainer_scales = quantize_fp8_blockwise(torch.randn(384, 256, generator=g))
+    assert not _power_of_two_scales(trainer_scales)
+    ue8m0 = torch.exp2(torch.ceil(torch.log2(trainer_scales)))
+    assert _power_of_two_scales(ue8m0)
+    assert _power_of_two_scales(torch.full((3, 2), 127, dtype=torch.uint8))
+    assert not _power_of_two_scales(torch.empty(0))
+    mixed = ue8m0.clone()
+    mixed[0, 0] = trainer_scales[0, 0]
+    assert not _power_of_two_scales(mixed)
+
+
+def _delta_engine(layer: nn.Module, *, delta: bool) -> Any:
+    """A plug-in engine over one re-processed layer whose weight is registered in place."""
+    from weight_transfer.engines.vllm import (
+        IN_PLACE_REPROCESS,
+        OneSidedWeightTransferEngine,
+        ParamPath,
+    )
+
+    model = nn.Module()
+    model.layer = layer
+    engine: Any = object.__new__(OneSidedWeightTransferEngine)
+    engine.model = model
+    engine.paths = {"layer.weight": ParamPath("layer.weight", IN_PLACE_REPROCESS, "layer")}
+    engine._targets = {"layer.weight": layer.weight.data}
+    engine._buffers, engine._rederive, engine.derived = {}, [], {}
+    engine._reprocess = ["layer"]
+    engine._captured = {"layer": dict(layer.named_parameters(recurse=False))}
+    engine._delta, engine._rewrite_checked = delta, False
+    engine.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=None))
+    return engine
+
+
+class _RequantInPlace:
+    """Processing that rewrites the layer's weight in place (as DeepGEMM's UE8M0 requant)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.weight.data.mul_(0.5)
+
+
+class _Keeps:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+def test_delta_refresh_refuses_processing_that_rewrites_registered_bytes() -> None:
+    """In delta mode the first refresh checks that vLLM's processing left every registered
+    byte as written; a rewrite in place fails the update naming the parameter. Full updates
+    (no patch region) rewrite every byte each time and need no check."""
+    from weight_transfer.errors import WeightTransferError
+
+    def layer(method: Any) -> nn.Module:
+        m = nn.Module()
+        m.quant_method = method
+        m.weight = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        return m
+
+    with pytest.raises(WeightTransferError, match="rewrote the registered 'layer.weight'"):
+        _delta_engine(layer(_RequantInPlace()), delta=True)._refresh()
+    _delta_engine(layer(_RequantInPlace()), delta=False)._refresh()
+    keeps = _delta_engine(layer(_Keeps()), delta=True)
+    keeps._refresh()
+    assert keeps._rewrite_checked
+
+
+def test_delta_is_turned_off_where_vllm_requantizes_to_ue8m0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine whose FP8 layers vLLM re-quantizes to power-of-two scales registers no patch
+    region: its trainers send it full updates. Other engines keep the configured one. Known
+    from vLLM (`is_deep_gemm_e8m0_used`) or, where it cannot say, from the live scales."""
+    from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
+    from weight_transfer.engines import vllm as plugin
+
+    monkeypatch.setattr(plugin, "_deep_gemm_e8m0", lambda: False)
+
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.randn(256, 256), requires_grad=False)
+    engine = _delta_engine(layer, delta=True)
+    engine.global_rank = 0
+    config = TransferConfig(
+        control=ControlPlaneConfig(port=29700, token=secrets.token_hex(16)),
+        receiver=ReceiverConfig(patch_region_bytes=1 << 20),
+    )
+    layer.weight_scale_inv = nn.Parameter(torch.rand(2, 2) + 0.1, requires_grad=False)
+    engine._captured = {"layer": dict(layer.named_parameters(recurse=False))}
+    engine._requantized = engine._requantized_layers()
+    assert engine._requantized == []
+    assert engine._delta_config(config) is config
+    layer.weight_scale_inv.data.copy_(torch.tensor([[0.5, 0.25], [1.0, 2.0**-9]]))
+    engine._requantized = engine._requantized_layers()
+    assert engine._requantized == ["layer"]
+    off = engine._delta_config(config)
+    assert off.receiver.patch_region_bytes == 0 and off.control == config.control
+    layer.weight_scale_inv.data.copy_(torch.rand(2, 2) + 0.1)
+    monkeypatch.setattr(plugin, "_deep_gemm_e8m0", lambda: True)
+    assert engine._requantized_layers() == ["layer"]
 
 
 class _Engine026:

@@ -63,6 +63,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 
+from weight_transfer.config import TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.delta import ApplyStats
 from weight_transfer.errors import ConfigurationError, WeightTransferError
@@ -328,6 +329,39 @@ def _upcast_bias(module: nn.Module, name: str, live: torch.Tensor, want: torch.d
     )
 
 
+def _power_of_two_scales(scale: torch.Tensor) -> bool:
+    """Whether FP8 block scales are UE8M0: stored as exponents, or float32 powers of two.
+
+    vLLM's DeepGEMM processing (`requant_weight_ue8m0_inplace`, where DeepGEMM uses E8M0 scales:
+    Hopper with vLLM 0.26 on the H200, Blackwell) re-quantizes every block of the layer's FP8
+    weight in place to a power-of-two scale. Scales quantized by a trainer (amax / 448) are
+    powers of two only by chance, so a layer whose live scales all are was re-quantized."""
+    if scale.numel() == 0:
+        return False
+    if scale.dtype in (torch.uint8, torch.int32) or "e8m0" in str(scale.dtype):
+        return True
+    if scale.dtype != torch.float32:
+        return False
+    s = scale.detach().reshape(-1)
+    s = s[torch.isfinite(s) & (s > 0)]
+    return s.numel() > 0 and bool(((s.view(torch.int32) & 0x7FFFFF) == 0).all())
+
+
+def _deep_gemm_e8m0() -> bool:
+    """vLLM's own `is_deep_gemm_e8m0_used()`: its DeepGEMM FP8 kernels take UE8M0 scales here
+    and re-quantize the weights they are handed; False on a vLLM without that function."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except ImportError:
+        return False
+    return bool(is_deep_gemm_e8m0_used())
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, for an exact comparison (FP8 and NaN alike)."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
 def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
     """Where routed experts live inside a layer, from the first MoE layer (dense layers may
     come first: DeepSeek-V3, GLM-4.5-MoE)."""
@@ -429,6 +463,10 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             m: dict(self.model.get_submodule(m).named_parameters(recurse=False))
             for m in self._reprocess
         }
+        self._requantized = self._requantized_layers() if self._fp8 else []
+        """Layers whose processing re-quantizes the FP8 weights we write, in place: delta
+        patches cannot apply to them (`_delta_config`)."""
+        self._rewrite_checked = False
         self.extra_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         counts = {
             k: sum(p.path == k for p in self.paths.values())
@@ -571,6 +609,41 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             out[name] = (IN_PLACE_REPROCESS if reprocess else IN_PLACE, mod_name, view)
         return out
 
+    def _requantized_layers(self) -> list[str]:
+        """Re-processed FP8 layers whose processing re-quantizes their weights in place: every
+        one where vLLM says its DeepGEMM kernels use UE8M0 scales (a layer its kernel does not
+        take is counted too: delta off is safe), else those whose live scales all are UE8M0
+        (`_power_of_two_scales`: a vLLM without that function)."""
+        fp8 = {
+            m: [p for n, p in self._captured[m].items() if n.endswith("_scale_inv")]
+            for m in self._reprocess
+        }
+        fp8 = {m: scales for m, scales in fp8.items() if scales}
+        if _deep_gemm_e8m0():
+            return sorted(fp8)
+        return [m for m, scales in sorted(fp8.items()) if all(map(_power_of_two_scales, scales))]
+
+    def _delta_config(self, config: TransferConfig) -> TransferConfig:
+        """`config`, without a patch region where vLLM re-quantizes what the trainers write.
+
+        A delta patch is applied to the registered bytes as the trainer last sent them; after
+        vLLM's UE8M0 re-quantization they hold other bytes, and a patched block would mix two
+        quantizations (measured on the H200: every FP8 weight differed from a fresh engine's).
+        Without a patch region the trainers send this engine full updates (and log why)."""
+        if config.receiver.patch_region_bytes == 0 or not self._requantized:
+            return config
+        log.warning(
+            "weight_transfer: rank %d: delta updates off for this engine: vLLM's processing "
+            "re-quantizes the FP8 weights of %d layers (%r, ...) in place to power-of-two "
+            "(UE8M0) scales, so a patch would apply to bytes the trainer never sent; the "
+            "trainers send it full updates (docs/delta.md)",
+            self.global_rank,
+            len(self._requantized),
+            self._requantized[0],
+        )
+        receiver = dataclasses.replace(config.receiver, patch_region_bytes=0)
+        return dataclasses.replace(config, receiver=receiver)
+
     # -- vLLM's phases ------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: EngineInitInfo) -> None:
@@ -584,7 +657,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """
         previous = self.receiver.serving if self.receiver is not None else None
         self.shutdown()
-        config = init_info.transfer_config()
+        config = self._delta_config(init_info.transfer_config())
         if self._shape.num_experts:
             # Sources follow the trainer's expert layout; destinations (checked) are the same.
             self.recipes = vllm_layout(
@@ -686,8 +759,17 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 (its registration would be stale).
         """
         t0 = time.perf_counter()
+        # Once, in delta mode: vLLM's processing must leave the registered bytes as written,
+        # since the next patch applies to them (`_delta_config` turns delta off where it is
+        # known not to; this catches any other processing that rewrites them in place).
+        check = self._delta and not self._rewrite_checked
         for mod_name in self._reprocess:
             module: Any = self.model.get_submodule(mod_name)
+            written = {
+                n: self._targets[n].detach().clone()
+                for n, p in self.paths.items()
+                if check and p.module == mod_name
+            }
             for pname, old in self._captured[mod_name].items():
                 buf = self._buffers.get(f"{mod_name}.{pname}")
                 if buf is None:
@@ -707,6 +789,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # builds a new packed copy from the buffers and leaves them unchanged.
                 module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
             self._restore_captured(mod_name, module)
+            for n, before in written.items():
+                if not torch.equal(_raw(self._targets[n]), _raw(before)):
+                    raise WeightTransferError(
+                        f"weight_transfer: vLLM's processing of {mod_name!r} rewrote the "
+                        f"registered {n!r} in place; delta updates cannot patch it (run this "
+                        "model with full updates: patch_region_bytes=0)"
+                    )
+        self._rewrite_checked = self._rewrite_checked or check
         self._rederive_mla()
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
@@ -841,6 +931,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "last_apply_patch_bytes": self.last_apply.patch_bytes if self.last_apply else 0,
             "weight_version": self.weight_version,
             "serving": self._serving(),
+            "delta": self._delta,
+            "requantized_layers": list(self._requantized),
             "addresses": {n: int(p.data_ptr()) for n, p in self.model.named_parameters()},
         }
 
