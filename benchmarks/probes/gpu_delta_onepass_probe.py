@@ -32,7 +32,6 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -40,25 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
+from weight_transfer.benchmarks.probes.gpu_delta_kernel_probe import _split, _wall
 from weight_transfer.kernels import delta as lib
+from weight_transfer.kernels._delta_triton_jit import _find_run
 from weight_transfer.kernels.delta import count_runs, encode_runs, int_view, num_chunks
-
-_LLAMA_RUNS = (4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 4096)
 
 _SHIFT = 40
 """Flag word: status << 40 | count (1: the tile's own count; 2: inclusive prefix)."""
-
-
-@triton.jit
-def _find_run(first_ptr, num_runs, pid, LOG: tl.constexpr):
-    lo = pid * 0
-    hi = lo + num_runs
-    for _ in range(LOG):
-        mid = (lo + hi) // 2
-        go = tl.load(first_ptr + mid) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -256,29 +243,6 @@ def _equal(op: OnePass, counts: np.ndarray, bufs: list[Any]) -> bool:
             return False
         at, row = at + tot, row + c
     return True
-
-
-def _split(n: int) -> list[tuple[int, int]]:
-    out, at, k = [], 0, 0
-    while at < n:
-        size = min(_LLAMA_RUNS[k % len(_LLAMA_RUNS)], n - at)
-        out.append((at, size))
-        at, k = at + size, k + 1
-    return out
-
-
-def _wall(fn: Any, repeats: int) -> list[float]:
-    ts = []
-    for i in range(repeats + 1):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if i:
-            ts.append(time.perf_counter() - t0)
-    return ts
 
 
 def _stats(ts: list[float], copy: float) -> dict[str, float]:
