@@ -565,7 +565,8 @@ class _Segments:
         _, _, esize, numel, kind, entries, _, _ = self.table.T
         chunks = (numel + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS
         sparse = 8 * (chunks + 1) + _pad8_np(2 * entries) + _pad8_np(esize * entries)
-        return np.where(kind == SPARSE, sparse, numel * esize)
+        out: np.ndarray = np.where(kind == SPARSE, sparse, numel * esize)
+        return out
 
 
 def _pad8_np(n: np.ndarray) -> np.ndarray:

@@ -213,7 +213,7 @@ def _copy_into(
     one GPU the aligned ones as table-copy launches (`weight_transfer.kernels.table_copy`),
     the rest as one copy each."""
     first = ops[0].source.tensor
-    rest = range(len(ops))
+    rest: Sequence[int] = range(len(ops))
     if buffer.is_cuda and buffer.device == first.device and table_copy.available():
         dst = buffer.data_ptr() + offsets
         ok = (dst % table_copy.ALIGN == 0) & (src_ptr % table_copy.ALIGN == 0)
