@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from weight_transfer.backends.base import BACKENDS
+from weight_transfer.config import DELTA_KERNELS
 
 LAYOUTS = ("split", "colocated", "one-gpu")
 _SLEEP_CYCLES = 400_000_000
@@ -112,6 +113,8 @@ class BenchUpdateConfig:
     default); off by default here, so the benchmark measures the delta it asks for."""
     delta_snapshot: str = "device"
     """Delta mode: where the sender keeps its snapshot ("device" or "host")."""
+    delta_kernels: str = "auto"
+    """Delta mode: the GPU kernels of the senders and engines (`DeltaConfig.kernels`)."""
     patch_region_fraction: float = 0.25
     """Delta mode: each engine's patch region, as a fraction of its weight bytes."""
     table_quantize: bool = True
@@ -123,6 +126,8 @@ class BenchUpdateConfig:
             raise ValueError("delta_density must be in [0, 1]")
         if self.delta_snapshot not in ("device", "host"):
             raise ValueError("delta_snapshot must be device or host")
+        if self.delta_kernels not in DELTA_KERNELS:
+            raise ValueError(f"delta_kernels must be one of {DELTA_KERNELS}")
         if not 0.0 < self.patch_region_fraction <= 1.0:
             raise ValueError("patch_region_fraction must be in (0, 1]")
         if self.layout not in LAYOUTS:
@@ -248,10 +253,13 @@ def _transfer_config(cfg: BenchUpdateConfig, control: Any, patch_region_bytes: i
                 full_when_slower=cfg.delta_full_when_slower,
                 snapshot_memory=cfg.delta_snapshot,
                 apply_timeout_s=cfg.timeout_s,
+                kernels=cfg.delta_kernels,
             ),
             table_quantize=cfg.table_quantize,
         ),
-        receiver=ReceiverConfig(patch_region_bytes=patch_region_bytes),
+        receiver=ReceiverConfig(
+            patch_region_bytes=patch_region_bytes, patch_kernels=cfg.delta_kernels
+        ),
         planner=PlannerConfig(memory_budget_bytes=cfg.memory_budget_bytes),
     )
 
@@ -1049,6 +1057,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument(
         "--delta-snapshot", default="device", choices=["device", "host"], help="snapshot memory"
     )
+    p.add_argument(
+        "--delta-kernels", default="auto", choices=list(DELTA_KERNELS), help="GPU delta kernels"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the rank-0 NCCL baseline")
     p.add_argument("--timeout-s", type=float, default=500.0, help="limit for the whole run")
     p.add_argument("--json", default="bench_update.json", help="where the results go")
@@ -1126,6 +1137,7 @@ def main(ns: argparse.Namespace) -> int:
             delta_anchor=ns.delta_anchor,
             delta_full_when_slower=ns.delta_full_when_slower,
             delta_snapshot=ns.delta_snapshot,
+            delta_kernels=ns.delta_kernels,
             table_quantize=not ns.no_table_quant,
         )
     except ValueError as exc:

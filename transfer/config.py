@@ -128,6 +128,10 @@ class ControlPlaneConfig:
 SNAPSHOT_MEMORY = ("auto", "device", "host")
 """Where a delta sender keeps its snapshot (`DeltaConfig.snapshot_memory`)."""
 
+DELTA_KERNELS = ("auto", "triton", "cuda")
+"""GPU kernels of delta updates (`DeltaConfig.kernels`, `ReceiverConfig.patch_kernels`;
+`weight_transfer.kernels.delta.KERNELS`)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DeltaConfig:
@@ -162,8 +166,17 @@ class DeltaConfig:
     """After every update (delta or full) compare each engine's bytes with what the trainer
     ranks sent, by keyed position digests (one read of every written byte on both sides); the
     next update raises on a mismatch, naming the engines, and the one after it is full."""
+    kernels: str = "auto"
+    """GPU kernels that count and encode the changes (`DELTA_KERNELS`, set for the process
+    when the rank's delta session starts): "cuda" the CUDA C kernels (need CuPy:
+    `weight-transfer[cuda12]` or `[cuda13]`), "triton" the Triton kernels, "auto" CUDA C
+    where CuPy imports, else Triton. Both write the same bytes (docs/delta.md)."""
 
     def __post_init__(self) -> None:
+        if self.kernels not in DELTA_KERNELS:
+            raise ConfigurationError(
+                f"delta.kernels must be one of {DELTA_KERNELS}, got {self.kernels!r}"
+            )
         if self.anchor_every_updates < 0:
             raise ConfigurationError("delta.anchor_every_updates must be >= 0")
         if not 0.0 < self.max_wire_fraction <= 1.0:
@@ -210,10 +223,17 @@ class ReceiverConfig:
     patch_region_bytes: int = 0
     """Delta updates: bytes of the patch region registered once beside the weights (0: none;
     the trainers then send full updates). Split evenly over the trainer ranks' slots."""
+    patch_kernels: str = "auto"
+    """GPU kernels that apply patches (`DELTA_KERNELS`, set for the process when the patch
+    region is registered; as `DeltaConfig.kernels`)."""
 
     def __post_init__(self) -> None:
         if self.patch_region_bytes < 0:
             raise ConfigurationError("patch_region_bytes must be >= 0")
+        if self.patch_kernels not in DELTA_KERNELS:
+            raise ConfigurationError(
+                f"receiver.patch_kernels must be one of {DELTA_KERNELS}, got {self.patch_kernels!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -60,7 +60,7 @@ from weight_transfer.delta import (
 )
 from weight_transfer.delta_verify import DeltaVerifier
 from weight_transfer.kernels import table_copy
-from weight_transfer.kernels.delta import uses_triton
+from weight_transfer.kernels.delta import use_kernels, uses_triton
 from weight_transfer.planner.types import QuantWrite, RankSchedule, SliceWrite, dtype_size
 from weight_transfer.protocol import Decision
 
@@ -325,6 +325,7 @@ class DeltaSession:
             else None
         )
         self.config = config
+        use_kernels(config.kernels)
         self.transport = transport
         self.control = control
         self.device = device

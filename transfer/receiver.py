@@ -37,6 +37,7 @@ from weight_transfer.delta import (
     verify_key_key,
 )
 from weight_transfer.errors import UpdateFailedError
+from weight_transfer.kernels.delta import use_kernels
 from weight_transfer.layouts import Layout
 from weight_transfer.manifest import distinct_storages, dtype_name, named_tensors, storage_view
 from weight_transfer.planner.types import (
@@ -300,6 +301,7 @@ class WeightReceiver:
             # Delta updates: the patch region comes right after the version word (the trainers
             # find it there, docs/delta.md), on the device of the weights.
             device = tensors[0].device if tensors else torch.device("cpu")
+            use_kernels(self.config.patch_kernels)
             buf = torch.zeros(self.config.patch_region_bytes, dtype=torch.uint8, device=device)
             pregion = self._transport.register(buf, role=RegionRole.TARGET)
             self._patch = pregion.tensor

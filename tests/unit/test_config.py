@@ -48,9 +48,11 @@ record_trace = false
 [sender.delta]
 enabled = true
 anchor_every_updates = 4
+kernels = "triton"
 [receiver]
 allow_unwritten = true
 patch_region_bytes = 1048576
+patch_kernels = "cuda"
 [planner]
 max_write_bytes = 1048576
 memory_budget_bytes = 268435456
@@ -73,9 +75,11 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
     assert cfg.sender == SenderConfig(
         update_timeout_s=12.5,
         record_trace=False,
-        delta=DeltaConfig(enabled=True, anchor_every_updates=4),
+        delta=DeltaConfig(enabled=True, anchor_every_updates=4, kernels="triton"),
     )
-    assert cfg.receiver == ReceiverConfig(allow_unwritten=True, patch_region_bytes=1 << 20)
+    assert cfg.receiver == ReceiverConfig(
+        allow_unwritten=True, patch_region_bytes=1 << 20, patch_kernels="cuda"
+    )
     assert cfg.planner == PlannerConfig(memory_budget_bytes=256 << 20, max_write_bytes=1 << 20)
     assert cfg.vllm == VllmConfig(
         engine_prefix="rollout", publish_digests=True, hf_moe_layout="fused"

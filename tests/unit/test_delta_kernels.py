@@ -210,6 +210,37 @@ def test_tables_on_the_cpu_path() -> None:
     _tables_roundtrip("cpu")
 
 
+def test_kernel_selection_is_checked_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`use_kernels` / `DeltaConfig.kernels` / `ReceiverConfig.patch_kernels` take only known
+    names; "auto" without the CUDA C module (CuPy missing) gives the Triton path, "cuda"
+    raises naming CuPy, and CPU tensors never take the CUDA C path."""
+    from weight_transfer.config import ReceiverConfig
+    from weight_transfer.errors import WeightTransferError
+
+    with pytest.raises(ConfigurationError, match="one of"):
+        delta.use_kernels("cub")
+    with pytest.raises(ConfigurationError, match="delta.kernels"):
+        DeltaConfig(kernels="cub")
+    with pytest.raises(ConfigurationError, match="patch_kernels"):
+        ReceiverConfig(patch_kernels="cub")
+    monkeypatch.setattr(delta, "_CUDA_MODULE", "weight_transfer.kernels._no_such_module")
+    delta._cuda_module.cache_clear()
+    try:
+        gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+        delta.use_kernels("auto")
+        assert delta._cuda_kernels(gpu) is None
+        delta.use_kernels("cuda")
+        assert delta._cuda_kernels(cpu) is None
+        with pytest.raises(WeightTransferError, match="cupy"):
+            delta._cuda_kernels(gpu)
+        delta.use_kernels("triton")
+        assert delta._cuda_kernels(gpu) is None
+    finally:
+        delta.use_kernels("auto")
+        monkeypatch.undo()
+        delta._cuda_module.cache_clear()
+
+
 def test_encoded_nbytes_formulas() -> None:
     mask = torch.zeros(256, 256, dtype=torch.bool)
     mask[0, 0] = mask[200, 3] = mask[255, 255] = True
@@ -369,5 +400,72 @@ def test_cuda_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float
 
 
 @requires_cuda
-def test_cuda_tables_bit_exact() -> None:
-    _tables_roundtrip("cuda")
+@pytest.mark.parametrize("kernels", ["triton", "cuda"])
+def test_cuda_tables_bit_exact(kernels: str) -> None:
+    """Both GPU kernel sets (`delta.use_kernels`) against the masks."""
+    if kernels == "cuda" and delta._cuda_module(False) is None:
+        pytest.skip("cupy cannot be imported: the CUDA C kernels need it")
+    delta.use_kernels(kernels)
+    try:
+        _tables_roundtrip("cuda")
+    finally:
+        delta.use_kernels("auto")
+
+
+@requires_cuda
+def test_cuda_tables_large_chunks_bit_exact() -> None:
+    """Both kernel sets on many whole chunks of every element size (the vector path of the CUDA
+    C count; dense, sparse and empty chunks) give the same patch as masks written here."""
+    if delta._cuda_module(False) is None:
+        pytest.skip("cupy cannot be imported: the CUDA C kernels need it")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    try:
+        for ints in (torch.int8, torch.int16, torch.int32):
+            numel = 37 * CHUNK_ELEMENTS + 1000
+            info = torch.iinfo(ints)
+            old = torch.randint(
+                info.min, info.max, (numel,), generator=g, device="cuda", dtype=torch.int64
+            ).to(ints)
+            density = torch.rand(numel // CHUNK_ELEMENTS + 1, generator=g, device="cuda")
+            density[::5] = 0.0
+            density[1::7] = 1.0
+            per = density.repeat_interleave(CHUNK_ELEMENTS)[:numel]
+            # Chunks with nothing, up to 10%, and everything changed.
+            mask = (torch.rand(numel, generator=g, device="cuda") < per * 0.1) | (per == 1.0)
+            new = old.clone()
+            new[mask] ^= 1
+            # Two runs, so that the second one's chunks stage from a row past the first's.
+            cut = 20 * CHUNK_ELEMENTS
+            news, olds = [new[:cut], new[cut:]], [old[:cut], old[cut:]]
+            wants = [mask[:cut].nonzero().reshape(-1), mask[cut:].nonzero().reshape(-1)]
+            for kernels in ("triton", "cuda"):
+                delta.use_kernels(kernels)
+                counted = count_runs(news, olds)
+                outputs: list[Any] = []
+                for i, (a, want) in enumerate(zip(news, wants, strict=True)):
+                    total = counted.totals[i]
+                    assert total == want.numel(), (kernels, ints, i)
+                    outputs.append(
+                        (
+                            i,
+                            torch.empty(
+                                num_chunks(a.numel()) + 1, dtype=torch.int64, device="cuda"
+                            ),
+                            torch.empty(total, dtype=torch.int16, device="cuda"),
+                            torch.empty(total, dtype=ints, device="cuda"),
+                        )
+                    )
+                encode_runs(counted, outputs)
+                items = []
+                for (i, offsets, index, values), a, b, want in zip(
+                    outputs, news, olds, wants, strict=True
+                ):
+                    got = index.to(torch.int64) & 0xFFFF
+                    assert torch.equal(got, want % CHUNK_ELEMENTS), (kernels, ints, i)
+                    assert torch.equal(values, a[want]), (kernels, ints, i)
+                    items.append((b.clone(), offsets, index, values))
+                apply_runs(items)
+                for (dst, _, _, _), a in zip(items, news, strict=True):
+                    assert torch.equal(dst, a), (kernels, ints)
+    finally:
+        delta.use_kernels("auto")

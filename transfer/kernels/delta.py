@@ -42,12 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from weight_transfer.config import DELTA_KERNELS
 from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.planner.delta import CHUNK_ELEMENTS, num_chunks, sparse_nbytes
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "ENCODINGS",
+    "KERNELS",
     "CountedRuns",
     "CountedTable",
     "apply_changes",
@@ -64,6 +66,7 @@ __all__ = [
     "int_view",
     "num_chunks",
     "sparse_nbytes",
+    "use_kernels",
     "uses_triton",
 ]
 
@@ -76,6 +79,7 @@ _TILE = 1024
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _JIT_MODULE = "weight_transfer.kernels._delta_triton_jit"
+_CUDA_MODULE = "weight_transfer.kernels._delta_cuda"
 
 ENCODINGS = (
     "index32",
@@ -150,6 +154,45 @@ def _jit() -> ModuleType:
             f"the GPU delta kernels need triton, which could not be imported ({exc}); install "
             "it with `pip install triton` (it ships with CUDA builds of torch)"
         ) from exc
+
+
+KERNELS = DELTA_KERNELS
+"""Which kernels the table functions (`count_table`, `encode_table`, `apply_table`) run on a
+GPU (`use_kernels`): "cuda" the CUDA C kernels of `_delta_cuda` (compiled at first use by
+NVRTC through CuPy), "triton" the Triton kernels, "auto" CUDA C when CuPy can be imported.
+The single-run kernels (`count_changes`, `encode_changes`, `apply_changes`) are Triton's."""
+
+_kernels = "auto"
+
+
+def use_kernels(name: str) -> None:
+    """Select the GPU table kernels for this process (`KERNELS`); "cuda" without CuPy raises
+    at the first launch."""
+    global _kernels
+    if name not in KERNELS:
+        raise ConfigurationError(f"delta kernels must be one of {KERNELS}, got {name!r}")
+    _kernels = name
+
+
+def _cuda_kernels(device: torch.device) -> ModuleType | None:
+    """The `_delta_cuda` module when it runs the table kernels on `device`, else None."""
+    if device.type != "cuda" or _kernels == "triton":
+        return None
+    return _cuda_module(_kernels == "cuda")
+
+
+@functools.cache
+def _cuda_module(required: bool) -> ModuleType | None:
+    try:
+        return importlib.import_module(_CUDA_MODULE)
+    except ImportError as exc:
+        if required:
+            raise WeightTransferError(
+                f"the CUDA C delta kernels need cupy, which could not be imported ({exc}); "
+                "install the CuPy build of your CUDA (`pip install cupy-cuda12x` or "
+                "`cupy-cuda13x`) or select the Triton kernels"
+            ) from exc
+        return None
 
 
 def uses_triton(t: torch.Tensor) -> bool:
@@ -350,6 +393,9 @@ def diff_encode(
 # buffer proportional to the runs), so the encode pass reads the bitmap and only the changed
 # elements of the new run, walking set bits (work per block of words: its fullest word's
 # set bits, nothing for a block without changes): count + encode read each run about once.
+# Two kernel sets do this (`use_kernels`): the Triton kernels below, and CUDA C kernels
+# (`_delta_cuda`, through CuPy) that also stage a chunk's first changes during the count so
+# that the encode copies them instead of gathering them; both write the same bytes.
 
 _COUNT_TILE = 4096
 """Elements one step of a count program compares."""
@@ -370,6 +416,25 @@ def _tl_dtype(esize: int) -> Any:
     return getattr(tl, _TRITON_INT[esize])
 
 
+def _device_table(
+    runs: Sequence[Sequence[int]] | np.ndarray,
+    chunks: Sequence[int] | np.ndarray,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """Rows of `runs` (int64 fields) and their first chunks on `device` (one host-to-device
+    copy): (rows, first, runs, total chunks), or None when there is no chunk."""
+    table = np.asarray(runs, dtype=np.int64)
+    if table.shape[0] == 0:
+        return None
+    first = np.zeros(table.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.asarray(chunks, dtype=np.int64), out=first[1:])
+    total = int(first[-1])
+    if total == 0:
+        return None
+    on = torch.from_numpy(np.concatenate([table.reshape(-1), first])).to(device)
+    return on[: table.size], on[table.size :], int(table.shape[0]), total
+
+
 def _run_launch(
     kernel: Any,
     runs: Sequence[Sequence[int]] | np.ndarray,
@@ -377,25 +442,24 @@ def _run_launch(
     device: torch.device,
     *args: Any,
     num_warps: int,
+    cuda: tuple[str, Any] | None = None,
     **meta: Any,
 ) -> None:
-    """Launch `kernel` over every chunk of `runs` (rows of int64 fields; `chunks` per run)."""
-    table = np.asarray(runs, dtype=np.int64)
-    if table.shape[0] == 0:
+    """Launch `kernel` over every chunk of `runs` (rows of int64 fields; `chunks` per run); on a
+    GPU with the CUDA C kernels selected (`use_kernels`), ``cuda`` = (function of
+    `_delta_cuda`, its keyword arguments) instead."""
+    on = _device_table(runs, chunks, device)
+    if on is None:
         return
-    first = np.zeros(table.shape[0] + 1, dtype=np.int64)
-    np.cumsum(np.asarray(chunks, dtype=np.int64), out=first[1:])
-    total = int(first[-1])
-    if total == 0:
+    runs_t, first_t, num_runs, total = on
+    if cuda is not None and _cuda_kernels(device) is not None:
+        fn, kw = cuda
+        getattr(_cuda_kernels(device), fn)(device, runs_t, first_t, num_runs, total, *args, **kw)
         return
-    on = torch.from_numpy(np.concatenate([table.reshape(-1), first])).to(device)
-    runs_t, first_t = on[: table.size], on[table.size :]
-    log = max(1, int(table.shape[0]).bit_length())
+    log = max(1, num_runs.bit_length())
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        kernel[(total,)](
-            runs_t, first_t, table.shape[0], *args, LOG=log, num_warps=num_warps, **meta
-        )
+        kernel[(total,)](runs_t, first_t, num_runs, *args, LOG=log, num_warps=num_warps, **meta)
 
 
 def apply_table(device: torch.device, elem_size: int, table: np.ndarray) -> None:
@@ -413,6 +477,7 @@ def apply_table(device: torch.device, elem_size: int, table: np.ndarray) -> None
         (rows[:, 4] + CHUNK_ELEMENTS - 1) // CHUNK_ELEMENTS,
         device,
         num_warps=_APPLY_WARPS,
+        cuda=("apply_rows", {"esize": elem_size}),
         DTYPE=_tl_dtype(elem_size),
         CHUNK=CHUNK_ELEMENTS,
         TILE=_APPLY_TILE,
@@ -435,6 +500,13 @@ class CountedTable:
     """Changed elements per row (int64)."""
     device_counts: torch.Tensor
     wbits: torch.Tensor
+    whole: np.ndarray
+    """Chunks of each run counted as whole chunks (16-byte aligned, unmasked)."""
+    staging: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """The CUDA C kernels' staged changes per element size (`_delta_cuda.Staging`); empty
+    under Triton."""
+    stage_row0: np.ndarray | None = None
+    """Each run's first staging row (in its element size's `staging`); None under Triton."""
 
     @property
     def totals(self) -> np.ndarray:
@@ -467,6 +539,9 @@ def count_table(
     wbits = torch.empty(rows * _WORDS, dtype=torch.int32, device=device)
     aligned = (new_ptr % 16 == 0) & (old_ptr % 16 == 0)
     whole = np.where(aligned, numel // CHUNK_ELEMENTS, 0)
+    cu = _cuda_kernels(device)
+    staging: dict[int, Any] = {}
+    stage_row0 = np.zeros(numel.size, dtype=np.int64) if cu is not None else None
     step = whole * CHUNK_ELEMENTS
     for size in np.unique(esize).tolist():
         of = esize == size
@@ -475,11 +550,19 @@ def count_table(
         for full, sel in ((True, of & (whole > 0)), (False, of & (chunks > whole))):
             if not sel.any():
                 continue
+            cuda_kw: dict[str, Any] = {"esize": size, "full": full}
             if full:
                 table = np.stack(
                     [new_ptr[sel], old_ptr[sel], step[sel], first_row[:-1][sel]], axis=1
                 )
                 n_chunks = whole[sel]
+                if cu is not None and stage_row0 is not None:
+                    # Staging rows of this element size: its runs' whole chunks, in order.
+                    srow = cu.stage_rows(whole[sel])
+                    stage_row0[sel] = srow
+                    staging[size] = cu.Staging.new(device, int(n_chunks.sum()), size)
+                    cuda_kw["staging"] = staging[size]
+                    cuda_kw["srow0"] = torch.from_numpy(srow).to(device)
             else:
                 table = np.stack(
                     [
@@ -499,6 +582,7 @@ def count_table(
                 counts,
                 wbits,
                 num_warps=_COUNT_WARPS,
+                cuda=("count_rows", {"staging": None, "srow0": None, **cuda_kw}),
                 DTYPE=_tl_dtype(size),
                 FULL=full,
                 CHUNK=CHUNK_ELEMENTS,
@@ -512,6 +596,9 @@ def count_table(
         counts=counts.cpu().numpy(),
         device_counts=counts,
         wbits=wbits,
+        whole=whole,
+        staging=staging,
+        stage_row0=stage_row0,
     )
 
 
@@ -542,8 +629,8 @@ def encode_table(
             np.asarray(values_ptr, np.int64),
             np.asarray(offsets_ptr, np.int64),
             counted.first_row[runs],
-            zeros,
-            zeros,
+            counted.whole[runs],
+            counted.stage_row0[runs] if counted.stage_row0 is not None else zeros,
             zeros,
         ],
         axis=1,
@@ -559,6 +646,9 @@ def encode_table(
             excl,
             counted.wbits,
             num_warps=_ENCODE_WARPS,
+            cuda=None
+            if counted.stage_row0 is None
+            else ("encode_rows", {"esize": size, "staging": counted.staging.get(size)}),
             DTYPE=_tl_dtype(size),
             CHUNK=CHUNK_ELEMENTS,
             BLOCK=_ENCODE_BLOCK,
@@ -697,6 +787,7 @@ def apply_runs(
             [num_chunks(items[k][0].numel()) for k in members],
             device,
             num_warps=_APPLY_WARPS,
+            cuda=("apply_rows", {"esize": esize}),
             DTYPE=_tl_dtype(esize),
             CHUNK=CHUNK_ELEMENTS,
             TILE=_APPLY_TILE,
