@@ -170,7 +170,8 @@ class DeltaConfig:
     """GPU kernels that count and encode the changes (`DELTA_KERNELS`, set for the process
     when the rank's delta session starts): "cuda" the CUDA C kernels (need CuPy:
     `weight-transfer[cuda12]` or `[cuda13]`), "triton" the Triton kernels, "auto" CUDA C
-    where CuPy imports, else Triton. Both write the same bytes (docs/delta.md)."""
+    where CuPy imports and compiles them, else Triton. Both write the same bytes
+    (docs/delta.md)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in DELTA_KERNELS:

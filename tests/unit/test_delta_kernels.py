@@ -241,6 +241,43 @@ def test_kernel_selection_is_checked_and_falls_back(monkeypatch: pytest.MonkeyPa
         delta._cuda_module.cache_clear()
 
 
+def test_auto_falls_back_to_triton_when_cuda_c_does_not_compile(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "auto" with CuPy present but a compile that fails (a CuPy for another CUDA): Triton,
+    with one warning naming the device and the error; "cuda" still selects CUDA C (and fails
+    at its launch), and a module that compiles is taken."""
+    import types
+
+    def broken(device_index: int, defines: tuple[tuple[str, int], ...]) -> None:
+        raise RuntimeError("nvrtc: unsupported architecture")
+
+    fake = types.ModuleType("fake_delta_cuda")
+    fake._module = broken  # type: ignore[attr-defined]
+    working = types.ModuleType("working_delta_cuda")
+    working._module = lambda device_index, defines: None  # type: ignore[attr-defined]
+    gpu = torch.device("cuda", 3)
+    monkeypatch.setattr(delta, "_cuda_module", lambda required: fake)
+    delta._cuda_compiles.cache_clear()
+    try:
+        delta.use_kernels("auto")
+        with caplog.at_level("WARNING", logger=delta.__name__):
+            assert delta._cuda_kernels(gpu) is None
+            assert delta._cuda_kernels(gpu) is None  # decided once per device
+        warnings = [r for r in caplog.records if "did not compile" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "cuda:3" in warnings[0].getMessage()
+        assert "unsupported architecture" in warnings[0].getMessage()
+        delta.use_kernels("cuda")
+        assert delta._cuda_kernels(gpu) is fake
+        monkeypatch.setattr(delta, "_cuda_module", lambda required: working)
+        delta.use_kernels("auto")
+        assert delta._cuda_kernels(gpu) is working
+    finally:
+        delta.use_kernels("auto")
+        delta._cuda_compiles.cache_clear()
+
+
 def test_encoded_nbytes_formulas() -> None:
     mask = torch.zeros(256, 256, dtype=torch.bool)
     mask[0, 0] = mask[200, 3] = mask[255, 255] = True

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import math
 from collections.abc import Sequence
 from types import ModuleType
@@ -80,6 +81,8 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _JIT_MODULE = "weight_transfer.kernels._delta_triton_jit"
 _CUDA_MODULE = "weight_transfer.kernels._delta_cuda"
+
+logger = logging.getLogger(__name__)
 
 ENCODINGS = (
     "index32",
@@ -159,8 +162,9 @@ def _jit() -> ModuleType:
 KERNELS = DELTA_KERNELS
 """Which kernels the table functions (`count_table`, `encode_table`, `apply_table`) run on a
 GPU (`use_kernels`): "cuda" the CUDA C kernels of `_delta_cuda` (compiled at first use by
-NVRTC through CuPy), "triton" the Triton kernels, "auto" CUDA C when CuPy can be imported.
-The single-run kernels (`count_changes`, `encode_changes`, `apply_changes`) are Triton's."""
+NVRTC through CuPy), "triton" the Triton kernels, "auto" CUDA C when CuPy can be imported
+and compiles them for the device (else Triton, with a warning saying why). The single-run
+kernels (`count_changes`, `encode_changes`, `apply_changes`) are Triton's."""
 
 _kernels = "auto"
 
@@ -178,7 +182,29 @@ def _cuda_kernels(device: torch.device) -> ModuleType | None:
     """The `_delta_cuda` module when it runs the table kernels on `device`, else None."""
     if device.type != "cuda" or _kernels == "triton":
         return None
-    return _cuda_module(_kernels == "cuda")
+    module = _cuda_module(_kernels == "cuda")
+    if module is None or _kernels == "cuda":
+        return module
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return module if _cuda_compiles(module, index) else None
+
+
+@functools.cache
+def _cuda_compiles(module: ModuleType, device_index: int) -> bool:
+    """Whether the CUDA C kernels compile for a device ("auto" falls back to Triton where
+    they do not: a CuPy built for another CUDA, no NVRTC); compiled once per device."""
+    try:
+        module._module(device_index, ())  # the launches' cache key: compiled once
+    except Exception as exc:  # CuPy's compile and driver errors have no common base
+        logger.warning(
+            "delta kernels: the CUDA C kernels did not compile for cuda:%d (%s: %s); using "
+            'the Triton kernels (set kernels = "triton" to skip this attempt)',
+            device_index,
+            type(exc).__name__,
+            exc,
+        )
+        return False
+    return True
 
 
 @functools.cache
