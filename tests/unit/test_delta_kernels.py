@@ -437,11 +437,9 @@ def test_cuda_roundtrip_bit_exact(numel: int, dtype: torch.dtype, density: float
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernels", ["triton", "cuda"])
+@pytest.mark.parametrize("kernels", ["triton", pytest.param("cuda", marks=requires_module("cupy"))])
 def test_cuda_tables_bit_exact(kernels: str) -> None:
     """Both GPU kernel sets (`delta.use_kernels`) against the masks."""
-    if kernels == "cuda" and delta._cuda_module(False) is None:
-        pytest.skip("cupy cannot be imported: the CUDA C kernels need it")
     delta.use_kernels(kernels)
     try:
         _tables_roundtrip("cuda")
@@ -450,11 +448,10 @@ def test_cuda_tables_bit_exact(kernels: str) -> None:
 
 
 @requires_cuda
+@requires_module("cupy")
 def test_cuda_tables_large_chunks_bit_exact() -> None:
     """Both kernel sets on many whole chunks of every element size (the vector path of the CUDA
     C count; dense, sparse and empty chunks) give the same patch as masks written here."""
-    if delta._cuda_module(False) is None:
-        pytest.skip("cupy cannot be imported: the CUDA C kernels need it")
     g = torch.Generator(device="cuda").manual_seed(7)
     try:
         for ints in (torch.int8, torch.int16, torch.int32):

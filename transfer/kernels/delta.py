@@ -478,9 +478,10 @@ def _run_launch(
     if on is None:
         return
     runs_t, first_t, num_runs, total = on
-    if cuda is not None and _cuda_kernels(device) is not None:
+    cu = _cuda_kernels(device) if cuda is not None else None
+    if cu is not None and cuda is not None:
         fn, kw = cuda
-        getattr(_cuda_kernels(device), fn)(device, runs_t, first_t, num_runs, total, *args, **kw)
+        getattr(cu, fn)(device, runs_t, first_t, num_runs, total, *args, **kw)
         return
     log = max(1, num_runs.bit_length())
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
