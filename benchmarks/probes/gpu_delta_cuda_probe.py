@@ -65,8 +65,7 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, repeats: int) -> dict[str, float]:
     staging = cu.Staging.new(dev, chunks, a.element_size())
     ptrs: tuple[int, ...] = (runs_t.data_ptr(), first_t.data_ptr(), counts.data_ptr())
     ptrs += (wbits.data_ptr(),)
-    srow0 = torch.zeros(1, dtype=torch.int64, device=dev)
-    ptrs += (*staging.args(), srow0.data_ptr())
+    ptrs += staging.args()
     out: dict[str, float] = {}
     for u, threads in ((2, 512), (4, 512), (4, 256), (2, 1024), (4, 1024)):
         for store in (1, 0):
@@ -78,6 +77,15 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, repeats: int) -> dict[str, float]:
             out[f"cuda_count_u{u}_t{threads}{'' if store else '_nostore'}_ms"] = (
                 _time(run, repeats) * 1e3
             )
+    # The library's count (u4, 512 threads) as it was before: every bitmap word stored
+    # (LAZY_BITS=0) and / or the staged changes written with 2-byte stores (COUNT_VEC=0).
+    for lazy, vec in ((0, 1), (1, 0), (0, 0)):
+        old_way = (("LAZY_BITS", lazy), ("COUNT_VEC", vec))
+
+        def run_old(d: tuple[tuple[str, int], ...] = old_way) -> None:
+            cu._launch(dev, "count_full_2", chunks, 512, ptrs, 1, d)
+
+        out[f"cuda_count_lazy{lazy}_vec{vec}_ms"] = _time(run_old, repeats) * 1e3
     jit = delta._jit()
     tl_int16 = delta._tl_dtype(2)
 
@@ -88,6 +96,10 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, repeats: int) -> dict[str, float]:
         )  # fmt: skip
 
     out["triton_count_ms"] = _time(tri_count, repeats) * 1e3
+    # The Triton count's whole bitmap (the encodes "from the bitmap" below read all of it; the
+    # library's CUDA C count writes only the words past each chunk's staged changes), then the
+    # CUDA C count's staging (its bitmap words are the same bits).
+    tri_count()
     cu._launch(dev, "count_full_2", chunks, 512, ptrs, 1)
     total = int(counts.sum())
     excl = torch.cumsum(counts, 0) - counts
@@ -101,10 +113,20 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, repeats: int) -> dict[str, float]:
     assert enc is not None and staged is not None
     enc_t = enc[0]
 
-    def encode_with(table: torch.Tensor) -> None:
+    def encode_with(table: torch.Tensor, d: tuple[tuple[str, int], ...] = ()) -> None:
         eptrs = (table.data_ptr(), first_t.data_ptr(), counts.data_ptr(), excl.data_ptr())
-        cu._launch(dev, "encode_2", chunks, 256, (*eptrs, wbits.data_ptr(), *staging.args()), 1)
+        ptrs = (*eptrs, wbits.data_ptr(), *staging.args())
+        cu._launch(dev, "encode_2", chunks, 256, ptrs, 1, d)
 
+    # The staged copy with 2-byte stores (ENCODE_VEC=0, the kernels of call 9 of 2026-12-04)
+    # and with 16-byte stores (the library's).
+    scalar = (("ENCODE_VEC", 0),)
+    out["cuda_encode_staged_scalar_ms"] = (
+        _time(lambda: encode_with(staged[0], scalar), repeats) * 1e3
+    )
+    got_scalar = (index.clone(), values.clone())
+    index.zero_()
+    values.zero_()
     out["cuda_encode_staged_ms"] = _time(lambda: encode_with(staged[0]), repeats) * 1e3
     got_staged = (index.clone(), values.clone())
 
@@ -125,6 +147,8 @@ def _sweep(a: torch.Tensor, b: torch.Tensor, repeats: int) -> dict[str, float]:
         and torch.equal(got[1], values)
         and torch.equal(got_staged[0], index)
         and torch.equal(got_staged[1], values)
+        and torch.equal(got_scalar[0], index)
+        and torch.equal(got_scalar[1], values)
     )
     dst = b.clone()
     row = [dst.data_ptr(), offsets.data_ptr(), index.data_ptr(), values.data_ptr(), n, 0, 0, 0]

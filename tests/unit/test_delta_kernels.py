@@ -451,7 +451,8 @@ def test_cuda_tables_bit_exact(kernels: str) -> None:
 @requires_module("cupy")
 def test_cuda_tables_large_chunks_bit_exact() -> None:
     """Both kernel sets on many whole chunks of every element size (the vector path of the CUDA
-    C count; dense, sparse and empty chunks) give the same patch as masks written here."""
+    C count and the staged copy of its encode, whose output starts at every alignment; dense,
+    sparse, nearly empty and empty chunks) give the same patch as masks written here."""
     g = torch.Generator(device="cuda").manual_seed(7)
     try:
         for ints in (torch.int8, torch.int16, torch.int32):
@@ -466,6 +467,13 @@ def test_cuda_tables_large_chunks_bit_exact() -> None:
             per = density.repeat_interleave(CHUNK_ELEMENTS)[:numel]
             # Chunks with nothing, up to 10%, and everything changed.
             mask = (torch.rand(numel, generator=g, device="cuda") < per * 0.1) | (per == 1.0)
+            # Chunks with exactly k changes: fewer bytes than one 16-byte store, the staging
+            # limit (STAGE = 4,096 changes) and one past it.
+            for c, k in ((2, 1), (3, 2), (4, 3), (6, 7), (8, 9), (9, 4096), (11, 4097), (12, 8)):
+                lo = c * CHUNK_ELEMENTS
+                mask[lo : lo + CHUNK_ELEMENTS] = False
+                at = torch.randperm(CHUNK_ELEMENTS, generator=g, device="cuda")[:k]
+                mask[lo + at] = True
             new = old.clone()
             new[mask] ^= 1
             # Two runs, so that the second one's chunks stage from a row past the first's.

@@ -10,11 +10,14 @@ that Triton does not expose: warp shuffles and votes, shared memory and block sc
 * the count of a whole chunk reads both sides with 16-byte loads, builds the change bitmap
   with a few shuffles, and, while the new values are still in registers, stages the chunk's
   first `STAGE` changes (index, value, in index order: one block scan per step) in per-chunk
-  slots, written out by the whole block from shared memory;
-* the encode copies a chunk's staged changes to their place in the patch; a chunk with more
-  changes (or a partial / unaligned one, counted by the masked kernel) is encoded from the
-  bitmap: a block scan puts the positions of its set bits in shared memory and the block
-  writes the entries together, gathering the changed values;
+  slots, written out by the whole block from shared memory; it stores a step's bitmap words
+  only once the chunk's changes reach `STAGE` (the encode never reads the words before);
+* the encode copies a whole chunk's staged changes to their place in the patch (16-byte
+  stores at any output alignment); the changes past them, and every change of a partial /
+  unaligned chunk (counted by the masked kernel), come from the bitmap: a block scan puts the
+  positions of the set bits in shared memory and the block writes the entries together,
+  gathering the changed values. A count by these kernels must be encoded by them (their
+  bitmap is partial);
 * apply scatters a chunk's entries (one block per chunk, as the Triton kernel).
 
 Scratch beyond the bitmap (1/8 byte per element, as under Triton): `STAGE` slots of
@@ -57,6 +60,15 @@ _SOURCE = r"""
 #endif
 #ifndef COUNT_STORE
 #define COUNT_STORE 1
+#endif
+#ifndef ENCODE_VEC
+#define ENCODE_VEC 1
+#endif
+#ifndef COUNT_VEC
+#define COUNT_VEC 1
+#endif
+#ifndef LAZY_BITS
+#define LAZY_BITS 1
 #endif
 #define ENCODE_THREADS 256
 typedef long long i64;
@@ -132,6 +144,47 @@ __device__ __forceinline__ S block_scan(S p, S* warp_tot, S* total) {
     return x - p + (warp ? warp_tot[warp - 1] : (S)0);
 }
 
+// Output words 0..3 of a 32-byte window w shifted down by 4 * WS + bs / 8 bytes.
+template <int WS>
+__device__ __forceinline__ uint4 shifted(const u32 (&w)[8], int bs) {
+    return make_uint4(__funnelshift_r(w[WS], w[WS + 1], bs),
+                      __funnelshift_r(w[WS + 1], w[WS + 2], bs),
+                      __funnelshift_r(w[WS + 2], w[WS + 3], bs),
+                      __funnelshift_r(w[WS + 3], w[WS + 4], bs));
+}
+
+// n bytes from src (16-byte aligned) to dst (any address), by the whole block: 16-byte loads,
+// 16-byte stores at dst's 16-byte aligned addresses (each vector assembled from two source
+// vectors by funnel shifts, the shift being the same for the whole block), and the bytes
+// before and after them one by one. Reads only the source vectors that hold its n bytes.
+__device__ __forceinline__ void copy_to(unsigned char* __restrict__ dst,
+                                        const unsigned char* __restrict__ src, u32 n) {
+    u32 head = (u32)((16u - ((unsigned long long)dst & 15u)) & 15u);
+    if (head > n) head = n;
+    if (threadIdx.x < head) dst[threadIdx.x] = src[threadIdx.x];
+    const u32 nvec = (n - head) >> 4;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* o = reinterpret_cast<uint4*>(dst + head);
+    const int ws = (int)(head >> 2), bs = (int)(head & 3u) * 8;
+    for (u32 v = threadIdx.x; v < nvec; v += blockDim.x) {
+        const uint4 a = s[v];
+        // The second vector holds bytes of the window only when head > 0 (and then it holds
+        // at least one of the n bytes, so it is read within the source).
+        const uint4 b = head ? s[v + 1] : make_uint4(0u, 0u, 0u, 0u);
+        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        uint4 r;
+        switch (ws) {
+            case 0: r = shifted<0>(w, bs); break;
+            case 1: r = shifted<1>(w, bs); break;
+            case 2: r = shifted<2>(w, bs); break;
+            default: r = shifted<3>(w, bs); break;
+        }
+        o[v] = r;
+    }
+    const u32 done = head + (nvec << 4);
+    if (threadIdx.x < n - done) dst[done + threadIdx.x] = src[done + threadIdx.x];
+}
+
 // Element j of a 16-byte vector of E-byte elements, as an unsigned integer.
 template <int E>
 __device__ __forceinline__ u32 lane_of(uint4 x, int j) {
@@ -150,7 +203,7 @@ __device__ __forceinline__ u32 lane_of(uint4 x, int j) {
 template <int E, typename T>
 __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i64 num_runs,
                                            i64* counts, u32* wbits, unsigned short* sidx,
-                                           unsigned char* sval, const i64* srow0) {
+                                           unsigned char* sval) {
     constexpr int V = 16 / E;        // elements per vector
     constexpr int NV = CHUNK / V;    // vectors per chunk
     constexpr int TPW = 32 / V;      // threads whose bits make one bitmap word
@@ -158,8 +211,8 @@ __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i6
     constexpr int NW = COUNT_BOUND / 32;
     static_assert(U * 16 <= 64, "per-vector counts are packed in 16-bit fields of a u64");
     __shared__ unsigned long long warp_tot[32];
-    __shared__ unsigned short s_idx[STAGE > 0 ? STAGE : 1];
-    __shared__ T s_val[STAGE > 0 ? STAGE : 1];
+    __shared__ __align__(16) unsigned short s_idx[STAGE > 0 ? STAGE : 1];
+    __shared__ __align__(16) T s_val[STAGE > 0 ? STAGE : 1];
     const i64 pid = blockIdx.x;
     const i64 run = find_run(first, num_runs, pid);
     const i64 local = pid - first[run];
@@ -168,7 +221,9 @@ __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i6
     const uint4* b = reinterpret_cast<const uint4*>(r[1]) + local * NV;
     const i64 g = r[3] + local;
     u32* words = wbits + g * WORDS;
-    const i64 sg = srow0[run] + local;  // the chunk's staging row (rows of this element size)
+    // The chunk's staging row: a launch counts the whole chunks of one element size, run after
+    // run, so its blocks number exactly those rows (`stage_rows`).
+    const i64 sg = pid;
     unsigned short* stage_i = sidx + sg * STAGE;
     T* stage_v = reinterpret_cast<T*>(sval) + sg * STAGE;
     const int lane = threadIdx.x & 31;
@@ -181,7 +236,7 @@ __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i6
             x[u] = __ldcs(a + v);
             y[u] = __ldcs(b + v);
         }
-        u32 m[U];
+        u32 m[U], wd[U];
         unsigned long long packed = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -190,14 +245,22 @@ __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i6
             u32 w = m[u] << ((lane % TPW) * V);
 #pragma unroll
             for (int s = 1; s < TPW; s <<= 1) w |= __shfl_xor_sync(0xffffffffu, w, s);
+            wd[u] = w;
             const int v = base + u * COUNT_BOUND + threadIdx.x;
-            if (COUNT_STORE && lane % TPW == 0) words[v / TPW] = w;
+            if (!LAZY_BITS && COUNT_STORE && lane % TPW == 0) words[v / TPW] = w;
         }
         unsigned long long tot;
         const unsigned long long ex = block_scan<unsigned long long, NW>(packed, warp_tot, &tot);
         u32 step = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) step += (u32)((tot >> (16 * u)) & 0xffffu);
+        // LAZY_BITS: the bitmap words of a step only once the chunk's changes reach STAGE
+        // (the encode copies the first STAGE from staging and reads the bitmap only past the
+        // last of them; words of earlier steps are never read).
+        if (LAZY_BITS && COUNT_STORE && done + step >= (u32)STAGE && lane % TPW == 0) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) words[(base + u * COUNT_BOUND + threadIdx.x) / TPW] = wd[u];
+        }
         if (STAGE > 0 && step != 0 && done < STAGE) {
             // This step's first STAGE - done changes: into shared memory by the scan, then to
             // the row's slots by the whole block (consecutive threads, consecutive slots).
@@ -218,10 +281,17 @@ __device__ __forceinline__ void count_full(const i64* runs, const i64* first, i6
             }
             __syncthreads();
             const u32 n = min(step, (u32)STAGE - done);
+#if COUNT_VEC
+            copy_to(reinterpret_cast<unsigned char*>(stage_i + done),
+                    reinterpret_cast<const unsigned char*>(s_idx), n * 2u);
+            copy_to(reinterpret_cast<unsigned char*>(stage_v + done),
+                    reinterpret_cast<const unsigned char*>(s_val), n * (u32)sizeof(T));
+#else
             for (u32 j = threadIdx.x; j < n; j += COUNT_BOUND) {
                 stage_i[done + j] = s_idx[j];
                 stage_v[done + j] = s_val[j];
             }
+#endif
         }
         done += step;
         __syncthreads();
@@ -260,14 +330,22 @@ __device__ __forceinline__ void count_part(const i64* runs, const i64* first, i6
     if (threadIdx.x == 0) counts[g] = (i64)t;
 }
 
+// Word wi of a chunk's bitmap with the bits of elements below `lo` cleared (they were
+// staged; under LAZY_BITS the words below lo's were never written).
+__device__ __forceinline__ u32 above(u32 w, int wi, u32 lo) {
+    const int lw = (int)(lo >> 5);
+    return wi < lw ? 0u : (wi == lw ? (w & (0xffffffffu << (lo & 31u))) : w);
+}
+
 // Chunk `local` of run [new, index, values, offsets, row0, staged, srow0, 0]: offsets[local +
-// 1] (and offsets[0] = 0 by chunk 0), then its changed elements in index order: copied from
-// staging row srow0 + local when the count staged them all (chunk `local` < `staged`, the
-// run's whole chunks, and at most STAGE changes), else from the bitmap. The
-// set bits' positions are placed in shared memory by a block scan, then the block writes the
-// entries together (consecutive threads: consecutive entries, gathers of the changed values
-// in order). A chunk of at most SLOTS changes takes one pass (each thread owns 8 consecutive
-// words); a fuller one 8 passes of 256 words (one per thread).
+// 1] (and offsets[0] = 0 by chunk 0), then its changed elements in index order. A whole chunk
+// (`local` < `staged`) has its first STAGE changes in staging row srow0 + local: they are
+// copied (16-byte stores), and the rest, past the last staged element, come from the bitmap.
+// Other chunks come from the bitmap alone. From the bitmap: the set bits' positions are
+// placed in shared memory by a block scan, then the block writes the entries together
+// (consecutive threads: consecutive entries, gathers of the changed values in order); at
+// most SLOTS entries take one pass (each thread owns 8 consecutive words), more take 8
+// passes of 256 words (one per thread).
 template <typename T>
 __device__ __forceinline__ void encode(const i64* runs, const i64* first, i64 num_runs,
                                        const i64* counts, const i64* excl, const u32* wbits,
@@ -293,27 +371,43 @@ __device__ __forceinline__ void encode(const i64* runs, const i64* first, i64 nu
         if (local == 0) offsets[0] = 0;
     }
     if (cnt == 0) return;
-    if (STAGE > 0 && local < r[5] && cnt <= STAGE) {
-        // Staged by the count (a whole chunk): copy its entries.
+    i64 base = start;  // where the bitmap's entries go
+    u32 lo = 0;        // the bitmap's elements below this one were staged
+    if (STAGE > 0 && local < r[5]) {
         const i64 sg = r[6] + local;
         const unsigned short* si = sidx + sg * STAGE;
         const T* sv = reinterpret_cast<const T*>(sval) + sg * STAGE;
+        const u32 ns = cnt < STAGE ? (u32)cnt : (u32)STAGE;
+#if ENCODE_VEC
+        // Rows start 16-byte aligned (STAGE * 2 and STAGE * sizeof(T) bytes apart).
+        copy_to(reinterpret_cast<unsigned char*>(index + start),
+                reinterpret_cast<const unsigned char*>(si), ns * 2u);
+        copy_to(reinterpret_cast<unsigned char*>(values + start),
+                reinterpret_cast<const unsigned char*>(sv), ns * (u32)sizeof(T));
+#else
+        // One entry per thread (2-byte and element-size stores), for comparison in probes.
 #pragma unroll 4
-        for (int j = threadIdx.x; j < cnt; j += ENCODE_THREADS) {
+        for (u32 j = threadIdx.x; j < ns; j += ENCODE_THREADS) {
             index[start + j] = (short)si[j];
             values[start + j] = sv[j];
         }
-        return;
+#endif
+        if (cnt <= STAGE) return;
+        lo = (u32)si[STAGE - 1] + 1u;
+        base = start + STAGE;
     }
     const u32* row = wbits + g * WORDS;
     u32 total;
-    if (cnt <= SLOTS) {
+    if (cnt - (base - start) <= SLOTS) {
         const uint4* wv = reinterpret_cast<const uint4*>(row) + threadIdx.x * 2;
         const uint4 w0 = wv[0], w1 = wv[1];
-        const u32 w[PER] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        u32 w[PER] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
         u32 p = 0;
 #pragma unroll
-        for (int k = 0; k < PER; ++k) p += __popc(w[k]);
+        for (int k = 0; k < PER; ++k) {
+            w[k] = above(w[k], threadIdx.x * PER + k, lo);
+            p += __popc(w[k]);
+        }
         u32 q = block_scan<u32, ENCODE_THREADS / 32>(p, warp_tot, &total);
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
@@ -327,15 +421,17 @@ __device__ __forceinline__ void encode(const i64* runs, const i64* first, i64 nu
         __syncthreads();
         for (u32 j = threadIdx.x; j < total; j += ENCODE_THREADS) {
             const unsigned e = slot[j];
-            index[start + j] = (short)e;
-            values[start + j] = src[e];
+            index[base + j] = (short)e;
+            values[base + j] = src[e];
         }
         return;
     }
     u32 w[PER];
 #pragma unroll
-    for (int k = 0; k < PER; ++k) w[k] = row[k * ENCODE_THREADS + threadIdx.x];
-    i64 base = start;
+    for (int k = 0; k < PER; ++k) {
+        const int wi = k * ENCODE_THREADS + threadIdx.x;
+        w[k] = above(row[wi], wi, lo);
+    }
 #pragma unroll 1
     for (int k = 0; k < PER; ++k) {
         u32 q = block_scan<u32, ENCODE_THREADS / 32>(__popc(w[k]), warp_tot, &total);
@@ -382,12 +478,12 @@ __device__ __forceinline__ void apply(const i64* runs, const i64* first, i64 num
 }
 
 #define COUNT_ARGS const i64* runs, const i64* first, i64 num_runs, i64* counts, u32* wbits, \
-    unsigned short* sidx, unsigned char* sval, const i64* srow0
+    unsigned short* sidx, unsigned char* sval
 #define ENCODE_ARGS const i64* runs, const i64* first, i64 num_runs, const i64* counts, \
     const i64* excl, const u32* wbits, const unsigned short* sidx, const unsigned char* sval
 #define KERNELS(E, T) \
 extern "C" __global__ void __launch_bounds__(COUNT_BOUND) count_full_##E(COUNT_ARGS) { \
-    count_full<E, T>(runs, first, num_runs, counts, wbits, sidx, sval, srow0); } \
+    count_full<E, T>(runs, first, num_runs, counts, wbits, sidx, sval); } \
 extern "C" __global__ void __launch_bounds__(512) count_part_##E(COUNT_ARGS) { \
     count_part<T>(runs, first, num_runs, counts, wbits); } \
 extern "C" __global__ void __launch_bounds__(256) encode_##E(ENCODE_ARGS) { \
@@ -497,17 +593,15 @@ def count_rows(
     esize: int,
     full: bool,
     staging: Staging | None,
-    srow0: torch.Tensor | None,
 ) -> None:
     """`count_runs_kernel` over `grid` chunks: rows [new, old, numel, row0] (`runs`, int64 on
     the device), `first` the runs' first chunk (num_runs + 1 entries). Whole chunks (`full`)
-    also stage their first `STAGE` changes in `staging`, run i from row `srow0[i]` (int64 on
-    the device, one per run of the table)."""
+    also stage their first `STAGE` changes in `staging`, chunk j of the launch in row j (so a
+    table of whole chunks of one element size, the rows `stage_rows` numbers)."""
     name = f"count_{'full' if full else 'part'}_{esize}"
     ptrs: tuple[int, ...] = (runs.data_ptr(), first.data_ptr(), counts.data_ptr())
     ptrs += (wbits.data_ptr(),)
     ptrs += staging.args() if staging is not None else (0, 0)
-    ptrs += (srow0.data_ptr() if srow0 is not None else 0,)
     _launch(device, name, grid, _COUNT_THREADS, ptrs, num_runs)
 
 

@@ -448,7 +448,8 @@ def _device_table(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Rows of `runs` (int64 fields) and their first chunks on `device` (one host-to-device
-    copy): (rows, first, runs, total chunks), or None when there is no chunk."""
+    copy, asynchronous on a GPU): (rows, first, runs, total chunks), or None when there is no
+    chunk."""
     table = np.asarray(runs, dtype=np.int64)
     if table.shape[0] == 0:
         return None
@@ -457,7 +458,14 @@ def _device_table(
     total = int(first[-1])
     if total == 0:
         return None
-    on = torch.from_numpy(np.concatenate([table.reshape(-1), first])).to(device)
+    host = torch.from_numpy(np.concatenate([table.reshape(-1), first]))
+    if device.type == "cuda":
+        # From pinned memory without waiting: a copy from pageable memory would hold the host
+        # until the stream's earlier work is done. torch's pinned-memory cache keeps the
+        # buffer until the copy has run.
+        on = host.pin_memory().to(device, non_blocking=True)
+    else:
+        on = host.to(device)
     return on[: table.size], on[table.size :], int(table.shape[0]), total
 
 
@@ -469,16 +477,19 @@ def _run_launch(
     *args: Any,
     num_warps: int,
     cuda: tuple[str, Any] | None = None,
+    cuda_module: ModuleType | None = None,
     **meta: Any,
 ) -> None:
     """Launch `kernel` over every chunk of `runs` (rows of int64 fields; `chunks` per run); on a
-    GPU with the CUDA C kernels selected (`use_kernels`), ``cuda`` = (function of
-    `_delta_cuda`, its keyword arguments) instead."""
+    GPU with the CUDA C kernels selected (`use_kernels`), or `cuda_module` given, ``cuda`` =
+    (function of `_delta_cuda`, its keyword arguments) instead."""
     on = _device_table(runs, chunks, device)
     if on is None:
         return
     runs_t, first_t, num_runs, total = on
-    cu = _cuda_kernels(device) if cuda is not None else None
+    cu = cuda_module
+    if cu is None and cuda is not None:
+        cu = _cuda_kernels(device)
     if cu is not None and cuda is not None:
         fn, kw = cuda
         getattr(cu, fn)(device, runs_t, first_t, num_runs, total, *args, **kw)
@@ -534,6 +545,9 @@ class CountedTable:
     under Triton."""
     stage_row0: np.ndarray | None = None
     """Each run's first staging row (in its element size's `staging`); None under Triton."""
+    cuda: ModuleType | None = None
+    """The CUDA C kernels that counted, which must also encode (their bitmap holds only the
+    words past each whole chunk's staged changes); None under Triton."""
 
     @property
     def totals(self) -> np.ndarray:
@@ -584,12 +598,12 @@ def count_table(
                 )
                 n_chunks = whole[sel]
                 if cu is not None and stage_row0 is not None:
-                    # Staging rows of this element size: its runs' whole chunks, in order.
+                    # Staging rows of this element size: its runs' whole chunks, in order
+                    # (the count's block j writes row j; the encode finds a run's rows here).
                     srow = cu.stage_rows(whole[sel])
                     stage_row0[sel] = srow
                     staging[size] = cu.Staging.new(device, int(n_chunks.sum()), size)
                     cuda_kw["staging"] = staging[size]
-                    cuda_kw["srow0"] = torch.from_numpy(srow).to(device)
             else:
                 table = np.stack(
                     [
@@ -609,7 +623,7 @@ def count_table(
                 counts,
                 wbits,
                 num_warps=_COUNT_WARPS,
-                cuda=("count_rows", {"staging": None, "srow0": None, **cuda_kw}),
+                cuda=("count_rows", {"staging": None, **cuda_kw}),
                 DTYPE=_tl_dtype(size),
                 FULL=full,
                 CHUNK=CHUNK_ELEMENTS,
@@ -626,6 +640,7 @@ def count_table(
         whole=whole,
         staging=staging,
         stage_row0=stage_row0,
+        cuda=cu,
     )
 
 
@@ -674,8 +689,9 @@ def encode_table(
             counted.wbits,
             num_warps=_ENCODE_WARPS,
             cuda=None
-            if counted.stage_row0 is None
+            if counted.cuda is None
             else ("encode_rows", {"esize": size, "staging": counted.staging.get(size)}),
+            cuda_module=counted.cuda,
             DTYPE=_tl_dtype(size),
             CHUNK=CHUNK_ELEMENTS,
             BLOCK=_ENCODE_BLOCK,
