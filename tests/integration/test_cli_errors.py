@@ -282,7 +282,10 @@ def test_doctor_json_is_clean_json() -> None:
     )
     import json
 
-    json.loads(proc.stdout)
+    report = json.loads(proc.stdout)
+    # Which delta kernels would run: on a machine without a GPU, torch ops on the CPU.
+    if not report["cuda_available"]:
+        assert report["delta_kernels"].startswith("torch ops on the CPU"), report["delta_kernels"]
 
 
 def test_plan_units_and_inline_rates(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from tests.markers import requires_cuda, requires_module
 from weight_transfer.config import DeltaConfig
-from weight_transfer.errors import ConfigurationError
+from weight_transfer.errors import ConfigurationError, WeightTransferError
 from weight_transfer.kernels import delta
 from weight_transfer.kernels.delta import (
     CHUNK_ELEMENTS,
@@ -215,7 +215,6 @@ def test_kernel_selection_is_checked_and_falls_back(monkeypatch: pytest.MonkeyPa
     names; "auto" without the CUDA C module (CuPy missing) gives the Triton path, "cuda"
     raises naming CuPy, and CPU tensors never take the CUDA C path."""
     from weight_transfer.config import ReceiverConfig
-    from weight_transfer.errors import WeightTransferError
 
     with pytest.raises(ConfigurationError, match="one of"):
         delta.use_kernels("cub")
@@ -273,6 +272,46 @@ def test_auto_falls_back_to_triton_when_cuda_c_does_not_compile(
         monkeypatch.setattr(delta, "_cuda_module", lambda required: working)
         delta.use_kernels("auto")
         assert delta._cuda_kernels(gpu) is working
+    finally:
+        delta.use_kernels("auto")
+        delta._cuda_compiles.cache_clear()
+
+
+def test_kernels_report_says_which_kernels_run_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels_report` (`weight-transfer doctor`'s line) for each selection, with stand-in
+    modules for the CUDA C kernels (no GPU here): which set runs on the device, and why."""
+    import importlib.util
+    import types
+
+    def broken(device_index: int, defines: tuple[tuple[str, int], ...]) -> None:
+        raise RuntimeError("nvrtc: unsupported architecture")
+
+    def no_cupy(required: bool) -> types.ModuleType | None:
+        if required:
+            raise WeightTransferError("the CUDA C delta kernels need cupy")
+        return None
+
+    working = types.ModuleType("working_delta_cuda")
+    working._module = lambda device_index, defines: None  # type: ignore[attr-defined]
+    failing = types.ModuleType("failing_delta_cuda")
+    failing._module = broken  # type: ignore[attr-defined]
+    triton = "Triton " if importlib.util.find_spec("triton") is not None else "none: "
+    delta._cuda_compiles.cache_clear()
+    try:
+        delta.use_kernels("auto")
+        monkeypatch.setattr(delta, "_cuda_module", lambda required: working)
+        assert delta.kernels_report(3).startswith("CUDA C (CuPy ")
+        monkeypatch.setattr(delta, "_cuda_module", lambda required: failing)
+        got = delta.kernels_report(3)
+        assert got.startswith(triton) and "do not compile for cuda:3" in got, got
+        monkeypatch.setattr(delta, "_cuda_module", no_cupy)
+        got = delta.kernels_report(3)
+        assert got.startswith(triton) and "CuPy does not import" in got, got
+        delta.use_kernels("triton")
+        got = delta.kernels_report(3)
+        assert got.startswith(triton) and 'kernels = "triton"' in got, got
+        delta.use_kernels("cuda")
+        assert delta.kernels_report(3) == "none: the CUDA C delta kernels need cupy"
     finally:
         delta.use_kernels("auto")
         delta._cuda_compiles.cache_clear()

@@ -5,8 +5,8 @@ For every backend of `BACKENDS` the doctor first asks `weight_transfer.backends.
 finds nothing missing it loads the backend's class and constructs (then closes) one transport
 with a default `TransportConfig`, once for host memory and, where CUDA is available, once with
 `device_index=0` for GPU memory. It prints the verdict with the reason of each failure, torch and
-CUDA facts, the versions of the optional packages, and the ibverbs backend's own device report.
-It always exits 0.
+CUDA facts, the versions of the optional packages, the ibverbs backend's own device report, and
+which kernels delta mode would run (`docs/delta.md`). It always exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from weight_transfer.backends import availability
 from weight_transfer.backends.base import BACKENDS, MemoryKind, TransportConfig, load_backend
 from weight_transfer.cli.command import Command
+from weight_transfer.kernels import delta
 
 _PACKAGES: dict[str, tuple[str, ...]] = {
     "ucx": ("libucx-cu13",),
@@ -59,6 +60,8 @@ class DoctorReport:
     rdma_devices: list[str]
     backends: list[BackendStatus]
     ibverbs: dict[str, Any]
+    delta_kernels: str
+    """Which count / encode / apply kernels delta mode runs here, and why."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -135,6 +138,9 @@ def collect_report() -> DoctorReport:
         rdma_devices=availability.rdma_devices(),
         backends=[_status(name, num_gpus) for name in BACKENDS],
         ibverbs=_ibverbs_info(),
+        delta_kernels=delta.kernels_report(0)
+        if num_gpus
+        else "torch ops on the CPU (no CUDA GPU; the GPU kernels are Triton and CUDA C)",
     )
 
 
@@ -173,6 +179,7 @@ def format_report(report: DoctorReport) -> str:
             for p in dev.get("ports", [])
         )
         lines.append(f"  {dev.get('name')}: {ports or 'no ports'}")
+    lines.append(f"delta kernels: {report.delta_kernels}")
     return "\n".join(lines)
 
 

@@ -221,6 +221,39 @@ def _cuda_module(required: bool) -> ModuleType | None:
         return None
 
 
+def _module_version(name: str) -> str | None:
+    """`name`'s version if it imports, else None."""
+    try:
+        return str(getattr(importlib.import_module(name), "__version__", "?"))
+    except ImportError:
+        return None
+
+
+def kernels_report(device_index: int) -> str:
+    """Which table kernels delta mode runs on cuda:`device_index` with this process's selection
+    (`use_kernels`), and why: one line, for `weight-transfer doctor`. Compiles the CUDA C
+    kernels where "auto" would (a fraction of a second with NVRTC)."""
+    try:
+        cu = _cuda_kernels(torch.device("cuda", device_index))
+    except WeightTransferError as exc:  # "cuda" selected, CuPy missing
+        return f"none: {exc}"
+    if cu is not None:
+        return f"CUDA C (CuPy {_module_version('cupy')}, kernels = {_kernels!r})"
+    if _kernels == "triton":
+        why = 'kernels = "triton"'
+    elif _cuda_module(False) is None:
+        why = (
+            "CuPy does not import; `pip install 'weight-transfer[cuda13]'` (or [cuda12]) "
+            "for the faster CUDA C kernels"
+        )
+    else:
+        why = f"the CUDA C kernels do not compile for cuda:{device_index} (logged above)"
+    triton = _module_version("triton")
+    if triton is None:
+        return f"none: triton does not import, and {why}"
+    return f"Triton {triton} ({why})"
+
+
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether the kernels run as Triton for `t` (CUDA tensors; CPU tensors under triton's
     interpreter, `TRITON_INTERPRET=1`), else as torch ops."""
