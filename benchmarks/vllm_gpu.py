@@ -275,7 +275,7 @@ class _TimedClient:
     """`LLMWeightSyncClient` that records how long each vLLM phase took (seconds)."""
 
     def __init__(self, llm: Any) -> None:
-        from weight_transfer.vllm import LLMWeightSyncClient
+        from weight_transfer.engines.vllm import LLMWeightSyncClient
 
         self.inner = LLMWeightSyncClient(llm)
         self.last: dict[str, float] = {}
@@ -429,7 +429,7 @@ def _train_step(model: Any, opt: Any, vocab: int, device: torch.device) -> float
 def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     """bf16 / fp8 / moe / delta / delta-fp8 / delta-moe (module docstring)."""
     from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         BACKEND,
         ControlPlaneConfig,
         OneSidedUpdater,
@@ -661,14 +661,14 @@ def _ray_placeholder() -> bool:
 
 def run_timing(cfg: RunConfig) -> dict[str, Any]:
     """timing (module docstring)."""
-    from weight_transfer.planner.plan import PlannerConfig
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         BACKEND,
         ControlPlaneConfig,
         OneSidedUpdater,
         TrainerInitInfo,
         TransferConfig,
     )
+    from weight_transfer.planner.plan import PlannerConfig
 
     if not cfg.gpu:
         raise SystemExit("the timing case needs a GPU (Llama-3.1-8B shapes)")

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from weight_transfer.vllm import (
+from weight_transfer.engines.vllm import (
     ControlPlaneConfig,
     LLMWeightSyncClient,
     OneSidedUpdater,

@@ -1,8 +1,8 @@
 """weight-transfer: move RL trainer weights into inference-engine memory with one-sided writes.
 
 The names below are the public API; everything else under `weight_transfer` may change
-(`weight_transfer.vllm` is public too: what a vLLM user imports). Importing this package never
-imports a concrete backend (ucx, nixl, pyverbs) or vLLM.
+(`weight_transfer.engines.vllm` is public too: what a vLLM user imports). Importing this
+package never imports a concrete backend (ucx, nixl, pyverbs) or vLLM.
 
 One config (`TransferConfig`, or `load_toml` of a file that maps onto it) for both sides.
 

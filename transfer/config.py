@@ -258,7 +258,7 @@ class ControllerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VllmConfig:
-    """Settings of the vLLM plug-in (`weight_transfer.vllm`): the `[vllm]` table."""
+    """Settings of the vLLM plug-in (`weight_transfer.engines.vllm`): the `[vllm]` table."""
 
     engine_prefix: str = "vllm"
     """vLLM worker ranks are named `{engine_prefix}/rank{global worker rank}` (one prefix per

@@ -28,7 +28,7 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.delta import (
+from weight_transfer.delta.patch import (
     ApplyStats,
     PatchError,
     applied_key,

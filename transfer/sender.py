@@ -30,7 +30,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import SenderConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller, Phase, plan_key, stage_key
-from weight_transfer.delta_sender import DeltaSession, DeltaStats, DeltaTransport
+from weight_transfer.delta.session import DeltaSession, DeltaStats, DeltaTransport
 from weight_transfer.errors import ConfigurationError, UpdateFailedError, UpdateInProgressError
 from weight_transfer.manifest import local_part, named_tensors, source_manifest, storage_view
 from weight_transfer.pipeline import (

@@ -58,9 +58,14 @@ def main() -> int:
     )
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    from weight_transfer.engines import vllm as plugin
+    from weight_transfer.engines.vllm import (
+        BACKEND,
+        ControlPlaneConfig,
+        TrainerInitInfo,
+        TransferConfig,
+    )
+    from weight_transfer.engines.vllm import worker as plugin
     from weight_transfer.errors import WeightTransferError
-    from weight_transfer.vllm import BACKEND, ControlPlaneConfig, TrainerInitInfo, TransferConfig
 
     print(f"vLLM {vllm.__version__} from {vllm.__file__}")
     interface = plugin.vllm_interface()

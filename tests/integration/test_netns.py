@@ -586,7 +586,7 @@ def _start_vllm(model_dir: str, backend: bool) -> Any:
 
     kwargs: dict[str, Any] = {}
     if backend:
-        from weight_transfer.vllm import BACKEND
+        from weight_transfer.engines.vllm import BACKEND
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
     return LLM(
@@ -625,7 +625,7 @@ def vllm_host_proc(ns: str, model_dir: str, channel: Any) -> None:
     """The engine host: a vLLM engine with the plug-in, serving trainer rank 0's phases; then a
     fresh vLLM engine on the trainer's checkpoint, the oracle."""
     enter_host(ns)
-    from weight_transfer.vllm import LLMWeightSyncClient
+    from weight_transfer.engines.vllm import LLMWeightSyncClient
 
     llm = _start_vllm(model_dir, backend=True)
     before = _vllm_outputs(llm)
@@ -674,7 +674,7 @@ def vllm_trainer_proc(
     from transformers import LlamaForCausalLM
 
     from weight_transfer.config import ControlPlaneConfig, TransferConfig
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.engines.vllm import OneSidedUpdater, TrainerInitInfo
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(dist_port))

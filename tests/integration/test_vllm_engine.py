@@ -134,7 +134,7 @@ def _start_llm(model_dir: Path, dtype: str, tp: int, backend: bool, **kwargs: An
     from vllm import LLM
 
     if backend:
-        from weight_transfer.vllm import BACKEND
+        from weight_transfer.engines.vllm import BACKEND
 
         kwargs["weight_transfer_config"] = {"backend": BACKEND}
     return LLM(
@@ -360,7 +360,7 @@ def _trainer(
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig
 
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         ControlPlaneConfig,
         OneSidedUpdater,
         TrainerInitInfo,
@@ -444,7 +444,7 @@ def _run_trainers(
         def check(step: int, path: Path, seconds: float) -> dict[str, Any]:
             return _check(llm, oracle, step, path, dtype, seconds)
 
-    from weight_transfer.vllm import LLMWeightSyncClient
+    from weight_transfer.engines.vllm import LLMWeightSyncClient
 
     client = LLMWeightSyncClient(llm)
     cp_port, dist_port, token = _free_port(), _free_port(), secrets.token_hex(16)
@@ -724,7 +724,7 @@ class TestTP1:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from weight_transfer.vllm import (
+        from weight_transfer.engines.vllm import (
             LLMWeightSyncClient,
             OneSidedUpdater,
             TrainerInitInfo,
@@ -793,9 +793,13 @@ class TestTP1:
         from vllm.inputs import TokensPrompt
 
         from tests.unit.test_serving_gate import _half_then_fail
+        from weight_transfer.engines.vllm import (
+            LLMWeightSyncClient,
+            OneSidedUpdater,
+            TrainerInitInfo,
+        )
         from weight_transfer.errors import NotServingError, WeightTransferError
         from weight_transfer.serving import ServingState
-        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
 
         d, llm, _ = engines
         step_log = tmp_path / "forward_passes.txt"
@@ -896,7 +900,7 @@ class TestTP1:
     def test_wrong_token_and_wrong_session_are_refused(self, engines: Any) -> None:
         from weight_transfer.config import ControllerConfig, ControlPlaneConfig, TransferConfig
         from weight_transfer.controller import Controller
-        from weight_transfer.vllm import (
+        from weight_transfer.engines.vllm import (
             EngineInitInfo,
             LLMWeightSyncClient,
         )
@@ -941,11 +945,11 @@ class TestTP1:
         from transformers import LlamaForCausalLM
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-        from weight_transfer.engines.vllm import register
-        from weight_transfer.vllm import (
+        from weight_transfer.engines.vllm import (
             LLMWeightSyncClient,
             TrainerInitInfo,
         )
+        from weight_transfer.engines.vllm.worker import register
 
         d, llm, _ = engines
         register()  # vLLM loaded the plug-in in this process already; registering is idempotent
@@ -979,7 +983,11 @@ class TestTP1:
         from safetensors.torch import save_file
 
         from weight_transfer.config import DeltaConfig, ReceiverConfig, SenderConfig
-        from weight_transfer.vllm import LLMWeightSyncClient, OneSidedUpdater, TrainerInitInfo
+        from weight_transfer.engines.vllm import (
+            LLMWeightSyncClient,
+            OneSidedUpdater,
+            TrainerInitInfo,
+        )
 
         d, llm, oracle = engines
         params = {n: t.clone() for n, t in _hf_state(d).items()}
@@ -1034,7 +1042,7 @@ class TestTP1:
 
 def _config(num_engines: int) -> Any:
     """A transfer into `num_engines` vLLM workers on a fresh port, with a fresh token."""
-    from weight_transfer.vllm import ControlPlaneConfig, TransferConfig
+    from weight_transfer.engines.vllm import ControlPlaneConfig, TransferConfig
 
     return TransferConfig(
         num_engines=num_engines,
@@ -1054,7 +1062,7 @@ def _construct_mismatched(self: Any, field: str = "intermediate_size") -> str:
     import copy
     import types
 
-    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
+    from weight_transfer.engines.vllm.worker import OneSidedWeightTransferEngine
 
     hf = copy.deepcopy(self.vllm_config.model_config.hf_config)
     setattr(hf, field, getattr(hf, field) + 64)
@@ -1124,7 +1132,7 @@ def _mismatched_trainer(
     `OneSidedUpdater` raised (type and problems)."""
     from transformers import AutoConfig, Qwen3ForCausalLM
 
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         ControlPlaneConfig,
         OneSidedUpdater,
         TrainerInitInfo,
@@ -1202,7 +1210,7 @@ class TestQwen3Tied:
         to run "successful" updates that sent the first 864 rows. Now every trainer rank raises
         `PlanMismatchError` listing every mismatched tensor before any byte moves, and vLLM
         keeps serving what it served."""
-        from weight_transfer.vllm import LLMWeightSyncClient
+        from weight_transfer.engines.vllm import LLMWeightSyncClient
 
         d, llm = engine
         before = _generate(llm)
@@ -1329,7 +1337,7 @@ def test_qwen2_moe_tp2_update_equals_a_fresh_engine(tmp_path: Path) -> None:
     equals a fresh vLLM engine on a checkpoint of the same weights."""
     from safetensors.torch import save_file
 
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         LLMWeightSyncClient,
         OneSidedUpdater,
         TrainerInitInfo,

@@ -174,7 +174,7 @@ def _construct_with_draft(self: Any) -> str:
     """Build the plug-in's engine over the live model as if vLLM ran an MTP draft."""
     import types
 
-    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
+    from weight_transfer.engines.vllm.worker import OneSidedWeightTransferEngine
 
     vc = self.vllm_config
     cfg = types.SimpleNamespace(
@@ -191,7 +191,7 @@ def _construct_with_draft(self: Any) -> str:
 
 def _construct_live(self: Any) -> str:
     """Build the plug-in's engine over the live model with the engine's own config."""
-    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
+    from weight_transfer.engines.vllm.worker import OneSidedWeightTransferEngine
 
     try:
         OneSidedWeightTransferEngine(

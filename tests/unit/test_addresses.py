@@ -16,7 +16,7 @@ from weight_transfer.config import (
     config_from_mapping,
     new_token,
 )
-from weight_transfer.vllm import EngineInitInfo, TrainerInitInfo
+from weight_transfer.engines.vllm import EngineInitInfo, TrainerInitInfo
 
 TOKEN = new_token()
 

@@ -210,7 +210,7 @@ def test_published_sample_tokens_are_refused():
 
 
 def test_vllm_init_infos_are_derived_from_the_config_and_hide_the_token(tmp_path):
-    from weight_transfer.vllm import EngineInitInfo, TrainerInitInfo
+    from weight_transfer.engines.vllm import EngineInitInfo, TrainerInitInfo
 
     path = tmp_path / "wt.toml"
     path.write_text(TOML)

@@ -128,7 +128,7 @@ class _FakeVllm:
         self.ready_at: dict[int, float] = {}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from weight_transfer.vllm import EngineInitInfo
+        from weight_transfer.engines.vllm import EngineInitInfo
 
         config = EngineInitInfo(**init_info).transfer_config()
         name = f"{config.vllm.engine_prefix}/rank0"
@@ -139,7 +139,7 @@ class _FakeVllm:
         pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        from weight_transfer.vllm import Ready, ready_key
+        from weight_transfer.engines.vllm.trainer import Ready, ready_key
 
         k = int(update_info["version"])
         time.sleep(self.busy_s)  # the forward pass in progress ends first
@@ -161,7 +161,7 @@ class _FakeVllm:
 
 @pytest.mark.timeout(90)
 def test_a_strangers_ready_key_does_not_release_go_while_the_engine_runs() -> None:
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.engines.vllm import OneSidedUpdater, TrainerInitInfo
 
     port = free_port()
     info = TrainerInitInfo(
@@ -206,7 +206,7 @@ class _FailingVllm(_FakeVllm):
 def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() -> None:
     """rank 0 blocks in the store for the engines' announcements; vLLM's call failing first
     must end that wait now, not at the update's timeout."""
-    from weight_transfer.vllm import OneSidedUpdater, TrainerInitInfo
+    from weight_transfer.engines.vllm import OneSidedUpdater, TrainerInitInfo
 
     info = TrainerInitInfo(
         config=TransferConfig(

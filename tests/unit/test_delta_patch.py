@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.markers import requires_cuda
-from weight_transfer.delta import (
+from weight_transfer.delta.patch import (
     HEADER_BYTES,
     PatchBuilder,
     PatchError,
@@ -280,7 +280,7 @@ def test_gpu_engine_with_a_host_region_applies_by_table(monkeypatch: pytest.Monk
     on the GPU: every sparse segment must still go through the table kernels (the per-segment
     path, `apply_changes`, once ran for all 7,869 segments of an MoE patch because one region
     was on the host), and the result is the old bytes with the new runs sliced in."""
-    import weight_transfer.delta as delta_mod
+    import weight_transfer.delta.patch as delta_mod
 
     old = _regions(21)
     new_runs = _new_runs(old, 22)
@@ -305,7 +305,7 @@ def test_gpu_patch_advances_a_pinned_host_snapshot(monkeypatch: pytest.MonkeyPat
     """A trainer's snapshot in pinned host memory (`snapshot_memory="host"`) advances by a
     GPU patch through the table kernels writing its mapped address, never segment by segment
     on the CPU, and ends as the new runs' bytes."""
-    import weight_transfer.delta as delta_mod
+    import weight_transfer.delta.patch as delta_mod
 
     old = _regions(31)
     new_runs = _new_runs(old, 32)

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from weight_transfer import delta_sender
 from weight_transfer.backends.base import WeightTransferError
 from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import (
@@ -26,8 +25,9 @@ from weight_transfer.config import (
     TransferConfig,
 )
 from weight_transfer.controller import Controller
-from weight_transfer.delta import PatchError
-from weight_transfer.delta_sender import SpeedGuard
+from weight_transfer.delta import session as delta_sender
+from weight_transfer.delta.patch import PatchError
+from weight_transfer.delta.session import SpeedGuard
 from weight_transfer.manifest import torch_dtype
 from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 from weight_transfer.planner.plan import PlannerConfig

@@ -13,7 +13,7 @@ from tests.markers import requires_module
 
 def test_import_never_imports_vllm() -> None:
     code = (
-        "import sys, weight_transfer, weight_transfer.engines, weight_transfer.vllm, "
+        "import sys, weight_transfer, weight_transfer.engines, weight_transfer.engines.vllm, "
         "weight_transfer.cli.bench, weight_transfer.cli.demo, weight_transfer.cli.demo_vllm, "
         "weight_transfer.cli.doctor, weight_transfer.cli.plan; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
@@ -25,7 +25,7 @@ def test_import_never_imports_vllm() -> None:
 
 def test_entry_point_names_the_register_function() -> None:
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("weight_transfer") == "weight_transfer.engines.vllm:register"
+    assert eps.get("weight_transfer") == "weight_transfer.engines.vllm.worker:register"
 
 
 @requires_module("vllm")

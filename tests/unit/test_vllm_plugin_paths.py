@@ -29,7 +29,7 @@ def _vllm_config(quantization: str | None, quantization_config: Any = None) -> A
 
 
 def test_block_fp8_is_accepted_and_other_quantizations_are_refused() -> None:
-    from weight_transfer.engines.vllm import _fp8_block
+    from weight_transfer.engines.vllm.worker import _fp8_block
     from weight_transfer.errors import ConfigurationError
 
     assert _fp8_block(_vllm_config(None)) is None
@@ -60,7 +60,7 @@ class _Relayout:
 
 
 def _engine_over(layer: nn.Module) -> Any:
-    from weight_transfer.engines.vllm import OneSidedWeightTransferEngine
+    from weight_transfer.engines.vllm.worker import OneSidedWeightTransferEngine
 
     engine: Any = object.__new__(OneSidedWeightTransferEngine)
     engine._captured = {"layer": dict(layer.named_parameters(recurse=False))}
@@ -110,7 +110,7 @@ def test_refresh_that_drops_a_parameter_fails() -> None:
 def test_ue8m0_scales_are_told_from_a_trainers() -> None:
     """DeepGEMM's UE8M0 re-quantization leaves power-of-two scales (or exponent bytes); the
     reference quantizer's scales (amax / 448) are not."""
-    from weight_transfer.engines.vllm import _power_of_two_scales
+    from weight_transfer.engines.vllm.worker import _power_of_two_scales
     from weight_transfer.planner.fp8 import quantize_fp8_blockwise
 
     g = torch.Generator().manual_seed(3)
@@ -127,7 +127,7 @@ def test_ue8m0_scales_are_told_from_a_trainers() -> None:
 
 def _delta_engine(layer: nn.Module, *, delta: bool) -> Any:
     """A plug-in engine over one re-processed layer whose weight is registered in place."""
-    from weight_transfer.engines.vllm import (
+    from weight_transfer.engines.vllm.worker import (
         IN_PLACE_REPROCESS,
         OneSidedWeightTransferEngine,
         ParamPath,
@@ -186,7 +186,7 @@ def test_delta_is_turned_off_where_vllm_requantizes_to_ue8m0(
     region: its trainers send it full updates. Other engines keep the configured one. Known
     from vLLM (`is_deep_gemm_e8m0_used`) or, where it cannot say, from the live scales."""
     from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
-    from weight_transfer.engines import vllm as plugin
+    from weight_transfer.engines.vllm import worker as plugin
 
     monkeypatch.setattr(plugin, "_deep_gemm_e8m0", lambda: False)
 
@@ -240,7 +240,7 @@ class _Llm026:
 
 
 def test_client_keeps_the_version_where_vllm_has_none() -> None:
-    from weight_transfer.vllm import LLMWeightSyncClient
+    from weight_transfer.engines.vllm import LLMWeightSyncClient
 
     llm = _Llm026()
     client = LLMWeightSyncClient(llm)
@@ -264,9 +264,9 @@ def test_client_stays_paused_after_a_failed_update_until_one_completes() -> None
     scheduler is not woken, not even by an update that then fails before writing anything;
     only a finished update resumes it. An update that fails before writing, from a whole
     model, resumes at once."""
+    from weight_transfer.engines.vllm import LLMWeightSyncClient
     from weight_transfer.errors import NotServingError
     from weight_transfer.serving import ServingState
-    from weight_transfer.vllm import LLMWeightSyncClient
 
     wake = ("wake_up", ["scheduling"])
     llm = _Llm026()

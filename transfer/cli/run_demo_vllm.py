@@ -144,16 +144,16 @@ def trainer_main(
     from transformers import LlamaForCausalLM
 
     from weight_transfer.config import SenderConfig
-    from weight_transfer.planner.presets.models import get_model_shape
-    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-    from weight_transfer.planner.reference import materialize
-    from weight_transfer.vllm import (
+    from weight_transfer.engines.vllm import (
         ControlPlaneConfig,
         OneSidedUpdater,
         TrainerInitInfo,
         TransferConfig,
         VllmConfig,
     )
+    from weight_transfer.planner.presets.models import get_model_shape
+    from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+    from weight_transfer.planner.reference import materialize
 
     torch.set_num_threads(1)
     cp_port, dist_port = ports
@@ -244,8 +244,8 @@ def run_vllm_demo(
 
     from weight_transfer.cli.launch import Child, Launch
     from weight_transfer.cli.run_demo import free_port
+    from weight_transfer.engines.vllm import BACKEND, LLMWeightSyncClient
     from weight_transfer.errors import WeightTransferError
-    from weight_transfer.vllm import BACKEND, LLMWeightSyncClient
 
     reports: list[VllmUpdateReport] = []
     with tempfile.TemporaryDirectory(prefix="wt-demo-vllm-") as tmp:

@@ -1,6 +1,5 @@
 """Engine adapters: an inference engine's own plug-in point mapped onto `WeightReceiver`.
 
-One module per engine. `vllm` needs vLLM installed and is imported only by vLLM's plug-in loader
-(or explicitly); `vllm_protocol` is the vLLM-free trainer side of the same protocol. Importing
-this package imports neither.
+One package per engine, holding both halves: `vllm/` (`trainer`, which imports no vLLM, and
+`worker`, which vLLM's plug-in loader imports). Importing this package imports no engine.
 """

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the delta layer imports the pipeline's package, not the other way round
-    from weight_transfer.delta_sender import DeltaStats
+    from weight_transfer.delta.session import DeltaStats
 
 
 @dataclasses.dataclass(slots=True)

@@ -42,7 +42,7 @@ readiness and waits, bounded, for the update's version word; the writes land whi
 thread is inside that call, so no forward pass reads a partial update.
 
 Trainer side: `OneSidedTrainerWeightTransferEngine`, vLLM's `TrainerWeightTransferEngine` over
-`weight_transfer.vllm.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
+`weight_transfer.engines.vllm.OneSidedUpdater`. Only vLLM (or a user) imports this module; `import
 weight_transfer` never does.
 """
 
@@ -65,13 +65,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from weight_transfer.config import TransferConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.delta import ApplyStats
-from weight_transfer.errors import ConfigurationError, WeightTransferError
-from weight_transfer.manifest import dtype_name, torch_dtype
-from weight_transfer.planner.presets.models import from_hf_config
-from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_layout
-from weight_transfer.receiver import WeightReceiver
-from weight_transfer.vllm import (
+from weight_transfer.delta.patch import ApplyStats
+from weight_transfer.engines.vllm.trainer import (
     BACKEND,
     EngineInitInfo,
     EngineUpdateInfo,
@@ -81,6 +76,11 @@ from weight_transfer.vllm import (
     WeightSyncClient,
     ready_key,
 )
+from weight_transfer.errors import ConfigurationError, WeightTransferError
+from weight_transfer.manifest import dtype_name, torch_dtype
+from weight_transfer.planner.presets.models import from_hf_config
+from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_layout
+from weight_transfer.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ def _moe_prefix(params: dict[str, torch.Tensor]) -> str:
     return DEFAULT_MOE_PREFIX
 
 
-class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):  # type: ignore[type-var]
+class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUpdateInfo]):  # type: ignore[type-var, unused-ignore]
     """Worker-side engine: the live model's memory becomes a `WeightReceiver` target.
 
     Built by vLLM in every worker after the model loaded (`WeightTransferEngineFactory`). Not
@@ -885,8 +885,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """vLLM 0.26's worker base class declares this (abstract); this backend has no such path.
 
         Trainers send through `OneSidedTrainerWeightTransferEngine.send_weights` or
-        `weight_transfer.vllm.OneSidedUpdater.update`, which write shard to shard; there is no
-        iterator of whole tensors to hand over.
+        `weight_transfer.engines.vllm.OneSidedUpdater.update`, which write shard to shard;
+        there is no iterator of whole tensors to hand over.
 
         Raises:
             ConfigurationError: always, naming what to call instead.
@@ -937,7 +937,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         }
 
 
-class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type: ignore[type-arg]
+class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type: ignore[type-arg, unused-ignore]
     """Trainer-side engine (vLLM's `WeightTransferTrainerFactory`), over `OneSidedUpdater`.
 
     `trainer_init` on every trainer rank (rank 0 hosts the control plane and drives vLLM
@@ -985,7 +985,8 @@ class OneSidedTrainerWeightTransferEngine(TrainerWeightTransferEngine):  # type:
         """
         if not isinstance(init_info, TrainerInitInfo):
             raise ConfigurationError(
-                "weight_transfer: trainer_init needs a weight_transfer.vllm.TrainerInitInfo, "
+                "weight_transfer: trainer_init needs a "
+                "weight_transfer.engines.vllm.TrainerInitInfo, "
                 f"got {type(init_info).__name__}"
             )
         module = getattr(source, "_module", None)

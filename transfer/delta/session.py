@@ -4,7 +4,7 @@ pipeline's writes into patches.
 The pipeline is unchanged by delta mode: it gathers, fuses, slices and quantizes exactly as for
 a full update and hands its writes to the transport. `DeltaTransport` stands between it and the
 real transport. In a *full* update it passes every write through and copies the bytes into
-the snapshot (`weight_transfer.delta.Snapshot`) on the way. In a *delta* update it posts
+the snapshot (`weight_transfer.delta.patch.Snapshot`) on the way. In a *delta* update it posts
 nothing: each write's bytes are compared with the snapshot and encoded into that engine's
 `PatchBuilder` (the write "completes" at once, so the pipeline frees its staging as soon as
 the bytes are encoded), and `DeltaSession.post_patches` then writes every engine's patch into
@@ -49,7 +49,7 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.config import DeltaConfig
 from weight_transfer.control import ControlPlane
-from weight_transfer.delta import (
+from weight_transfer.delta.patch import (
     HEADER_BYTES,
     PatchBuilder,
     PatchError,
@@ -58,7 +58,7 @@ from weight_transfer.delta import (
     region_header,
     slot_layout,
 )
-from weight_transfer.delta_verify import DeltaVerifier
+from weight_transfer.delta.verify import DeltaVerifier
 from weight_transfer.kernels import table_copy
 from weight_transfer.kernels.delta import use_kernels, uses_triton
 from weight_transfer.planner.types import QuantWrite, RankSchedule, SliceWrite, dtype_size

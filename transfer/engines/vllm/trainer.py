@@ -30,11 +30,11 @@ that completes resumes scheduling, and the held requests run on its weights. A c
 `fail_weight_update` is left as the failed update left it (paused, if its start paused vLLM).
 
 Trainer processes without vLLM installed use this module directly with any client object (for
-example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm` wraps it as
+example one posting to vLLM's HTTP routes); `weight_transfer.engines.vllm.worker` wraps it as
 vLLM's `TrainerWeightTransferEngine` for those that have vLLM. This module never imports vLLM
 and re-exports the configuration classes a vLLM user needs, so one import serves:
 
-    from weight_transfer.vllm import (ControlPlaneConfig, LLMWeightSyncClient,
+    from weight_transfer.engines.vllm import (ControlPlaneConfig, LLMWeightSyncClient,
                                       OneSidedUpdater, TrainerInitInfo, TransferConfig)
 
 Settings all come from the transfer's one `TransferConfig` (its `[vllm]` table holds the

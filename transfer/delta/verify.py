@@ -21,7 +21,12 @@ import torch
 
 from weight_transfer.backends.base import WeightTransferError
 from weight_transfer.control import ControlPlane
-from weight_transfer.delta import engine_digest_key, rank_digest_key, verdict_key, verify_key_key
+from weight_transfer.delta.patch import (
+    engine_digest_key,
+    rank_digest_key,
+    verdict_key,
+    verify_key_key,
+)
 from weight_transfer.protocol import Decision, Digests
 from weight_transfer.verify import name_key, position_digest, region_position
 
