@@ -333,3 +333,40 @@ def test_a_failed_batch_keeps_transfers_in_progress_until_they_stop(
     finally:
         tx.close()
         rx.close()
+
+
+def _libefa_reason() -> str | None:
+    import ctypes.util
+
+    if ctypes.util.find_library("efa") is None:
+        return "needs rdma-core's libefa (ibverbs-providers): without it there is no crash to keep"
+    return None
+
+
+@requires_module("nixl_cu13")
+@pytest.mark.skipif(_libefa_reason() is not None, reason=_libefa_reason() or "")
+@pytest.mark.parametrize("ucx_modules", [None, "^efa,^ib"])
+def test_a_process_that_made_an_agent_exits_cleanly_beside_rdma_core(
+    ucx_modules: str | None,
+) -> None:
+    """On a host with rdma-core installed, NIXL's bundled UCX used to load its efa module, whose
+    host libefa brings the host's libnl beside the wheel's: the process died with SIGSEGV at
+    exit (exit code -11). The backend keeps that module out unless UCX_MODULES is set, and a
+    value the user set is kept."""
+    import subprocess
+
+    code = (
+        "import os\n"
+        "from weight_transfer.backends.base import TransportConfig, create_transport\n"
+        "t = create_transport(TransportConfig(name='nixl'))\n"
+        "t.close()\n"
+        "print(os.environ['UCX_MODULES'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    if ucx_modules is not None:
+        env["UCX_MODULES"] = ucx_modules
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.strip() == (ucx_modules or "^efa")
