@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from weight_transfer.cli.launch import (
+    SLOW_HOST_ENV,
     Channel,
     Child,
     Launch,
@@ -54,6 +55,10 @@ def echo(out: Channel) -> None:
 
 def env_reader(out: Channel) -> None:
     out.put(os.environ.get("WT_LAUNCH_TEST_VAR", "<unset>"))
+
+
+def parent_and_env(out: Channel) -> None:
+    out.put([os.getppid(), os.environ.get("WT_LAUNCH_TEST_VAR", "<unset>")])
 
 
 def silent(out: Channel) -> None:
@@ -155,3 +160,25 @@ def test_bad_launches_are_refused() -> None:
     assert describe_exit(None) == "still running"
     assert describe_exit(-15) == "exit code -15 (SIGTERM)"
     assert describe_exit(3) == "exit code 3"
+
+
+def test_a_slow_host_scales_the_waits_and_starts_children_from_a_forkserver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WT_SLOW_HOST=N: every wait is N times the one given, children come from a forkserver
+    (their parent is the server, not this process) and still get the launch's `env`."""
+    monkeypatch.setenv(SLOW_HOST_ENV, "4")
+    with Launch(
+        [Child("probe", parent_and_env), Child("silent", silent)],
+        env={"WT_LAUNCH_TEST_VAR": "set"},
+    ) as launch:
+        ppid, value = launch.recv("probe", timeout_s=60)
+        assert ppid != os.getpid() and value == "set"
+        t0 = time.monotonic()
+        with pytest.raises(LaunchTimeoutError, match=r"^silent sent nothing within 2 s"):
+            launch.recv("silent", timeout_s=0.5)
+        assert time.monotonic() - t0 >= 2.0
+    for bad in ("0.5", "fast"):
+        monkeypatch.setenv(SLOW_HOST_ENV, bad)
+        with pytest.raises(ValueError, match=f"WT_SLOW_HOST must be a number >= 1, got '{bad}'"):
+            Launch([Child("probe", parent_and_env)])

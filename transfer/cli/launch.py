@@ -13,6 +13,18 @@ that for the common case (collect reports until every child exited); `get`, `rec
 `kill` and `join` serve callers with a protocol of their own (the transport harness's
 request/reply, the fault tests' kills).
 
+Slow hosts (`SLOW_HOST_ENV`, the launcher's one setting, read from the environment since the
+launcher belongs to the CLI, tests and benchmarks, not the library): `WT_SLOW_HOST=N` (a number,
+at least 1) says that this host runs everything about N times slower than a normal one, as a VM
+without hardware virtualization does (the Soft-RoCE VM of tests/softroce runs under TCG, about
+15x slower: `import torch` alone takes 22 s there). Then every wait a caller gives the launcher
+(`get`, `recv`, `run`, `join`, `close`) is multiplied by N, and children are started by a
+`forkserver` that has imported torch and this package once, instead of by `spawn`, so a child
+does not pay that import again. A forkserver child is, like a spawned one, a fresh interpreter
+state forked from a single-threaded server: it inherits nothing of the parent but its
+arguments and its environment (`env` is applied in the child as well, since the server's own
+environment is the one it was started with). Unset or 1: spawn, and waits as given.
+
 Why one pipe per child and not one `multiprocessing.Queue` shared by all: a shared queue's
 writers share one lock, and a child that dies while its feeder thread holds that lock blocks
 every other child's reports forever (the fault tests kill children on purpose). Here each child
@@ -36,6 +48,7 @@ from typing import Any
 import msgpack
 
 __all__ = [
+    "SLOW_HOST_ENV",
     "Channel",
     "Child",
     "Launch",
@@ -43,7 +56,33 @@ __all__ = [
     "LaunchTimeoutError",
     "Outcome",
     "describe_exit",
+    "slow_host_factor",
 ]
+
+SLOW_HOST_ENV = "WT_SLOW_HOST"
+"""Environment variable: how many times slower than a normal host this one runs (see above)."""
+
+_PRELOAD = ["torch", "weight_transfer"]
+"""What a slow host's forkserver imports once for all its children."""
+
+
+def slow_host_factor() -> float:
+    """`WT_SLOW_HOST` as a number (1.0 when unset).
+
+    Raises:
+        ValueError: the variable is set to something other than a number >= 1.
+    """
+    raw = os.environ.get(SLOW_HOST_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = 0.0
+    if not factor >= 1.0:
+        raise ValueError(f"{SLOW_HOST_ENV} must be a number >= 1, got {raw!r}")
+    return factor
+
 
 _ERROR_EXT = 17
 """msgpack extension code of the launcher's own "this child raised" report (its traceback);
@@ -130,8 +169,11 @@ class Channel:
         self._conn.close()
 
 
-def _child_main(target: Callable[..., object], args: tuple[Any, ...], conn: Any) -> None:
+def _child_main(
+    target: Callable[..., object], args: tuple[Any, ...], conn: Any, env: Mapping[str, str]
+) -> None:
     """What each spawned process runs: the target, and a traceback report if it raises."""
+    os.environ.update(env)  # a forkserver child has the server's environment, not the parent's
     channel = Channel(conn)
     try:
         target(*args, channel)
@@ -215,7 +257,12 @@ class Launch:
             raise ValueError("a launch needs at least one child")
         self._children = list(children)
         self._env = dict(env or {})
-        self._ctx = mp.get_context("spawn")
+        self._slow = slow_host_factor()
+        if self._slow > 1.0:
+            self._ctx = mp.get_context("forkserver")
+            self._ctx.set_forkserver_preload(_PRELOAD)
+        else:
+            self._ctx = mp.get_context("spawn")
         self._procs: dict[str, Any] = {}
         self._conns: dict[str, Any] = {}
         self._open: dict[Any, str] = {}  # parent ends not yet at EOF -> child name
@@ -244,7 +291,7 @@ class Launch:
                     child_ends.append(child_end)
                     proc = self._ctx.Process(
                         target=_child_main,
-                        args=(child.target, child.args, child_end),
+                        args=(child.target, child.args, child_end, self._env),
                         name=f"wt-{child.name}",
                     )
                     self._conns[child.name] = parent_end
@@ -271,7 +318,7 @@ class Launch:
 
         Returns every child's exit code.
         """
-        codes = self.join(grace_s) if self._procs else {}
+        codes = self.join(grace_s) if self._procs else {}  # join scales the grace
         for conn in self._conns.values():
             conn.close()
         self._open.clear()
@@ -305,7 +352,7 @@ class Launch:
 
         Returns every child's exit code; the killed ones are added to `killed`.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s * self._slow
         while any(p.exitcode is None for p in self._procs.values()):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -328,6 +375,9 @@ class Launch:
     def get(self, timeout_s: float) -> tuple[str, Any] | None:
         """The next message from any child, in arrival order, as (child name, message), or
         None if none arrived within `timeout_s` seconds."""
+        return self._get(timeout_s * self._slow)
+
+    def _get(self, timeout_s: float) -> tuple[str, Any] | None:
         deadline = time.monotonic() + timeout_s
         while not self._pending:
             left = deadline - time.monotonic()
@@ -342,6 +392,7 @@ class Launch:
             LaunchError: the child raised, or exited before sending one.
             LaunchTimeoutError: nothing from it within `timeout_s` seconds.
         """
+        timeout_s *= self._slow
         deadline = time.monotonic() + timeout_s
         conn = self._conns[name]
         while True:
@@ -390,7 +441,8 @@ class Launch:
         """
         if not self._procs:
             self.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s * self._slow
+        grace_s *= self._slow
         first: str | None = None
         try:
             while any(p.exitcode is None for p in self._procs.values()):
@@ -400,10 +452,10 @@ class Launch:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                if (got := self.get(min(left, 0.2))) is not None and on_message is not None:
+                if (got := self._get(min(left, 0.2))) is not None and on_message is not None:
                     on_message(*got)
             self.join(0.0)
-            while (got := self.get(0.0)) is not None:
+            while (got := self._get(0.0)) is not None:
                 if on_message is not None:
                     on_message(*got)
         finally:
