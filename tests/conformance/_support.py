@@ -22,7 +22,7 @@ from weight_transfer.backends.base import (
     WriteOp,
     create_transport,
 )
-from weight_transfer.cli.launch import Channel, Child, Launch
+from weight_transfer.cli.launch import Channel, Child, Launch, describe_exit
 
 BACKEND_NAMES: list[str] = ["loopback", "tcp", "ucx", "nixl", "ibverbs"]
 """Every backend the suite runs on; one that cannot run here is skipped with its reason."""
@@ -102,13 +102,26 @@ def receiver_worker(backend: str, nbytes: int, init_seed: int, channel: Channel)
 
 
 def sender_worker(
-    backend: str, endpoint: bytes, descriptor: bytes, plan: list[list[int]], channel: Channel
+    backend: str,
+    endpoint: bytes,
+    descriptor: bytes,
+    plan: list[list[int]],
+    wait_for_go: bool,
+    channel: Channel,
 ) -> None:
-    """Write each (offset, length, seed) range of `plan` in odd-sized ops, two batches per range."""
+    """Write each (offset, length, seed) range of `plan` in odd-sized ops, two batches per range.
+
+    With `wait_for_go`, report "connected" once connected and write only after the parent
+    answers "go" (so the parent can stop the target between the two).
+    """
     transport = make_transport(backend)
     try:
         desc = RegionDescriptor.from_bytes(descriptor)
         transport.connect("receiver", endpoint)
+        if wait_for_go:
+            channel.put("connected")
+            go = channel.get(QUEUE_TIMEOUT_S)
+            assert go == "go", go
         handles = []
         sources = []
         for offset, length, seed in plan:
@@ -190,7 +203,7 @@ def run_senders(
             Child(
                 f"sender{i}",
                 sender_worker,
-                (backend, receiver.endpoint, receiver.descriptor, [list(p) for p in plan]),
+                (backend, receiver.endpoint, receiver.descriptor, [list(p) for p in plan], False),
             )
             for i, plan in enumerate(plans)
         ]
@@ -200,3 +213,25 @@ def run_senders(
     )
     assert outcome.ok, outcome.errors
     return [verdicts[f"sender{i}"] for i in range(len(plans))]
+
+
+def run_sender_into_stopped_target(
+    backend: str, receiver: Receiver, plan: Sequence[Sequence[int]]
+) -> str:
+    """One sender process that connects while the target runs, then writes `plan` while the
+    target is stopped (SIGSTOP); the target is resumed after the sender's verdict. Connecting
+    may need the target (ibverbs exchanges queue-pair numbers with its listener thread); the
+    writes must not."""
+    name = "sender0"
+    args = (backend, receiver.endpoint, receiver.descriptor, [list(p) for p in plan], True)
+    with Launch([Child(name, sender_worker, args)]) as launch:
+        assert launch.recv(name, QUEUE_TIMEOUT_S) == "connected"
+        receiver.pause()
+        try:
+            launch.send(name, "go")
+            verdict: str = launch.recv(name, QUEUE_TIMEOUT_S * 2)
+        finally:
+            receiver.resume()
+        codes = launch.join(QUEUE_TIMEOUT_S)
+    assert codes[name] == 0, f"{name} {describe_exit(codes[name])}"
+    return verdict
