@@ -258,6 +258,7 @@ class Launch:
         self._children = list(children)
         self._env = dict(env or {})
         self._slow = slow_host_factor()
+        self._ctx: Any
         if self._slow > 1.0:
             self._ctx = mp.get_context("forkserver")
             self._ctx.set_forkserver_preload(_PRELOAD)
