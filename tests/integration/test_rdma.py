@@ -5,14 +5,13 @@ that reason). The VM wires two "hosts" (tests/softroce/guest.sh): the engines' h
 over `wtveth0` (10.99.0.1), the trainers' is `rxe1` over `wtveth1` (10.99.0.2), and the traffic
 between the two addresses crosses the veth pair. Every process is configured through the
 public config only (`TransferConfig`: its own `listen_host` and the backend's device options),
-as two real hosts would be: FSDP2 trainer ranks (gloo) take AdamW steps and update a tp=2
-vLLM-layout engine, BF16 and FP8, over each backend that speaks verbs (`ibverbs` through
-pyverbs, `ucx` on a UCX build with `rc_verbs`, `nixl` with its UCX plugin on `rc_verbs`).
-Every update is verified bit for bit against the reference materialization, and the run must
-have moved its bytes over RDMA: the engines' rxe device received at least one packet per path
-MTU of payload and their veth at least the payload's bytes (a transport that fell back to TCP
-or to a same-host copy would fail that).
-"""
+as two real hosts would be: FSDP2 trainer ranks (gloo) take AdamW steps and update tp=2
+vLLM-layout engines (a BF16 and an FP8 replica) over each backend that speaks verbs
+(`ibverbs` through pyverbs, `ucx` on a UCX build with `rc_verbs`, `nixl` with its UCX plugin
+on `rc_verbs`). Every update is verified bit for bit against the reference materialization,
+and the run must have moved its bytes over RDMA: the engines' rxe device received at least
+one packet per path MTU of payload and their veth at least the payload's bytes (a transport
+that fell back to TCP or to a same-host copy would fail that)."""
 
 from __future__ import annotations
 
@@ -68,19 +67,25 @@ def two_host_demo(backend: str, **kwargs: object) -> DemoConfig:
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fsdp2_trainers_update_tp2_engines_on_another_host(backend: str, fp8: bool) -> None:
+def test_fsdp2_trainers_update_bf16_and_fp8_engines_on_another_host(backend: str) -> None:
+    """Two tp=2 engine replicas on the engines' host, one BF16 and one FP8 (one schedule feeds
+    both), two FSDP2 trainer ranks on the trainers' host; two verified updates."""
     hosts = softroce_hosts()
     assert hosts is not None
     engines = hosts[0]
     packets0, bytes0 = wire_counters(engines)
     steps = 2
     cfg = two_host_demo(
-        backend, fp8=fp8, train_ranks=2, engine_ranks=2, steps=steps, return_tensors=True
+        backend,
+        replica_fp8=(False, True),
+        train_ranks=2,
+        engine_ranks=2,
+        steps=steps,
+        return_tensors=True,
     )
     result = run_demo(cfg)
-    _check(result, steps=steps, engines=2)
+    _check(result, steps=steps, engines=cfg.num_engines)
     packets1, bytes1 = wire_counters(engines)
     payload = sum(u.nbytes for u in result.updates)
     assert payload > 0

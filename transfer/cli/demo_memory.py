@@ -62,8 +62,8 @@ def estimate(cfg: Any) -> MemoryEstimate:
     dtype_bytes = _DTYPE_BYTES[cfg.trainer_dtype]
     model_bytes = params * dtype_bytes
     engine_bytes = 0
-    for r in range(m):
-        for s in vllm_tensor_specs(shape, r, m, fp8=cfg.fp8, param_dtype=cfg.engine_dtype):
+    for r, fp8 in ((e % m, cfg.replicas[e // m]) for e in range(cfg.num_engines)):
+        for s in vllm_tensor_specs(shape, r, m, fp8=fp8, param_dtype=cfg.engine_dtype):
             count = 1
             for d in s.shape:
                 count *= d

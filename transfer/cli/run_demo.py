@@ -35,6 +35,10 @@ class DemoConfig:
     """Transport backend name."""
     fp8: bool = False
     """Engines hold FP8 block-quantized linear weights."""
+    replica_fp8: tuple[bool, ...] = ()
+    """Several engine replicas, one per entry, each `engine_ranks` tensor-parallel ranks, FP8
+    where the entry is True (one schedule feeds BF16 and FP8 replicas at once); empty: one
+    replica, FP8 per `fp8`."""
     train_ranks: int = 3
     """Trainer processes (FSDP2 over gloo)."""
     engine_ranks: int = 2
@@ -91,8 +95,26 @@ class DemoConfig:
             raise ValueError("timeout_s must be positive")
         if self.engine_model not in ("vllm-layout", "phi3"):
             raise ValueError(f"unknown engine_model {self.engine_model!r}")
-        if self.engine_model == "phi3" and (self.engine_ranks != 1 or self.fp8):
+        if self.engine_model == "phi3" and (
+            self.engine_ranks != 1 or self.fp8 or len(self.replica_fp8) > 1
+        ):
             raise ValueError("the phi3 engine is one unquantized rank (engine_ranks=1, no fp8)")
+        if self.replica_fp8 and self.fp8:
+            raise ValueError("give fp8 per replica in replica_fp8, or fp8 for one replica")
+
+    @property
+    def replicas(self) -> tuple[bool, ...]:
+        """Whether each engine replica is FP8."""
+        return self.replica_fp8 or (self.fp8,)
+
+    @property
+    def num_engines(self) -> int:
+        """Engine processes in all: replicas times tensor-parallel ranks."""
+        return len(self.replicas) * self.engine_ranks
+
+    def engine_layout(self, engine: int) -> tuple[int, bool]:
+        """(tensor-parallel rank, FP8) of engine process `engine`."""
+        return engine % self.engine_ranks, self.replicas[engine // self.engine_ranks]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,7 +214,7 @@ def transfer_config(cfg: DemoConfig, port: int, token: str, role: str = "trainer
         transport_options=cfg.transport_options
         + (cfg.trainer_transport_options if trainer else cfg.engine_transport_options),
         listen_host=cfg.trainer_host if trainer else cfg.engine_host,
-        num_engines=cfg.engine_ranks,
+        num_engines=cfg.num_engines,
         control=ControlPlaneConfig(
             host=cfg.control_host, port=port, token=token, timeout_s=cfg.timeout_s
         ),
@@ -228,8 +250,9 @@ def preflight(cfg: DemoConfig) -> str | None:
     if shape.num_experts:
         return f"--model {cfg.model!r} is a MoE shape; the demo trains a dense Llama"
     try:
-        for r in range(cfg.engine_ranks):
-            vllm_recipes(shape, r, cfg.engine_ranks, fp8=cfg.fp8)
+        for fp8 in set(cfg.replicas):
+            for r in range(cfg.engine_ranks):
+                vllm_recipes(shape, r, cfg.engine_ranks, fp8=fp8)
     except (ValueError, WeightTransferError) as exc:
         return f"--engine-ranks {cfg.engine_ranks}: cannot shard {cfg.model!r}: {exc}"
     try:
@@ -274,7 +297,7 @@ def _phi3(cfg: DemoConfig) -> Any:
     return Phi3ForCausalLM(pc).eval()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
-def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
+def engine_main(engine: int, cfg: DemoConfig, port: int, token: str, out: Any) -> None:
     """One engine process: allocate the vLLM-layout shard, register it, wait for updates."""
     from weight_transfer.manifest import torch_dtype
     from weight_transfer.planner.presets.models import get_model_shape
@@ -283,11 +306,12 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
 
     torch.set_num_threads(1)
     shape = get_model_shape(cfg.model)
-    recipes = vllm_recipes(shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8)
+    tp_rank, fp8 = cfg.engine_layout(engine)
+    recipes = vllm_recipes(shape, tp_rank, cfg.engine_ranks, fp8=fp8)
     specs = vllm_tensor_specs(
-        shape, tp_rank, cfg.engine_ranks, fp8=cfg.fp8, param_dtype=cfg.engine_dtype
+        shape, tp_rank, cfg.engine_ranks, fp8=fp8, param_dtype=cfg.engine_dtype
     )
-    g = torch.Generator().manual_seed(10_000 + cfg.seed * 100 + tp_rank)
+    g = torch.Generator().manual_seed(10_000 + cfg.seed * 100 + engine)
     module = None
     tensors: dict[str, torch.Tensor] = {}
     if cfg.engine_model == "phi3":
@@ -301,13 +325,13 @@ def engine_main(tp_rank: int, cfg: DemoConfig, port: int, token: str, out: Any) 
         module if module is not None else tensors,
         recipes,
         transfer_config(cfg, port, token, "engine"),
-        engine=f"engine{tp_rank}",
+        engine=f"engine{engine}",
     )
     try:
         for step in range(1, cfg.steps + 1):
             receiver.wait_for_version(step, cfg.timeout_s)
             if cfg.return_tensors:
-                out.put(("engine", tp_rank, step, _pack(tensors)))
+                out.put(("engine", engine, step, _pack(tensors)))
             if module is not None:
                 with torch.no_grad():
                     logits = module(input_ids=probe_tokens(cfg)).logits
@@ -382,10 +406,11 @@ def trainer_main(
             if rank == 0:
                 assert controller is not None
                 expected: dict[str, dict[str, torch.Tensor]] = {}
-                for e in range(cfg.engine_ranks):
-                    recipes = vllm_recipes(shape, e, cfg.engine_ranks, fp8=cfg.fp8)
+                for e in range(cfg.num_engines):
+                    tp_rank, fp8 = cfg.engine_layout(e)
+                    recipes = vllm_recipes(shape, tp_rank, cfg.engine_ranks, fp8=fp8)
                     specs = vllm_tensor_specs(
-                        shape, e, cfg.engine_ranks, fp8=cfg.fp8, param_dtype=cfg.engine_dtype
+                        shape, tp_rank, cfg.engine_ranks, fp8=fp8, param_dtype=cfg.engine_dtype
                     )
                     expected[f"engine{e}"] = materialize(recipes, specs, full)
                 if cfg.engine_model == "phi3":
@@ -429,7 +454,7 @@ def run_demo(
     children = [
         Child(f"trainer{r}", trainer_main, (r, cfg, port, dist_port, token))
         for r in range(cfg.train_ranks)
-    ] + [Child(f"engine{e}", engine_main, (e, cfg, port, token)) for e in range(cfg.engine_ranks)]
+    ] + [Child(f"engine{e}", engine_main, (e, cfg, port, token)) for e in range(cfg.num_engines)]
     result = DemoResult(updates=[], exit_codes={}, errors=[], engine_tensors={}, expected={})
     # After a failure the others get a short grace (they raise on their own timeouts).
     outcome = Launch(children).run(
