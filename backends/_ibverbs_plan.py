@@ -334,6 +334,26 @@ def rtr_transition(
     )
 
 
+RXE_VENDOR_ID = 0xFFFFFF
+"""The vendor id Soft-RoCE (rdma_rxe) reports in `ibv_query_device`."""
+
+
+def effective_retry_cnt(retry_cnt: int, vendor_id: int) -> int:
+    """The transport retry count to program on a device.
+
+    On hardware 7 is the largest finite count (the IB spec gives "infinite" only to
+    `rnr_retry` 7). Soft-RoCE's completer never decrements a `retry_cnt` of 7 (Linux
+    drivers/infiniband/sw/rxe/rxe_comp.c, COMPST_ERROR_RETRY: `if (qp->comp.retry_cnt != 7)
+    qp->comp.retry_cnt--;`), so there a peer that stops answering (its link down, its process
+    gone) would be retried forever instead of failing with RETRY_EXC_ERR. Seen in the Soft-RoCE
+    VM: 207 retries and no completion 12 s after the target's link went down. So 7 becomes 6 on
+    rxe: one retry fewer, and a dead peer fails in about 7 x the ACK timeout.
+    """
+    if vendor_id == RXE_VENDOR_ID and retry_cnt == 7:
+        return 6
+    return retry_cnt
+
+
 def rts_transition(*, opts: IbverbsOptions, local_psn: int) -> QpTransition:
     """RTR -> RTS: ACK timeout, retry counts, our first PSN, outstanding reads we initiate."""
     check_psn(local_psn)

@@ -328,6 +328,8 @@ class PortInfo:
     max_qp_wr: int
     max_msg_bytes: int
     max_cqe: int
+    vendor_id: int = 0
+    """The device's IEEE vendor id (`plan.RXE_VENDOR_ID` for Soft-RoCE)."""
 
 
 class PyverbsDevice:
@@ -384,6 +386,7 @@ class PyverbsDevice:
                 max_qp_wr=dev_attr.max_qp_wr,
                 max_msg_bytes=port_attr.max_msg_sz or plan.MAX_WR_BYTES,
                 max_cqe=dev_attr.max_cqe,
+                vendor_id=dev_attr.vendor_id,
             )
             self.pd = self.pv.pd.PD(self.ctx)
         except BaseException:
@@ -795,6 +798,14 @@ class IbverbsTransport(Transport):
         self._target_cq: Any = None
         self._server: BootstrapServer | None = None
         info = self._dev.info
+        retry_cnt = plan.effective_retry_cnt(self.opts.retry_cnt, info.vendor_id)
+        if retry_cnt != self.opts.retry_cnt:
+            logger.info(
+                "ibverbs: %s is Soft-RoCE, which retries forever at retry_cnt 7; using %d",
+                info.device,
+                retry_cnt,
+            )
+            self.opts = dataclasses.replace(self.opts, retry_cnt=retry_cnt)
         self._max_send_wr = min(self.opts.max_send_wr, info.max_qp_wr)
         self._signal_every = min(self.opts.signal_every, self._max_send_wr)
         self._max_wr_bytes = min(self.opts.max_wr_bytes, info.max_msg_bytes)
