@@ -12,8 +12,8 @@ against the real library in a subprocess.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import dataclasses
+import importlib.util
 import itertools
 import os
 import socket
