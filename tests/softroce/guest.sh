@@ -12,25 +12,42 @@ fail() { say "setup failed: $*"; exit 2; }
 
 modprobe rdma_rxe || fail "modprobe rdma_rxe"
 ip link set lo up
-# Two "hosts" joined by a wire: rxe0 on wtveth0 (10.99.0.1, the engines' host in the multi-host
-# tests) and rxe1 on wtveth1 (10.99.0.2, the trainers'). rdma_rxe of this kernel (6.1) routes
-# and listens only in the initial network namespace, so both ends live here; policy routing
-# sends traffic between the two addresses across the veth pair instead of through lo (packets
-# leaving from one address to the other take the other end's veth; the receiving end accepts
-# a packet from a local address). Cutting wtveth0 therefore cuts the engines' host off.
-ip link add wtveth0 type veth peer name wtveth1 || fail "veth"
+# Two "hosts" joined by a switch: rxe0 on wtveth0 (10.99.0.1, the engines' host in the multi-host
+# tests) and rxe1 on wtveth1 (10.99.0.2, the trainers'), each veth's other end a port of the
+# bridge wtsw. rdma_rxe of this kernel (6.1) routes and listens only in the initial network
+# namespace, so both ends live here; policy routing sends traffic between the two addresses
+# through the bridge instead of through lo (packets leaving from one address to the other take
+# that address's veth; the receiving end accepts a packet from a local address). The bridge is
+# what makes a link fault real: with wtveth0 down the trainers' packets leave their host and are
+# lost in the switch, so their queue pairs time out and retry as on a fabric. (With the two
+# veths joined directly, the sending end's transmit fails locally and rxe of 6.1 retries the
+# send at once, forever.)
+ip link add wtsw type bridge || fail "bridge"
+ip link set wtsw type bridge stp_state 0 forward_delay 0
+ip link add wtveth0 type veth peer name wtsw0 || fail "veth"
+ip link add wtveth1 type veth peer name wtsw1 || fail "veth"
+ip link set wtsw0 master wtsw; ip link set wtsw1 master wtsw
 ip addr add 10.99.0.1/24 dev wtveth0
 ip addr add 10.99.0.2/24 dev wtveth1
+# No IPv6 on the two hosts' links: their only GIDs are then the IPv4-mapped RoCE v2 ones, which
+# the policy routing below sends over the bridge. With link-local IPv6 GIDs present, an update
+# over NIXL verified with no byte on the wire: its UCX's traffic did not take the IPv4 routes.
+for dev in wtveth0 wtveth1; do sysctl -qw net.ipv6.conf.$dev.disable_ipv6=1; done
 for dev in all default lo wtveth0 wtveth1; do
     sysctl -qw net.ipv4.conf.$dev.rp_filter=0 2>/dev/null
     sysctl -qw net.ipv4.conf.$dev.accept_local=1 2>/dev/null
 done
-ip link set wtveth0 up; ip link set wtveth1 up
+for dev in wtsw wtsw0 wtsw1 wtveth0 wtveth1; do ip link set "$dev" up; done
 ip route add 10.99.0.1/32 dev wtveth1 table 201
 ip route add 10.99.0.2/32 dev wtveth0 table 202
 ip rule add pref 10 iif lo from 10.99.0.2 to 10.99.0.1 lookup 201
 ip rule add pref 11 iif lo from 10.99.0.1 to 10.99.0.2 lookup 202
 ip rule add pref 100 lookup local && ip rule del pref 0 lookup local || fail "ip rule"
+# Static neighbours: each end's ARP request names a local address as its sender, which the
+# other end (the same kernel) does not answer reliably; rxe's first packets then waited on
+# neighbour resolution past its retry budget (RETRY_EXC_ERR on a fresh pair of devices).
+ip neigh replace 10.99.0.1 lladdr "$(cat /sys/class/net/wtveth0/address)" dev wtveth1 nud permanent
+ip neigh replace 10.99.0.2 lladdr "$(cat /sys/class/net/wtveth1/address)" dev wtveth0 nud permanent
 rdma link add rxe0 type rxe netdev wtveth0 || fail "rdma link add rxe0"
 rdma link add rxe1 type rxe netdev wtveth1 || fail "rdma link add rxe1"
 # The image holds the site-packages; the disk is the only one, /dev/vda.
