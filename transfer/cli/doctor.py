@@ -179,8 +179,16 @@ def format_report(report: DoctorReport) -> str:
             for p in dev.get("ports", [])
         )
         lines.append(f"  {dev.get('name')}: {ports or 'no ports'}")
+    lines.append(f"  {IBVERBS_TESTED}")
     lines.append(f"delta kernels: {report.delta_kernels}")
     return "\n".join(lines)
+
+
+IBVERBS_TESTED = (
+    "tested: on Soft-RoCE (rxe) in CI's VM (conformance, whole updates, faults); never on an "
+    "RDMA NIC, with GPU memory, multi-rail or InfiniBand (docs/ibverbs.md)"
+)
+"""What the ibverbs backend has run on, printed under its devices."""
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
