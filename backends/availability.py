@@ -31,6 +31,7 @@ __all__ = [
     "num_cuda_gpus",
     "rdma_devices",
     "rdma_unavailable_reason",
+    "ucx_library_unavailable_reason",
 ]
 
 RDMA_SYSFS = "/sys/class/infiniband"
@@ -108,6 +109,19 @@ def backend_unavailable_reason(name: str) -> str | None:
     if name == "ibverbs" and not rdma_devices():
         missing.append(f"an RDMA device ({RDMA_SYSFS} lists none)")
     return f"backend {name!r} needs " + " and ".join(missing) if missing else None
+
+
+def ucx_library_unavailable_reason(library: str) -> str | None:
+    """None if the UCX build that the ucx backend's `library` option names is on this host,
+    else why not (`backends.ucx_native._builds`; nothing is loaded)."""
+    from weight_transfer.backends.ucx_native import _builds
+    from weight_transfer.errors import WeightTransferError
+
+    try:
+        _builds.resolve(library, rdma=bool(rdma_devices()))
+    except WeightTransferError as exc:
+        return str(exc)
+    return None
 
 
 def available_backends() -> list[str]:

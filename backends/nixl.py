@@ -125,6 +125,7 @@ from weight_transfer.backends.base import (
     WriteHandle,
     WriteOp,
 )
+from weight_transfer.backends.ucx_native import _builds as ucx_builds
 
 __all__ = ["NixlTransport"]
 
@@ -149,29 +150,9 @@ _MAX_CACHED_BATCHES = 4096
 _MEM_TYPE = {MemoryKind.HOST: "DRAM", MemoryKind.CUDA: "VRAM"}
 
 
-UCX_MODULES_DEFAULT = "^efa"
-"""What the backend sets `UCX_MODULES` to before NIXL first loads its UCX, when the process
-environment does not set it (see `keep_efa_module_out`)."""
-
-
-def keep_efa_module_out() -> None:
-    """Keep UCX from loading its `efa` transport module in this process (unless the process
-    environment already sets `UCX_MODULES`, which then wins).
-
-    Why: the UCX that the `nixl-cu13` wheel bundles has an `ib/efa` module that links both the
-    wheel's own libibverbs and the host's `libefa.so.1`. On a host with rdma-core installed
-    (every RDMA host: Debian's ibverbs-providers ships libefa) loading it brings the host's
-    libibverbs and libnl into the same lookup scope as the wheel's copies; the host's libnl then
-    registers its traffic-control modules in the wheel's libnl, and unregisters them at exit,
-    where the process dies with SIGSEGV (`rtnl_tc_unregister`, during `_dl_fini`), after its
-    work is done. Without the module nothing of the host's rdma-core is loaded. UCX reads
-    `UCX_MODULES` once per process, when its first library loads, so this must run before
-    that; the variable is the only way UCX offers to select modules. Its one cost: UCX's EFA
-    transport (AWS) is unavailable in the process; set `UCX_MODULES` yourself to load it.
-    """
-    if "UCX_MODULES" not in os.environ:
-        os.environ["UCX_MODULES"] = UCX_MODULES_DEFAULT
-        logger.debug("UCX_MODULES=%s set (keeps UCX's efa module out)", UCX_MODULES_DEFAULT)
+# Re-exported: NIXL's bundled UCX is the build that ships the efa module (see there).
+UCX_MODULES_DEFAULT = ucx_builds.UCX_MODULES_DEFAULT
+keep_efa_module_out = ucx_builds.keep_efa_module_out
 
 
 def _import_nixl() -> Any:

@@ -88,14 +88,15 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Mapping
 from typing import cast
 
 import msgpack
 import torch
 
+from weight_transfer.backends import availability
 from weight_transfer.backends._memory import cut_at
 from weight_transfer.backends.base import (
-    EXTRAS,
     ConfigurationError,
     MemoryKind,
     PeerLostError,
@@ -115,13 +116,13 @@ __all__ = ["UcxTransport"]
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = EXTRAS["ucx"]
 _PAGE_BYTES = 4096
 _CLOSE_TIMEOUT_S = 5.0
 _POLL_BUDGET_S = 0.004
 _POST_BUDGET_S = 0.0005
 _TARGET_PROGRESS = ("auto", "on", "off")
-_OWN_OPTIONS = ("target_progress", "lanes")
+_OWN_OPTIONS = ("target_progress", "lanes", "library", "allow_tcp_only")
+_YES_NO = ("yes", "no")
 _DEFAULT_LANES = "auto"
 _IDLE_WAIT_MS = 100
 """Longest the target progress thread sleeps on the worker's event fd before it looks again."""
@@ -136,9 +137,14 @@ _CMA_DEFAULTS = (("CMA_SEG_SIZE", "4M"), ("CMA_TX_QUOTA", "16"))
 """cma copies at most SEG_SIZE per queued put and TX_QUOTA queued puts per progress call (UCX's
 defaults, 512K and 1, cost a progress call per 512 KiB and per small put); at most 64 MiB move
 in one progress call."""
+_CMA_DEFAULTS_SINCE = (1, 17)
+"""UCX before 1.17 cannot take a transport's prefixed option (`CMA_SEG_SIZE`) through
+`ucp_config_modify` (`uct_config_modify` ignored the prefix until 1.17; 1.13 warns "invalid
+configurations" and drops it), and before 1.16 UCP does not put over cma anyway."""
 
 try:  # the binding module itself imports only ctypes; libucp is loaded in the constructor
     from weight_transfer.backends import ucx_native
+    from weight_transfer.backends.ucx_native import _tls as ucx_tls
 except ImportError as exc:  # pragma: no cover - the package ships with the project
     raise ImportError(f"backends.ucx_native is missing: {exc}") from exc
 
@@ -344,6 +350,21 @@ def _decode_payload(payload: bytes) -> tuple[bytes, int, int, bytes]:
     return obj[0], obj[1], obj[2], obj[3]
 
 
+def _load_library(library: str, *, cuda: bool) -> ucx_native.LibUcp:
+    """The UCX build the `library` option names, loaded (one build per process: the second,
+    different one raises `UcxBuildConflictError`, a `ConfigurationError`)."""
+    loaded = ucx_native.loaded()
+    if library == "auto" and loaded is not None:
+        return loaded  # auto takes the build this process already holds
+    build = ucx_native.resolve(library, rdma=bool(availability.rdma_devices()), cuda=cuda)
+    try:
+        return ucx_native.load(build)
+    except OSError as exc:
+        raise TransportUnavailableError(
+            f"transport 'ucx' could not load {build.label()}: {exc}"
+        ) from exc
+
+
 class UcxTransport(Transport):
     """UCX one-sided puts (libucp via ctypes). See the module docstring for the options.
 
@@ -367,36 +388,64 @@ class UcxTransport(Transport):
                 f"ucx option target_progress={self._target_progress!r}: expected one of "
                 f"{', '.join(_TARGET_PROGRESS)}"
             )
+        allow_tcp_only = own.get("allow_tcp_only", "no")
+        if allow_tcp_only not in _YES_NO:
+            raise ConfigurationError(
+                f"ucx option allow_tcp_only={allow_tcp_only!r}: expected yes or no"
+            )
         threaded = self._target_progress != "off"
         keys = {k[4:] if k.startswith("UCX_") else k for k, _ in options}
         if "NET_DEVICES" not in keys and _is_loopback(config.listen_host):
             options.append(("NET_DEVICES", "lo"))
-        defaults = [(k, v) for k, v in _CMA_DEFAULTS if k not in keys]
         self._cuda = config.device_index is not None and torch.cuda.is_available()
         if self._cuda:
             # UCX's CUDA transports work on the calling thread's current device.
             torch.cuda.set_device(config.device_index)
+        lib = _load_library(own.get("library", "auto"), cuda=self._cuda)
+        defaults = []
+        if lib.version()[:2] >= _CMA_DEFAULTS_SINCE:
+            defaults = [(k, v) for k, v in _CMA_DEFAULTS if k not in keys]
+        self._one_sided = False
+        self._wait_wireup = False
+
+        def validate(values: Mapping[str, str]) -> None:
+            # Checked on the configuration UCX will use (environment included), before the
+            # context exists: a lane this build lacks is refused here, never left to UCX,
+            # which would warn and carry on over what is left (TCP, say).
+            try:
+                resources = lib.resources()
+            except OSError as exc:
+                raise TransportUnavailableError(
+                    f"ucx: cannot list the transports of {lib.describe()}: {exc}"
+                ) from exc
+            refusal = ucx_tls.check(
+                resources,
+                values,
+                build=lib.describe(),
+                rdma_devices=availability.rdma_devices(),
+                allow_tcp_only=allow_tcp_only == "yes",
+            )
+            if refusal is not None:
+                raise ConfigurationError(refusal)
+            lanes = ucx_tls.enabled(resources, values)
+            self._one_sided = ucx_tls.is_one_sided(lanes, values, lib.version())
+            self._wait_wireup = ucx_tls.needs_wireup_reply(lanes)
+
         try:
             self._worker = ucx_native.UcxWorker(
+                lib,
                 options,
                 name=f"wt-{os.getpid()}",
                 defaults=defaults,
                 wakeup=threaded,
                 threaded=threaded,
                 workers_shared=self._num_lanes > 1,
+                validate=validate,
             )
-        except ImportError as exc:
-            raise TransportUnavailableError(
-                f"transport 'ucx' needs the libucx wheel ({exc}); install it with: {_INSTALL_HINT}"
-            ) from exc
-        except OSError as exc:
-            raise TransportUnavailableError(
-                f"transport 'ucx' could not load libucp ({exc}); reinstall with: {_INSTALL_HINT}"
-            ) from exc
         except ucx_native.UcxError as exc:
             given = ", ".join(f"{k}={v!r}" for k, v in config.options) or "none"
             raise TransportUnavailableError(
-                f"transport 'ucx' could not start UCX: {exc} (options given: {given})"
+                f"transport 'ucx' could not start {lib.describe()}: {exc} (options given: {given})"
             ) from exc
         self._token = os.urandom(16)
         self._address = self._worker.address()
@@ -411,7 +460,7 @@ class UcxTransport(Transport):
         """Copy lanes, made at the first connect when `lanes` > 1 (a target needs none)."""
         if self._target_progress == "on":
             self._start_target_progress()
-        logger.debug("ucx transport up: libucp %s, options %s", self._worker.lib.version(), options)
+        logger.debug("ucx transport up: %s, options %s", lib.describe(), options)
 
     # -- target-side progress ----------------------------------------------------------------
 
@@ -468,7 +517,9 @@ class UcxTransport(Transport):
         kinds = {MemoryKind.HOST}
         if self._cuda:
             kinds.add(MemoryKind.CUDA)
-        return TransportCapabilities(memory_kinds=frozenset(kinds), one_sided=True, cross_host=True)
+        return TransportCapabilities(
+            memory_kinds=frozenset(kinds), one_sided=self._one_sided, cross_host=True
+        )
 
     def _register(self, region_id: int, flat: torch.Tensor, role: RegionRole) -> Region:
         kind = MemoryKind.of(flat)
@@ -531,7 +582,52 @@ class UcxTransport(Transport):
                 with self._lock:
                     self._drop_peer(state)
             raise PeerLostError(f"ucx: cannot reach peer {peer!r}: {exc}") from exc
+        if self._wait_wireup:
+            self._wire(state)
         self._by_peer[peer] = state
+
+    def _wire(self, state: _Peer) -> None:
+        """Wait until UCP has wired every endpoint to the peer (rc lanes connect endpoint to
+        endpoint, after the peer answered UCP's wireup message): a flush completes only then.
+        So a connected peer needs no CPU for the writes that follow, and a peer that cannot be
+        reached fails here, named, within `connect_timeout_s`."""
+        eps: list[tuple[ucx_native.UcxWorker, threading.Lock, int]] = [
+            (self._worker, self._lock, state.ep)
+        ]
+        eps += [
+            (lane.worker, lane.lock, ep)
+            for lane, ep in zip(self._lanes, state.lane_eps, strict=True)
+        ]
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        pending: list[tuple[ucx_native.UcxWorker, threading.Lock, ucx_native.Request]] = []
+        try:
+            for worker, lock, ep in eps:
+                with lock:
+                    pending.append((worker, lock, worker.flush(ep)))
+            while pending:
+                still = []
+                for worker, lock, req in pending:
+                    with lock:
+                        worker.progress()
+                        if not worker.check(req):
+                            still.append((worker, lock, req))
+                pending = still
+                if pending and time.monotonic() > deadline:
+                    raise PeerLostError(
+                        f"ucx: peer {state.name!r} did not complete UCX's connection (wireup) "
+                        f"within {self.config.connect_timeout_s:g} s"
+                    )
+                if pending:
+                    time.sleep(0.0005)
+        except (ucx_native.UcxError, PeerLostError) as exc:
+            for worker, lock, req in pending:
+                with lock:
+                    worker.release(req)
+            with self._lock:
+                self._drop_peer(state)
+            if isinstance(exc, PeerLostError):
+                raise
+            raise PeerLostError(f"ucx: cannot connect to peer {state.name!r}: {exc}") from exc
 
     def _disconnect(self, peer: str) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""Small Python objects over libucp (UCX 1.22): one context + worker, endpoints, memory, rkeys.
+"""Small Python objects over libucp (UCX 1.13 to 1.22): one context + worker, endpoints, memory,
+rkeys.
 
 This package is the only place that touches raw UCX handles; `backends.ucx` builds the
 `Transport` on top of it. Every UCX status that is not OK raises `UcxError` (a
@@ -13,17 +14,28 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from weight_transfer.backends.base import TransportError
 
 from . import _libucp as L
+from ._builds import LIBRARY_CHOICES, UcxBuild, resolve
+from ._libucp import LibUcp, UcxBuildConflictError, load, loaded
 
-__all__ = ["Request", "UcxError", "UcxWorker", "load"]
+__all__ = [
+    "LIBRARY_CHOICES",
+    "LibUcp",
+    "Request",
+    "UcxBuild",
+    "UcxBuildConflictError",
+    "UcxError",
+    "UcxWorker",
+    "load",
+    "loaded",
+    "resolve",
+]
 
 logger = logging.getLogger(__name__)
-
-load = L.load
 
 
 class UcxError(TransportError):
@@ -51,6 +63,7 @@ class UcxWorker:
     """One UCX context with one worker, configured from `options` via `ucp_config_modify`.
 
     Args:
+        lib: The loaded UCX build (`load`).
         options: UCX configuration as (name, value), names with or without the `UCX_` prefix
             (for example ("TLS", "sm,cma,tcp"), ("NET_DEVICES", "lo")). Applied through the
             config API; UCX itself still reads `UCX_*` environment variables of the process
@@ -64,6 +77,9 @@ class UcxWorker:
             time: the caller locks) instead of `UCS_THREAD_MODE_SINGLE`.
         workers_shared: Create the context with `mt_workers_shared`, so workers made by
             `sibling()` may be driven by different threads at once.
+        validate: Called with the effective configuration (every `UCX_*` value as UCX will use
+            it, environment and options applied, names without `UCX_`) before the context is
+            created; whatever it raises propagates (nothing is left allocated).
 
     Raises:
         UcxError: UCX rejected an option or could not start.
@@ -71,6 +87,7 @@ class UcxWorker:
 
     def __init__(
         self,
+        lib: LibUcp,
         options: Iterable[tuple[str, str]],
         name: str,
         defaults: Iterable[tuple[str, str]] = (),
@@ -78,8 +95,9 @@ class UcxWorker:
         wakeup: bool = False,
         threaded: bool = False,
         workers_shared: bool = False,
+        validate: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
-        self.lib = L.load()
+        self.lib = lib
         self._context = L.ucp_context_h()
         self._worker = L.ucp_worker_h()
         self._name = name.encode()
@@ -98,6 +116,10 @@ class UcxWorker:
                     f"ucp_config_modify({ucx_key}={value})",
                     self.lib.ucp_config_modify(config, ucx_key.encode(), value.encode()),
                 )
+            self.config = self.lib.config_values(config)
+            """The effective UCX configuration of this worker's context, names without `UCX_`."""
+            if validate is not None:
+                validate(self.config)
             params = L.ucp_params_t()
             params.field_mask = L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME
             params.features = L.UCP_FEATURE_RMA | (L.UCP_FEATURE_WAKEUP if wakeup else 0)
@@ -105,11 +127,12 @@ class UcxWorker:
             if workers_shared:
                 params.field_mask |= L.UCP_PARAM_FIELD_MT_WORKERS_SHARED
                 params.mt_workers_shared = 1
+            api_major, api_minor = self.lib.api_version()
             self._check(
                 "ucp_init",
                 self.lib.ucp_init_version(
-                    L.UCP_API_MAJOR,
-                    L.UCP_API_MINOR,
+                    api_major,
+                    api_minor,
                     ctypes.byref(params),
                     config,
                     ctypes.byref(self._context),
@@ -144,6 +167,7 @@ class UcxWorker:
         """
         other = UcxWorker.__new__(UcxWorker)
         other.lib = self.lib
+        other.config = self.config
         other._context = self._context
         other._worker = L.ucp_worker_h()
         other._name = self._name

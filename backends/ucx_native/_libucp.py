@@ -1,21 +1,27 @@
-"""Typed ctypes binding of the part of libucp (UCX 1.22) that one-sided writes need.
+"""Typed ctypes binding of the part of libucp that one-sided writes need (UCX 1.13 to 1.22).
 
-Struct layouts and constants follow the headers shipped in the `libucx-cu13` 1.22.0 wheel
-(`libucx/include/ucp/api/ucp.h`, `ucp_def.h`, `ucs/type/status.h`,
-`ucs/memory/memory_type.h`). `tests/unit/test_ucx_binding.py` pins every size and field offset
-to the values a C compiler reports for those headers on x86_64, so a layout drift fails a test
+Struct layouts and constants follow UCX 1.22's headers (the `libucx-cu13` 1.22.0 wheel's
+`include/ucp/api/ucp.h`, `ucp_def.h`, `ucs/type/status.h`, `ucs/memory/memory_type.h`), and
+every struct, field, constant and function bound here was checked against UCX 1.13's headers
+too (Debian's libucx-dev 1.13.1). The differences are explicit: UCX grew three structs at their
+ends after 1.13 (`FIELDS_AFTER_1_13`), and this binding never sets those fields, so the larger
+1.22 structs are valid for 1.13 as well (UCX reads a field only when its bit is in the struct's
+field mask). Nothing else bound here differs. `tests/unit/test_ucx_binding.py` pins every size
+and field offset to what gcc reports for both header sets on x86_64, so a drift fails a test
 instead of corrupting memory. Nothing here is public API: `backends.ucx` is the only user.
 
-The library is loaded lazily (`load()`), never at import time, through the wheel's own
-`libucx.load_library()` helper so that libucp's dependencies (libucs, libuct, libucm) and its
-transport modules resolve from the wheel.
+The library is loaded lazily (`load(build)`), never at import time, from the folder of the
+build the ucx backend's `library` option chose (`_builds`), dependencies first and each by its
+full path (`_uct.open_build`), so libucp's libucs, libuct and libucm and its transport modules
+all come from that one build. One build per process: a second, different build is refused
+(`UcxBuildConflictError`), because two copies of UCX in one process each install their memory
+hooks and global state over the other's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
+import threading
 from ctypes import (
     POINTER,
     Structure,
@@ -28,11 +34,31 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# -- API version this binding was written against (ucp_version.h) -------------------------------
+from weight_transfer.backends.ucx_native import _uct
+from weight_transfer.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from weight_transfer.backends.ucx_native._builds import UcxBuild
+
+# -- API versions (ucp_version.h) -----------------------------------------------------------------
 UCP_API_MAJOR = 1
 UCP_API_MINOR = 22
+"""The newest UCP API this binding was written against (its struct layouts)."""
+MIN_VERSION = (1, 13)
+"""The oldest UCX this binding was checked against (headers and runs: Debian's 1.13.1)."""
+
+FIELDS_AFTER_1_13: dict[str, tuple[str, ...]] = {
+    "ucp_params_t": ("node_local_id",),
+    "ucp_mem_map_params_t": ("exported_memh_buffer",),
+    "ucp_request_param_t": ("remote_datatype", "remote", "remote_count"),
+}
+"""Fields of the structs below that UCX 1.13's headers lack (all at the structs' ends). The
+binding never sets them (nor their field-mask bits), so the 1.22 layouts serve 1.13 too."""
+
+# -- ucs_config_print_flags_t (ucs/config/types.h) ------------------------------------------------
+UCS_CONFIG_PRINT_CONFIG = 1 << 0
 
 # -- ucs_status_t (ucs/type/status.h) -----------------------------------------------------------
 UCS_OK = 0
@@ -235,10 +261,12 @@ def ptr_status(ptr: int | None) -> int:
 class LibUcp:
     """Function prototypes of libucp/libucs, bound once per process."""
 
-    def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL, lib_dir: str) -> None:
-        self.lib_dir = lib_dir
-        self._ucp = ucp
-        self._ucs = ucs
+    def __init__(self, build: UcxBuild, libs: dict[str, ctypes.CDLL]) -> None:
+        self.build = build
+        self._ucp = ucp = libs["ucp"]
+        self._ucs = ucs = libs["ucs"]
+        self._uct = libs["uct"]
+        self._resources: list[_uct.Resource] | None = None
         p = POINTER
         self.ucp_get_version = self._fn(ucp, "ucp_get_version", None, [p(c_uint)] * 3)
         self.ucp_config_read = self._fn(
@@ -248,6 +276,9 @@ class LibUcp:
             ucp, "ucp_config_modify", ucs_status_t, [ucp_config_p, c_char_p, c_char_p]
         )
         self.ucp_config_release = self._fn(ucp, "ucp_config_release", None, [ucp_config_p])
+        self.ucp_config_print = self._fn(
+            ucp, "ucp_config_print", None, [ucp_config_p, c_void_p, c_char_p, c_int]
+        )
         self.ucp_init_version = self._fn(
             ucp,
             "ucp_init_version",
@@ -323,7 +354,10 @@ class LibUcp:
 
     @staticmethod
     def _fn(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as exc:  # a build older than this binding supports
+            raise OSError(f"{lib._name} has no {name}") from exc
         fn.restype = restype
         fn.argtypes = argtypes
         return fn
@@ -334,24 +368,101 @@ class LibUcp:
         self.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
         return major.value, minor.value, release.value
 
+    def version_text(self) -> str:
+        """`1.13.1`."""
+        return ".".join(map(str, self.version()))
+
+    def api_version(self) -> tuple[int, int]:
+        """The UCP API version to pass to `ucp_init_version`: the loaded library's, at most
+        the binding's (a newer number only makes UCX warn that the library is older)."""
+        major, minor, _ = self.version()
+        return major, min(minor, UCP_API_MINOR)
+
+    def describe(self) -> str:
+        """`UCX 1.13.1 from library=system (/usr/lib/.../libucp.so.0.0.0)`, for messages."""
+        return f"UCX {self.version_text()} from {self.build.label()}"
+
+    def resources(self) -> list[_uct.Resource]:
+        """The build's transport resources, listed through its libuct once per process."""
+        if self._resources is None:
+            self._resources = _uct.list_resources(self._uct)[1]
+        return self._resources
+
+    def config_values(self, config: c_void_p) -> dict[str, str]:
+        """Every `UCX_*` value of a `ucp_config_t` as UCX will use it (the environment, UCX's
+        config files and `ucp_config_modify` applied), by name: what `ucp_config_print`
+        writes, read back through a `open_memstream` buffer."""
+        libc = ctypes.CDLL(None)
+        libc.open_memstream.restype = c_void_p
+        libc.open_memstream.argtypes = [POINTER(c_void_p), POINTER(c_size_t)]
+        libc.fclose.argtypes = [c_void_p]
+        libc.free.argtypes = [c_void_p]
+        buf, size = c_void_p(), c_size_t()
+        stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        if not stream:
+            raise OSError(ctypes.get_errno(), "open_memstream failed")
+        try:
+            self.ucp_config_print(config, stream, None, UCS_CONFIG_PRINT_CONFIG)
+        finally:
+            libc.fclose(stream)
+        try:
+            text = ctypes.string_at(buf, size.value).decode(errors="replace")
+        finally:
+            libc.free(buf)
+        values: dict[str, str] = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.startswith("UCX_"):
+                values[key[4:]] = value
+        return values
+
     def status_string(self, status: int) -> str:
         """UCX's text for a status code."""
         text = self.ucs_status_string(status)
         return text.decode() if text else f"status {status}"
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> LibUcp:
-    """Load libucp from the `libucx` wheel (once per process).
+class UcxBuildConflictError(ConfigurationError):
+    """This process already loaded another UCX build (one build per process)."""
+
+
+_LOAD_LOCK = threading.Lock()
+_loaded: LibUcp | None = None
+
+
+def loaded() -> LibUcp | None:
+    """The build this process loaded through `load`, if any."""
+    return _loaded
+
+
+def load(build: UcxBuild) -> LibUcp:
+    """Load libucp from `build` (once per process; the same build again returns it).
 
     Raises:
-        ImportError: the `libucx` package is not installed.
+        UcxBuildConflictError: this process already loaded another build (one line naming both).
+        ConfigurationError: the build is older than `MIN_VERSION`.
         OSError: the shared libraries cannot be loaded.
     """
-    import libucx  # the wheel's helper; ImportError here means the extra is missing
+    global _loaded
+    with _LOAD_LOCK:
+        if _loaded is None:
+            if build.has_efa_module:
+                from weight_transfer.backends.ucx_native._builds import keep_efa_module_out
 
-    libucx.load_library()
-    lib_dir = os.path.join(os.path.dirname(libucx.__file__), "lib")
-    ucs = ctypes.CDLL(os.path.join(lib_dir, "libucs.so"), ctypes.RTLD_LOCAL)
-    ucp = ctypes.CDLL(os.path.join(lib_dir, "libucp.so"), ctypes.RTLD_LOCAL)
-    return LibUcp(ucp, ucs, lib_dir)
+                keep_efa_module_out()  # before its libucs reads UCX_MODULES
+            # Recorded before any check: once its files are in the process, it is the build.
+            _loaded = LibUcp(build, _uct.open_build(build.files))
+        elif _loaded.build.libucp != build.libucp:
+            raise UcxBuildConflictError(
+                f"ucx: {build.label()} refused: this process already loaded "
+                f"{_loaded.describe()}, and a process holds one UCX build (two copies of UCX "
+                "install their memory hooks and global state over each other); give every ucx "
+                "transport of a process the same `library`"
+            )
+        lib = _loaded
+    if lib.version()[:2] < MIN_VERSION:
+        raise ConfigurationError(
+            f"ucx: {lib.describe()} is older than UCX {'.'.join(map(str, MIN_VERSION))}, "
+            "the oldest this binding supports"
+        )
+    return lib

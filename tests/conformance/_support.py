@@ -8,12 +8,15 @@ lists of them). A worker reports "ok" or a mismatch and exits non-zero on failur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 from collections.abc import Sequence
 
 import torch
 
+from tests.markers import softroce_hosts
+from weight_transfer.backends import availability
 from weight_transfer.backends.base import (
     RegionDescriptor,
     RegionRole,
@@ -24,8 +27,90 @@ from weight_transfer.backends.base import (
 )
 from weight_transfer.cli.launch import Channel, Child, Launch, describe_exit
 
-BACKEND_NAMES: list[str] = ["loopback", "tcp", "ucx", "nixl", "ibverbs"]
-"""Every backend the suite runs on; one that cannot run here is skipped with its reason."""
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One configuration the suite runs: a backend and its options."""
+
+    backend: str
+    options: tuple[tuple[str, str], ...] = ()
+    rdma: bool = False
+    """It runs over verbs: it needs an RDMA device and carries the `rdma` marker."""
+    device_option: str | None = None
+    """The option that names the RDMA device's port for it (`rdma_device`), if any."""
+
+    @property
+    def ucx_library(self) -> str | None:
+        """The UCX build its backend loads through our binding (`library`), None if not ucx."""
+        return dict(self.options).get("library", "auto") if self.backend == "ucx" else None
+
+
+CASES: dict[str, Case] = {
+    "loopback": Case("loopback"),
+    "tcp": Case("tcp"),
+    "ucx": Case("ucx"),
+    # The distribution's UCX (Debian 12: 1.13) over its tcp lane on lo: the build that does
+    # verbs on an RDMA host, run here where there is none.
+    "ucx-system": Case("ucx", (("library", "system"), ("TLS", "tcp"))),
+    "nixl": Case("nixl"),
+    "ibverbs": Case("ibverbs", rdma=True),
+    # Over verbs (rc). rc_verbs alone cannot connect: UCP sends its wireup over ud. A target
+    # progresses from its construction, as connect waits for rc's wireup, which the target
+    # answers (in-process pairs connect before registering).
+    "ucx-system-rc": Case(
+        "ucx",
+        (("library", "system"), ("TLS", "rc_verbs,ud_verbs"), ("target_progress", "on")),
+        rdma=True,
+        device_option="NET_DEVICES",
+    ),
+    "ucx-nixl-rc": Case(
+        "ucx",
+        (("library", "nixl"), ("TLS", "rc_verbs,ud_verbs"), ("target_progress", "on")),
+        rdma=True,
+        device_option="NET_DEVICES",
+    ),
+    # NIXL also connects its agent to itself at start: it needs the self lane.
+    "nixl-rc": Case(
+        "nixl", (("UCX_TLS", "rc_verbs,ud_verbs,self"),), rdma=True, device_option="ucx_devices"
+    ),
+}
+"""Every configuration the suite runs, by test id; one that cannot run here is skipped with its
+reason. A plain backend name is the backend with its defaults."""
+
+BACKEND_NAMES: list[str] = list(CASES)
+"""The suite's case ids (`CASES`), in order."""
+
+
+def case(name: str) -> Case:
+    """The case `name` (a backend name alone is that backend with its defaults)."""
+    return CASES.get(name) or Case(name)
+
+
+def backend_of(name: str) -> str:
+    """The backend a case runs (`ucx` for `ucx-system-rc`)."""
+    return case(name).backend
+
+
+def rdma_device() -> str | None:
+    """The RDMA device the verbs cases use: the Soft-RoCE VM's first host's, else the first
+    the kernel lists (None without one)."""
+    hosts = softroce_hosts()
+    if hosts is not None:
+        return hosts[0].device
+    devices = availability.rdma_devices()
+    return devices[0] if devices else None
+
+
+def case_config(name: str) -> TransportConfig:
+    """The transport config of case `name` (its RDMA device filled in for this host)."""
+    c = case(name)
+    options = c.options
+    if c.device_option is not None:
+        device = rdma_device()
+        if device is not None:
+            options = options + ((c.device_option, f"{device}:1"),)
+    return TransportConfig(name=c.backend, options=options)
+
 
 QUEUE_TIMEOUT_S = 60.0
 """How long the parent waits for any message from a child."""
@@ -40,9 +125,9 @@ def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
 
 
-def make_transport(backend: str) -> Transport:
-    """A transport of `backend` with the default config."""
-    return create_transport(TransportConfig(name=backend))
+def make_transport(name: str) -> Transport:
+    """A transport of case `name` (`CASES`; a plain backend name: its defaults)."""
+    return create_transport(case_config(name))
 
 
 def split_odd(offset: int, nbytes: int) -> list[tuple[int, int]]:

@@ -20,19 +20,19 @@ tests/unit/test_ibverbs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.conformance._support import first_difference, seeded_bytes
+from tests.conformance._support import backend_of, case_config, first_difference, seeded_bytes
 from weight_transfer.backends.base import (
     PeerLostError,
     RegionDescriptor,
     RegionRole,
     Transport,
-    TransportConfig,
     WeightTransferError,
     WriteHandle,
     WriteOp,
@@ -43,11 +43,13 @@ NUM_BATCHES = 6
 BATCH_BYTES = 16 << 20
 
 
-def _transport(backend: str) -> Transport:
+def _transport(name: str) -> Transport:
     # One ucx lane: batches of 4 MiB and more are otherwise split over copy lanes, whose
     # failures are reported only once their requests finished (tests/unit/test_ucx_lanes.py).
-    options = (("lanes", "1"),) if backend == "ucx" else ()
-    return create_transport(TransportConfig(name=backend, options=options))
+    config = case_config(name)
+    if config.name == "ucx":
+        config = dataclasses.replace(config, options=config.options + (("lanes", "1"),))
+    return create_transport(config)
 
 
 class _ExitedProcess:
@@ -127,13 +129,14 @@ def _outcome(sender: Transport, handle: WriteHandle, timeout_s: float) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_failed_batch_reads_no_source_memory_once_settled(backend: str) -> None:
+    name, backend = backend, backend_of(backend)
     if backend == "ibverbs":
         pytest.skip("ibverbs: checked on a simulated device in tests/unit/test_ibverbs.py")
     nbytes = NUM_BATCHES * BATCH_BYTES
     # UCX copies a put of up to 4 MiB (CMA_SEG_SIZE) inside the post: one put per batch, so
     # that the batch is still in progress when its flush is checked.
     op_bytes = BATCH_BYTES if backend == "ucx" else 1 << 20
-    receiver, healthy, sender = _transport(backend), _transport(backend), _transport(backend)
+    receiver, healthy, sender = _transport(name), _transport(name), _transport(name)
     try:
         initial = seeded_bytes(nbytes, 200)
         target = initial.clone()

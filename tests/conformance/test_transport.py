@@ -17,6 +17,7 @@ import torch
 
 from tests.conformance._support import (
     Receiver,
+    backend_of,
     first_difference,
     make_transport,
     run_sender_into_stopped_target,
@@ -78,7 +79,7 @@ def test_register_source_and_target(transports: Factory, backend: str) -> None:
     assert src.nbytes == 4000 and src.kind is MemoryKind.HOST
     assert src.address == src_tensor.data_ptr()
     assert tgt.role is RegionRole.TARGET and tgt.descriptor is not None
-    assert tgt.descriptor.backend == backend
+    assert tgt.descriptor.backend == backend_of(backend)
     assert tgt.descriptor.kind is MemoryKind.HOST
     assert tgt.descriptor.nbytes == 333 * 3 * 4
     # Registration may move the storage (loopback), but never the values or the caller's view.
@@ -376,7 +377,7 @@ def test_descriptor_of_another_backend_refused(transports: Factory, backend: str
     receiver, sender = _pair(transports)
     target = seeded_bytes(1000, 130)
     desc = _desc(receiver.register(target, role=RegionRole.TARGET).descriptor)
-    other = "tcp" if backend != "tcp" else "loopback"
+    other = "tcp" if backend_of(backend) != "tcp" else "loopback"
     foreign = dataclasses.replace(desc, backend=other)
     src = sender.register(seeded_bytes(1000, 131), role=RegionRole.SOURCE)
     with pytest.raises(ValueError, match=other):

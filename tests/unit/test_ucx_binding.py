@@ -1,23 +1,36 @@
-"""The libucp ctypes binding: struct layouts pinned to the UCX 1.22 headers, and the backend's
-own checks (payloads, options, missing wheel). Cross-process writes live in tests/conformance.
+"""The libucp ctypes binding: struct layouts pinned to UCX 1.22's headers and checked against
+1.13's, and the backend's own checks (payloads, options, missing wheel). Cross-process writes
+live in tests/conformance; which build loads, and the UCX_TLS refusals, in test_ucx_library.py.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 
 from tests.markers import requires_module
+from weight_transfer.backends import availability
 from weight_transfer.backends.base import (
     RegionRole,
     TransportConfig,
     TransportUnavailableError,
     WriteOp,
 )
+from weight_transfer.backends.ucx_native import _builds, _uct
 from weight_transfer.backends.ucx_native import _libucp as L
+
+
+def process_lib() -> L.LibUcp:
+    """The UCX build of this test process (the one `library=auto` gives, loaded once)."""
+    return L.loaded() or L.load(_builds.resolve("auto", rdma=bool(availability.rdma_devices())))
+
 
 # sizeof / offsetof as gcc reports them for libucx-cu13 1.22.0's headers on x86_64
 # (include/ucp/api/ucp.h, ucp_def.h). A drift here means the binding corrupts memory.
@@ -92,6 +105,26 @@ LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
 }
 
 
+# The same for UCX 1.13.1's headers (Debian's libucx-dev): where 1.13 differs, the size only.
+# Every field 1.13 has sits at the offset above; the rest are `L.FIELDS_AFTER_1_13`.
+SIZES_1_13 = {
+    "ucp_params_t": 80,
+    "ucp_worker_params_t": 200,
+    "ucp_ep_params_t": 104,
+    "ucp_mem_map_params_t": 40,
+    "ucp_request_param_t": 72,
+}
+
+# libuct's structs (`_uct`), identical in 1.13.1 and 1.22.0 (include/uct/api/uct.h).
+UCT_LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
+    "uct_component_attr_t": (
+        48,
+        {"name": 8, "md_resource_count": 24, "md_resources": 32, "flags": 40},
+    ),
+    "uct_tl_resource_desc_t": (52, {"dev_name": 10, "dev_type": 44, "sys_device": 48}),
+}
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_struct_layout_matches_headers(name: str) -> None:
     struct = L.STRUCTS[name]
@@ -101,8 +134,79 @@ def test_struct_layout_matches_headers(name: str) -> None:
         assert getattr(struct, field).offset == offset, f"{name}.{field}"
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_ucx_1_13_lacks_only_trailing_fields_that_are_never_set(name: str) -> None:
+    """Passing a 1.22-sized struct to 1.13 is safe when 1.13's struct is a prefix of it and
+    the fields past that prefix are ones the binding never sets (UCX reads a field only when
+    its bit is in the field mask)."""
+    struct = L.STRUCTS[name]
+    newer = L.FIELDS_AFTER_1_13.get(name, ())
+    fields = [f[0] for f in struct._fields_]
+    assert fields[len(fields) - len(newer) :] == list(newer)  # trailing
+    first_new = getattr(struct, newer[0]).offset if newer else ctypes.sizeof(struct)
+    if newer:
+        assert first_new <= SIZES_1_13[name] <= first_new + 7  # ends where the new ones begin
+    else:
+        assert SIZES_1_13[name] == ctypes.sizeof(struct)
+
+
+@pytest.mark.parametrize("name", sorted(UCT_LAYOUTS))
+def test_uct_struct_layout_matches_headers(name: str) -> None:
+    struct = _uct.STRUCTS[name]
+    size, offsets = UCT_LAYOUTS[name]
+    assert ctypes.sizeof(struct) == size
+    for field, offset in offsets.items():
+        assert getattr(struct, field).offset == offset, f"{name}.{field}"
+
+
 def test_every_bound_struct_is_pinned() -> None:
-    assert set(L.STRUCTS) == set(LAYOUTS)
+    assert set(L.STRUCTS) == set(LAYOUTS) == set(SIZES_1_13)
+    assert set(_uct.STRUCTS) == set(UCT_LAYOUTS)
+
+
+def _header_sets() -> list[object]:
+    sets = [pytest.param("system", "/usr/include", id="system")]
+    wheel = _builds.find_build("wheel")
+    if wheel is not None:
+        include = str(Path(wheel.files.folder).parent / "include")
+        sets.append(pytest.param("wheel", include, id="wheel"))
+    return sets
+
+
+@pytest.mark.parametrize("which, include", _header_sets())
+def test_pinned_layouts_are_what_gcc_reports(which: str, include: str, tmp_path: Path) -> None:
+    """Compile offsetof/sizeof of every bound field against a UCX header set (1.13 from
+    libucx-dev, 1.22 from the wheel) and compare with the ctypes structs."""
+    version_h = Path(include, "ucp", "api", "ucp_version.h")
+    if shutil.which("gcc") is None or not version_h.exists():
+        pytest.skip(f"needs gcc and UCX headers under {include}")
+    minor = int(re.search(r"UCP_API_MINOR\s+(\d+)", version_h.read_text()).group(1))  # type: ignore[union-attr]
+    structs = {**L.STRUCTS, **_uct.STRUCTS}
+    lines = []
+    for name, struct in structs.items():
+        lines.append(f'printf("{name} . %zu\\n", sizeof({name}));')
+        for field, *_ in struct._fields_:
+            if minor < 22 and field in L.FIELDS_AFTER_1_13.get(name, ()):
+                continue
+            lines.append(f'printf("{name} {field} %zu\\n", offsetof({name}, {field}));')
+    src = tmp_path / "layout.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <ucp/api/ucp.h>\n"
+        "#include <uct/api/uct.h>\nint main(void) {\n" + "\n".join(lines) + "\nreturn 0; }\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run(["gcc", f"-I{include}", str(src), "-o", str(exe)], check=True, timeout=60)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        name, field, value = line.split()
+        struct = structs[name]
+        if field == ".":
+            if minor >= 22 or name not in L.FIELDS_AFTER_1_13:
+                assert int(value) == ctypes.sizeof(struct), (which, name)
+            else:
+                assert int(value) == SIZES_1_13[name] <= ctypes.sizeof(struct), (which, name)
+        else:
+            assert int(value) == getattr(struct, field).offset, (which, name, field)
 
 
 def test_status_pointer_decoding() -> None:
@@ -129,17 +233,25 @@ def test_payload_codec_rejects_garbage() -> None:
 def test_missing_wheel_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from weight_transfer.backends import ucx
 
-    def no_wheel() -> None:
-        raise ImportError("No module named 'libucx'")
-
-    monkeypatch.setattr(ucx.ucx_native.L, "load", no_wheel)
+    monkeypatch.setitem(_builds._FINDERS, "wheel", lambda: None)
     with pytest.raises(TransportUnavailableError, match=r"pip install 'libucx-cu13>=1\.22,<1\.23'"):
-        ucx.UcxTransport(TransportConfig(name="ucx"))
+        ucx.UcxTransport(TransportConfig(name="ucx", options=(("library", "wheel"),)))
 
 
 @requires_module("libucx")
-def test_loaded_library_is_the_bound_version() -> None:
-    assert L.load().version()[:2] == (L.UCP_API_MAJOR, L.UCP_API_MINOR)
+def test_the_wheel_is_the_bound_version() -> None:
+    wheel = _builds.find_build("wheel")
+    assert wheel is not None
+    header = Path(wheel.files.folder).parent / "include" / "ucp" / "api" / "ucp_version.h"
+    text = header.read_text()
+    for name, value in (("MAJOR", L.UCP_API_MAJOR), ("MINOR", L.UCP_API_MINOR)):
+        assert re.search(rf"#define UCP_API_{name}\s+{value}\b", text), name
+
+
+def test_loaded_library_is_supported_and_asks_for_its_own_api() -> None:
+    lib = process_lib()
+    assert lib.version()[:2] >= L.MIN_VERSION
+    assert lib.api_version() == (lib.version()[0], min(lib.version()[1], L.UCP_API_MINOR))
 
 
 @requires_module("libucx")
@@ -154,10 +266,11 @@ def test_bad_ucx_option_is_refused_by_name() -> None:
 def test_defaults_that_ucx_lacks_are_skipped_but_options_are_not() -> None:
     from weight_transfer.backends import ucx_native
 
-    worker = ucx_native.UcxWorker([], name="t", defaults=[("NO_SUCH_KNOB", "1")])
+    lib = process_lib()
+    worker = ucx_native.UcxWorker(lib, [], name="t", defaults=[("NO_SUCH_KNOB", "1")])
     worker.destroy()
     with pytest.raises(ucx_native.UcxError, match="NO_SUCH_KNOB"):
-        ucx_native.UcxWorker([("NO_SUCH_KNOB", "1")], name="t")
+        ucx_native.UcxWorker(lib, [("NO_SUCH_KNOB", "1")], name="t")
 
 
 @requires_module("libucx")
