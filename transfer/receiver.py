@@ -500,6 +500,9 @@ class WeightReceiver:
         Call it once per update, inside the update window (no forward pass may read the
         weights between `wait_for_version` and its return). A full update leaves no patch:
         then it only records the version. Without a patch region it is `wait_for_version`.
+        Like `wait_for_version`, the wait may end with a later update than `step` (a step the
+        trainers skipped); that update's patch is the one applied, acknowledged and served,
+        and the returned `ApplyStats.step` names it.
 
         Raises:
             TransportTimeoutError / WeightTransferError: as `wait_for_version` (nothing applied).
@@ -511,29 +514,29 @@ class WeightReceiver:
         The serving gate is handled as by `wait_for_version` (`serve=False`: the caller opens
         it with `end_update` after its own post-processing).
         """
-        self.wait_for_version(step, timeout_s, serve=False)
+        # The wait may end with a later update than `step` (a step the trainers skipped): the
+        # patch to apply is the one of the update that ended it, `v`.
+        v = self.wait_for_version(step, timeout_s, serve=False)
         if self._patch is None:
-            self._applied = step
+            self._applied = v
             if serve:
-                self.gate.commit(step)
-            return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+                self.gate.commit(v)
+            return ApplyStats(step=v, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
         t0 = time.perf_counter()
         try:
-            stats = apply_patch_region(
-                self._patch, self._delta_targets(), step, base_step=self._applied
-            )
+            stats = apply_patch_region(self._patch, self._delta_targets(), v, base_step=self._applied)
         except PatchError as exc:
-            self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
-            self.gate.fail(step, str(exc))
-            raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
+            self._ack(v, ok=False, error=f"engine {self.engine!r}: {exc}")
+            self.gate.fail(v, str(exc))
+            raise PatchError(f"engine {self.engine!r}: update {v}: {exc}") from exc
         if self._patch.is_cuda:
             torch.cuda.synchronize(self._patch.device)
         stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
-        self._applied = step
-        self._publish_position_digest(step)
-        self._ack(step, ok=True, error="")
+        self._applied = v
+        self._publish_position_digest(v)
+        self._ack(v, ok=True, error="")
         if serve:
-            self.gate.commit(step)
+            self.gate.commit(v)
         return stats
 
     def _delta_targets(self) -> list[torch.Tensor]:

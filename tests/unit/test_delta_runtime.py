@@ -393,3 +393,31 @@ def test_full_when_slower_decides_from_the_updates_it_timed() -> None:
         s.check()
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["loopback", "tcp"])
+def test_apply_delta_of_a_skipped_step_applies_the_update_that_ended_the_wait(
+    backend: str,
+) -> None:
+    # Issue 40, finding 1. The trainers skip step 2; the engine waits for it. Its wait ends
+    # with update 3 (a delta): that is the patch it must apply, acknowledge and serve.
+    s = Setup(backend, DeltaConfig(enabled=True, apply_timeout_s=2.0, full_when_slower=False))
+    try:
+        _perturb(s.src, 1, 0.02)
+        assert s.update(1) == "full"
+        _perturb(s.src, 3, 0.02)
+        s.sender.update(3)
+        assert s.sender.delta_stats is not None and s.sender.delta_stats.mode == "delta"
+        for rx in s.receivers:
+            stats = rx.apply_delta(2, 20.0)
+            assert stats.step == 3 and stats.num_segments > 0, stats
+            assert rx.applied_version == 3 and rx.version == 3
+            assert rx.check_serving() == 3
+        s.check()
+        for step in (4, 5):  # the trainers heard every engine apply 3: deltas go on
+            _perturb(s.src, step, 0.02)
+            assert s.update(step) == "delta"
+            s.check()
+    finally:
+        s.close()
