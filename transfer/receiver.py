@@ -29,6 +29,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.delta.patch import (
+    HEADER_BYTES,
     ApplyStats,
     PatchError,
     applied_key,
@@ -124,6 +125,10 @@ class WeightReceiver:
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
         self._heard = 0  # newest update whose outcome this engine read (`wait_for_version`)
+        # Whether this session's trainers wrote the version word (False after
+        # `join_new_session` until the new session confirms an update here): a word kept from
+        # an old session names no update of this one.
+        self._word_of_session = True
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
         self._last_digest = 0
@@ -200,8 +205,11 @@ class WeightReceiver:
         raised `PeerLostError`, say) instead of restarting: it connects to `control` (default:
         the same address and token), claims its name there and publishes its unchanged
         manifest and endpoint. The new trainers plan and connect as on a first start. Its
-        version word keeps the last update it received, so the new trainer job should continue
-        counting steps from there.
+        version word (and `version`, and the gate while it serves) keeps the last update it
+        received, but that update belongs to the old session: no wait in the new session ends
+        on it. `wait_for_version(k)` returns only an update the new session decided and wrote
+        into this engine, whatever the old word reads (a new trainer job may count its steps
+        from 1 again, or continue from the old word).
 
         Raises:
             TransportTimeoutError: the new control plane did not answer in time.
@@ -209,10 +217,16 @@ class WeightReceiver:
                 controller did not restart: use `WeightSender.replan` with `rejoined`).
         """
         config = control or self._control.config
-        # The old session's results are gone with it: what the word reads now is what this
-        # engine last received.
-        self._known_complete = self.version
+        # The old session's results are gone with it, and its step numbers mean nothing in the
+        # new one: only the new session's verdicts complete a wait from now on.
+        self._known_complete = 0
         self._heard = 0  # the new session's updates are heard of from its start
+        self._word_of_session = False
+        self._last_ack = self._last_digest = 0  # keys of the old store
+        if self._patch is not None:
+            # A patch of the old session must never be applied in the new one (its steps may
+            # be reused): an unwritten region header reads "no patch".
+            self._patch[:HEADER_BYTES].zero_()
         self._control.close()
         self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
         if not self._claim_name():
@@ -424,7 +438,7 @@ class WeightReceiver:
 
     def _wait_for_version(self, step: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        if self.version < step and self._heard == 0:
+        if self._heard == 0 and (self.version < step or not self._word_of_session):
             # A member new to the session (joined late, or `join_new_session`) starts from
             # the newest decided update: the first links of the chain may be deleted already.
             # Later, the version word tells how far the trainers got (`result/<v>`).
@@ -438,7 +452,10 @@ class WeightReceiver:
             if v >= step and v <= self._known_complete:
                 return v
             remaining = deadline - time.monotonic()
-            key = f"result/{v}" if v > self._heard else f"next/{self._heard}"
+            # `result/<v>` only for a word this session wrote (an old session's may name a
+            # step this one never decides); otherwise follow the chain of verdicts.
+            by_word = v > self._heard and self._word_of_session
+            key = f"result/{v}" if by_word else f"next/{self._heard}"
             try:
                 decision = self._control.get(key, Decision, max(0.001, remaining))
             except TransportTimeoutError:
@@ -476,6 +493,7 @@ class WeightReceiver:
         if v < decision.step or decision.step <= self._known_complete:
             return
         self._known_complete = decision.step
+        self._word_of_session = True
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).

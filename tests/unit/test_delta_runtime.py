@@ -421,3 +421,35 @@ def test_apply_delta_of_a_skipped_step_applies_the_update_that_ended_the_wait(
             s.check()
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_session_never_applies_an_old_sessions_patch() -> None:
+    # Issue 40, finding 2 (delta side). The old session's last update (2) was a delta; after
+    # a controller restart the new trainer job's first update, numbered 2 again, is full. The
+    # patch region still holds the old slots headed 2: they must not be taken for this one.
+    import gc
+
+    s = Setup("loopback", DeltaConfig(enabled=True, full_when_slower=False))
+    try:
+        _perturb(s.src, 1, 0.02)
+        assert s.update(1) == "full"
+        _perturb(s.src, 2, 0.02)
+        assert s.update(2) == "delta"
+        config = s.sender.transfer_config
+        s.sender.close()
+        s.ctrl.close(linger_s=0)
+        del s.sender, s.ctrl
+        gc.collect()
+        s.ctrl = Controller(config.controller_config(1), config.control)
+        for rx in s.receivers:
+            rx.join_new_session()
+        s.src = _trainer(7)
+        s.sender = WeightSender(s.src, config, controller=s.ctrl)
+        assert s.update(2) == "full"
+        s.check()
+        _perturb(s.src, 3, 0.02)
+        assert s.update(3) == "delta"
+        s.check()
+    finally:
+        s.close()
