@@ -528,6 +528,9 @@ class WeightReceiver:
                 this engine holds; nothing was written, the trainers are told (their next
                 update is full for this engine) and this engine must not serve until then
                 (its serving gate is FAILED).
+            Exception: anything else that failed once the update was complete (a kernel, the
+                verification digest, the acknowledgement): as for a `PatchError`, the gate is
+                FAILED and the trainers are told (if the control plane still answers).
 
         The serving gate is handled as by `wait_for_version` (`serve=False`: the caller opens
         it with `end_update` after its own post-processing).
@@ -542,17 +545,32 @@ class WeightReceiver:
             return ApplyStats(step=v, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
         t0 = time.perf_counter()
         try:
-            stats = apply_patch_region(self._patch, self._delta_targets(), v, base_step=self._applied)
-        except PatchError as exc:
-            self._ack(v, ok=False, error=f"engine {self.engine!r}: {exc}")
-            self.gate.fail(v, str(exc))
-            raise PatchError(f"engine {self.engine!r}: update {v}: {exc}") from exc
-        if self._patch.is_cuda:
-            torch.cuda.synchronize(self._patch.device)
-        stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
-        self._applied = v
-        self._publish_position_digest(v)
-        self._ack(v, ok=True, error="")
+            stats = apply_patch_region(
+                self._patch, self._delta_targets(), v, base_step=self._applied
+            )
+            if self._patch.is_cuda:
+                torch.cuda.synchronize(self._patch.device)
+            stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
+            self._applied = v
+            self._publish_position_digest(v)
+            self._ack(v, ok=True, error="")
+        except BaseException as exc:
+            # Whatever failed (the patch, a kernel, the digest, the acknowledgement): serve
+            # nothing, and tell the trainers, whose next update is then full for this engine
+            # (without the acknowledgement they would wait out `apply_timeout_s` first).
+            text = (
+                str(exc) if isinstance(exc, WeightTransferError) else f"{type(exc).__name__}: {exc}"
+            )
+            reason = f"engine {self.engine!r}: update {v}: {text}"
+            self.gate.fail(v, reason)
+            if isinstance(exc, Exception):
+                try:
+                    self._ack(v, ok=False, error=reason)
+                except WeightTransferError as ack_exc:
+                    log.warning("%s; could not tell the trainers: %s", reason, ack_exc)
+            if isinstance(exc, PatchError):
+                raise PatchError(reason) from exc
+            raise
         if serve:
             self.gate.commit(v)
         return stats

@@ -9,6 +9,7 @@ compared bit for bit, deltas and full updates alike, over many steps of sparse c
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -242,7 +243,8 @@ def test_failure_in_the_middle_nothing_drifts(setup: Setup, which: str, monkeypa
 
 
 @pytest.mark.timeout(120)
-def test_engine_that_did_not_apply_is_waited_for() -> None:
+def test_engine_that_did_not_apply_is_waited_for_once_then_sent_a_full_update() -> None:
+    # Issue 40, finding 4: a missed acknowledgement costs one update, not every later one.
     s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=1.0, full_when_slower=False))
     try:
         s.update(1)
@@ -252,6 +254,49 @@ def test_engine_that_did_not_apply_is_waited_for() -> None:
         _perturb(s.src, 3, 0.02)
         with pytest.raises(WeightTransferError, match=r"'e1'.*did not apply delta update 2"):
             s.sender.update(3)
+        _perturb(s.src, 4, 0.02)
+        assert s.update(4) == "full"  # every byte rewritten, engine 1's missed patch too
+        assert s.sender.delta_stats is not None and "'e1'" in s.sender.delta_stats.reason
+        s.check()
+        _perturb(s.src, 5, 0.02)
+        assert s.update(5) == "delta"
+        s.check()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_whose_apply_raises_acknowledges_the_failure(monkeypatch: Any) -> None:
+    # Issue 40, finding 4: any exception in apply_delta (not only a PatchError) is
+    # acknowledged as a failure, so the trainers' next update is full at once instead of
+    # waiting out apply_timeout_s on this one and every later one.
+    from weight_transfer import receiver as receiver_module
+
+    s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=30.0, full_when_slower=False))
+    try:
+        s.update(1)
+        _perturb(s.src, 2, 0.02)
+        s.sender.update(2)
+        s.receivers[0].apply_delta(2, 20.0)
+        real = receiver_module.apply_patch_region
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: the apply kernel failed")
+
+        monkeypatch.setattr(receiver_module, "apply_patch_region", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            s.receivers[1].apply_delta(2, 20.0)
+        assert s.receivers[1].serving.state.value == "failed"
+        monkeypatch.setattr(receiver_module, "apply_patch_region", real)
+        _perturb(s.src, 3, 0.02)
+        t0 = time.monotonic()
+        assert s.update(3) == "full"
+        assert time.monotonic() - t0 < 10.0
+        assert s.receivers[1].check_serving() == 3
+        s.check()
+        _perturb(s.src, 4, 0.02)
+        assert s.update(4) == "delta"
+        s.check()
     finally:
         s.close()
 

@@ -471,7 +471,8 @@ class DeltaSession:
         elif self._failed_apply:
             self.mode = FULL
             self.reason = (
-                f"engine(s) {sorted(self._failed_apply)[:3]} could not apply the last patch"
+                f"engine(s) {sorted(self._failed_apply)[:3]} did not apply the last update "
+                "(or did not say so in time)"
             )
         elif cfg.anchor_every_updates and self._updates_since_full >= cfg.anchor_every_updates:
             self.mode, self.reason = FULL, f"anchor (every {cfg.anchor_every_updates} updates)"
@@ -491,29 +492,44 @@ class DeltaSession:
             self._layout_gen += 1
 
     def _wait_applied(self, deadline: float) -> None:
-        """Bounded wait until every engine sent the last committed delta acknowledged it."""
+        """Bounded wait until every engine sent the last committed delta acknowledged it.
+
+        Whatever happens, the wait is over after this call: an engine that did not answer (or
+        whose answer cannot be read) fails this update, with nothing written, and gets a full
+        update next, so a missed acknowledgement costs one update and never wedges delta mode.
+        """
         if self._await_applied is None:
             return
         step, engines = self._await_applied
+        self._await_applied = None
         t0 = time.perf_counter()
         until = min(deadline, time.monotonic() + self.config.apply_timeout_s)
         keys = {e: applied_key(step, e) for e in engines}
         try:
             self.control.wait(list(keys.values()), max(0.001, until - time.monotonic()))
-        except TransportTimeoutError as exc:
-            missing = [e for e, k in keys.items() if not self.control.exists(k)]
+        except WeightTransferError as exc:
+            try:
+                missing = [e for e, k in keys.items() if not self.control.exists(k)]
+            except WeightTransferError:
+                missing = list(engines)
+            self._failed_apply = set(missing) or set(engines)
+            if not isinstance(exc, TransportTimeoutError):
+                raise
             raise TransportTimeoutError(
                 f"trainer rank {self.rank}: engine(s) {missing[:5]} did not apply delta update "
                 f"{step} within {self.config.apply_timeout_s:.1f} s (the engine calls "
-                "WeightReceiver.apply_delta once per update); nothing was written"
+                "WeightReceiver.apply_delta once per update); nothing was written, and the "
+                "next update is full"
             ) from exc
         self._failed_apply = set()
         for e, k in keys.items():
-            d = self.control.get(k, Decision)
+            try:
+                d = self.control.get(k, Decision)
+            except WeightTransferError as exc:
+                d = Decision(step=step, ok=False, error=f"engine {e!r}'s acknowledgement: {exc}")
             if not d.ok:
                 log.warning("trainer rank %d: %s", self.rank, d.error)
                 self._failed_apply.add(e)
-        self._await_applied = None
         self._apply_wait_s = time.perf_counter() - t0
 
     def intercepts(self, ops: Sequence[WriteOp]) -> bool:
