@@ -529,8 +529,14 @@ class WeightSender:
         before raising, so the ranks of a replica (and all engines) advance together or not
         at all; `WeightReceiver.wait_for_version` never reports an update that was rolled back.
 
+        A step is used up when the call starts, whatever its outcome: a retry (after a
+        timeout too) takes a later step. If this rank cannot read a verdict (a timeout or a
+        lost controller while it waits for one), it sets the version words it wrote back to
+        the last complete update before raising, and in delta mode its next update is full.
+
         Raises:
-            ValueError: `step` is not larger than the previous one.
+            ValueError: `step` is not larger than the previous one (tried before, failed or
+                not).
             UpdateInProgressError: (an `UpdateFailedError`) refused on this rank: an earlier
                 update's prepare thread outlived its deadline and still runs (the other ranks
                 raise `UpdateFailedError` naming this rank).
@@ -542,9 +548,18 @@ class WeightSender:
             raise ValueError(
                 f"update step {step} must be larger than the previous ({self._last_step})"
             )
+        # Consumed now, whatever happens next: a retry after any failure (a timeout waiting for
+        # the controller included) takes a later step, never this one's keys (`go/<step>`,
+        # `commit/<step>`, a verdict made from this attempt's reports).
+        self._last_step = step
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
-        self._go(step, timeout)
+        try:
+            self._go(step, timeout)
+        except BaseException:
+            if self._delta is not None:
+                self._delta.failed()
+            raise
         t0 = time.perf_counter()
         ran = self._run(step, timeout)
         t_exec = time.perf_counter()
@@ -556,9 +571,15 @@ class WeightSender:
             nbytes=ran.stats.nbytes if ran.stats else 0,
             seconds=time.perf_counter() - t0,
         )
-        decision = self._decide(step, Phase.DONE, done, timeout)
+        try:
+            decision = self._decide(step, Phase.DONE, done, timeout)
+        except BaseException:
+            # No verdict: this rank's bytes may be in the engines, whether the others
+            # committed or not is unknown here (it wrote no version word).
+            if self._delta is not None:
+                self._delta.outcome_unknown()
+            raise
         if not decision.ok:
-            self._last_step = step
             if self._delta is not None:
                 self._delta.failed()
             message = f"update {step} failed, no engine advanced: {decision.error}"
@@ -577,8 +598,15 @@ class WeightSender:
             nbytes=0,
             seconds=0.0,
         )
-        result = self._decide(step, Phase.COMMITTED, committed, timeout)
-        self._last_step = step
+        try:
+            result = self._decide(step, Phase.COMMITTED, committed, timeout)
+        except BaseException:
+            # This rank cannot tell whether update `step` committed: no word it wrote may
+            # claim so (an engine then waits for a later update instead of trusting it).
+            if self._delta is not None:
+                self._delta.outcome_unknown()
+            self._roll_back(step, timeout)
+            raise
         if not result.ok:
             if self._delta is not None:
                 self._delta.failed()

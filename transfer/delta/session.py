@@ -375,6 +375,8 @@ class DeltaSession:
             enabled=config.full_when_slower, retry_after=config.retry_delta_after_updates
         )
         self._await_applied: tuple[int, list[str]] | None = None
+        self._invalid_because = "the last full update failed"
+        """Why the snapshot is invalid (after its first full update committed)."""
         self._failed_apply: set[str] = set()
         self._overflowed = False
         self._encode_s = 0.0
@@ -460,11 +462,7 @@ class DeltaSession:
         elif snap is None or not snap.valid:
             self.mode, self.reason = (
                 FULL,
-                (
-                    "first update"
-                    if snap is None or snap.step == 0
-                    else "the last full update failed"
-                ),
+                ("first update" if snap is None or snap.step == 0 else self._invalid_because),
             )
         elif self._overflowed:
             self.mode, self.reason = FULL, "the last delta failed in the delta layer"
@@ -486,6 +484,7 @@ class DeltaSession:
         self._overflowed = False
         if self.mode == FULL and snap is not None:
             snap.valid = False
+            self._invalid_because = "the last full update failed"
             # The runs' places in the snapshot are laid out anew by every full update.
             self._offsets = {}
             self._next_offset = 0  # becomes valid again when this full update commits
@@ -726,6 +725,14 @@ class DeltaSession:
                     for (peer, region, offset, nbytes), at in self._offsets.items()
                 ],
             )
+
+    def outcome_unknown(self) -> None:
+        """This rank could not read the update's verdict: the engines may or may not hold it,
+        so the snapshot says nothing about them any more and the next update is full."""
+        self.failed()
+        if self.snapshot is not None:
+            self.snapshot.valid = False
+            self._invalid_because = "this rank could not read the last update's verdict"
 
     def failed(self) -> None:
         """The update failed: a delta leaves everything as it was; after a full one the
