@@ -49,7 +49,15 @@ from weight_transfer.planner.types import (
     dtype_size,
     numel,
 )
-from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.protocol import (
+    Claim,
+    Decision,
+    Digests,
+    EngineJoin,
+    Seen,
+    Window,
+    window_key,
+)
 from weight_transfer.serving import ServingGate, ServingStatus
 from weight_transfer.verify import name_key, position_digest, region_position
 
@@ -129,6 +137,7 @@ class WeightReceiver:
         # `join_new_session` until the new session confirms an update here): a word kept from
         # an old session names no update of this one.
         self._word_of_session = True
+        self._window: int | None = None  # the update window announced and not yet consumed
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
         self._last_digest = 0
@@ -194,6 +203,7 @@ class WeightReceiver:
                 manifest=self._manifest,
                 transport=self._transport.name,
                 endpoint=self._transport.endpoint(),
+                window=self.config.update_window,
             ),
         )
 
@@ -223,6 +233,7 @@ class WeightReceiver:
         self._heard = 0  # the new session's updates are heard of from its start
         self._word_of_session = False
         self._last_ack = self._last_digest = 0  # keys of the old store
+        self._window = None
         if self._patch is not None:
             # A patch of the old session must never be applied in the new one (its steps may
             # be reused): an unwritten region header reads "no patch".
@@ -375,8 +386,8 @@ class WeightReceiver:
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        self.gate.begin(step)
         try:
+            self._open_window(step)
             v = self._wait_for_version(step, timeout_s)
         except TransportTimeoutError as exc:
             self.gate.still_updating(step, str(exc))
@@ -384,6 +395,7 @@ class WeightReceiver:
         except BaseException as exc:
             self.gate.fail(step, str(exc))
             raise
+        self._window = None  # consumed: update v >= step completed here
         if serve:
             self.gate.commit(v)
         return v
@@ -414,8 +426,21 @@ class WeightReceiver:
 
     def begin_update(self, step: int) -> None:
         """Close the gate for update `step` before telling the trainer this engine is ready
-        (`wait_for_version` closes it too; this is for an engine that pauses first)."""
+        (`wait_for_version` closes it too; this is for an engine that pauses first). With
+        `ReceiverConfig.update_window`, this opens the update window the trainers wait for.
+
+        Raises:
+            WeightTransferError: the window could not be announced (the control plane).
+        """
+        self._open_window(step)
+
+    def _open_window(self, step: int) -> None:
+        """Close the gate for `step`, then (`ReceiverConfig.update_window`) tell the trainers
+        that the writes of updates from `step` on may land (`Window`). Once per window."""
         self.gate.begin(step)
+        if self.config.update_window and self._window != step:
+            self._control.put(window_key(self.engine), Window(engine=self.engine, step=step))
+            self._window = step
 
     def end_update(self, step: int) -> None:
         """Open the gate on update `step`, complete (after `wait_for_version(step, serve=False)`
@@ -494,6 +519,7 @@ class WeightReceiver:
             return
         self._known_complete = decision.step
         self._word_of_session = True
+        self._window: int | None = None  # the update window announced and not yet consumed
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).

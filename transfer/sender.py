@@ -555,13 +555,21 @@ class WeightSender:
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
         try:
-            self._go(step, timeout)
+            refused = self._go(step, timeout)
         except BaseException:
             if self._delta is not None:
                 self._delta.failed()
             raise
         t0 = time.perf_counter()
-        ran = self._run(step, timeout)
+        if refused:
+            # Not started (an engine did not open its update window): nothing was written.
+            # The controller's rank reports why; the others as stopped by it.
+            cause = WeightTransferError(
+                refused if self.controller is not None else f"update {step} aborted: {refused}"
+            )
+            ran = _Outcome(error=self._describe(cause), cause=cause)
+        else:
+            ran = self._run(step, timeout)
         t_exec = time.perf_counter()
         done = Done(
             rank=self.rank,
@@ -636,12 +644,15 @@ class WeightSender:
 
     # -- the steps of one update -----------------------------------------------------------
 
-    def _go(self, step: int, timeout_s: float) -> None:
-        """Start update `step`: the rank hosting the controller says go, the others wait."""
+    def _go(self, step: int, timeout_s: float) -> str:
+        """Start update `step`: the rank hosting the controller says go, the others wait.
+        Returns "" to go on, else why the update must not start (`Controller.go`)."""
         if self.controller is not None:
-            self.controller.go(step)
-        else:
-            self._control.get(f"go/{step}", Go, timeout_s)
+            return self.controller.go(step, timeout_s)
+        # The controller may spend `timeout_s` on the engines' update windows before it
+        # posts go (with why not, if they did not open): wait for that, plus its own answer.
+        wait_s = timeout_s + self._control.config.timeout_s
+        return self._control.get(f"go/{step}", Go, wait_s).error
 
     def _run(self, step: int, timeout_s: float) -> _Outcome:
         """This rank's writes of the update (the executor); any failure is caught, logged and
