@@ -144,22 +144,34 @@ class WeightReceiver:
         self.gate = ServingGate()
         """Whether the engine may serve now (see the class docstring)."""
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first = self._claim_name()
-        if rejoin and first:
-            raise ConfigurationError(
-                f"engine {engine!r} cannot rejoin: it never joined this control plane session"
-            )
-        if not rejoin and not first:
-            raise ConfigurationError(
-                f"engine {engine!r} is already registered with this control plane session "
-                "(a restarted engine passes rejoin=True)"
-            )
-        self._transport: Transport = create_transport(transport)
+        first = False
         try:
-            self._manifest = self._register()
-            self._publish_join()
+            first = self._claim_name()
+            if rejoin and first:
+                raise ConfigurationError(
+                    f"engine {engine!r} cannot rejoin: it never joined this control plane session"
+                )
+            if not rejoin and not first:
+                raise ConfigurationError(
+                    f"engine {engine!r} is already registered with this control plane session "
+                    "(a restarted engine passes rejoin=True)"
+                )
+            self._transport: Transport = create_transport(transport)
+            try:
+                self._manifest = self._register()
+                self._publish_join()
+            except BaseException:
+                self._transport.close()
+                raise
         except BaseException:
-            self._transport.close()
+            # Nothing of this engine stays behind: a name it claimed is free again (a retry
+            # is not refused as "already registered"), and its connection is closed.
+            if first:
+                try:
+                    self._control.delete(f"claim/engine/{engine}")
+                except WeightTransferError as exc:
+                    log.warning("engine %r: could not release its name: %s", engine, exc)
+            self._control.close()
             raise
         log.info(
             "engine %s: registered %d tensors in %d regions over %s",

@@ -106,11 +106,16 @@ class _FailureWatch:
     dictionary: per update this is one wait and one read, whatever the update's length.
     """
 
+    _CLOSE_TIMEOUT_S = 2.0
+
     def __init__(self, control: ControlPlane, timeout_s: float) -> None:
+        self._main = control
         self._control = control.clone(f"{control.member} (failure watch)")
         self._timeout_s = timeout_s
         self._steps: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._failures: dict[int, str] = {}
+        self._waiting: int | None = None
+        """The update whose `abort/<step>` the thread blocks on now (None: idle)."""
         self._thread = threading.Thread(target=self._run, name="wt-failure-watch", daemon=True)
         self._thread.start()
 
@@ -121,26 +126,53 @@ class _FailureWatch:
         return lambda: failures.get(step)
 
     def _run(self) -> None:
-        while True:
-            step = self._steps.get()
-            if step is None:
-                return
-            for old in [s for s in self._failures if s < step - 16]:
-                del self._failures[old]
-            try:
-                report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
-            except WeightTransferError as exc:  # the update itself reports what went wrong
-                log.debug("%s: %s", self._control.member, exc)
-                continue
-            if report.message:
-                self._failures[step] = report.message
+        try:
+            while True:
+                step = self._steps.get()
+                if step is None:
+                    return
+                for old in [s for s in self._failures if s < step - 16]:
+                    del self._failures[old]
+                self._waiting = step
+                try:
+                    report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
+                except WeightTransferError as exc:  # the update itself reports what went wrong
+                    log.debug("%s: %s", self._control.member, exc)
+                    continue
+                finally:
+                    self._waiting = None
+                if report.message:
+                    self._failures[step] = report.message
+        finally:
+            # The thread owns its connection: whenever it ends, the connection goes with it.
+            self._control.close()
 
     def close(self) -> None:
-        """Stop (a wait in progress ends with its update or its timeout)."""
+        """Stop the thread and close its connection.
+
+        A thread still blocked on an update that no verdict ended (its controller slow or
+        gone) is woken by an empty `abort/<step>` ("nothing to report", as the controller
+        writes it), unless a failure report is there already.
+        """
         self._steps.put(None)
-        self._thread.join(0.1)
-        if not self._thread.is_alive():
-            self._control.close()
+        deadline = time.monotonic() + self._CLOSE_TIMEOUT_S
+        woken: set[int] = set()
+        self._thread.join(0.05)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            step = self._waiting
+            if step is not None and step not in woken:
+                woken.add(step)
+                try:
+                    self._main.put_first(f"abort/{step}", Failure(message=""), Failure)
+                except WeightTransferError as exc:  # a lost controller ends the wait as well
+                    log.debug("%s: %s", self._control.member, exc)
+            self._thread.join(0.05)
+        if self._thread.is_alive():
+            log.warning(
+                "%s: the failure watch did not stop within %.1f s; it ends with its wait",
+                self._control.member,
+                self._CLOSE_TIMEOUT_S,
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
