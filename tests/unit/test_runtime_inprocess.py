@@ -24,7 +24,7 @@ from weight_transfer.config import (
 from weight_transfer.controller import Controller
 from weight_transfer.errors import UpdateFailedError
 from weight_transfer.planner.plan import PlannerConfig
-from weight_transfer.planner.recipes import column_shard, identity
+from weight_transfer.planner.recipes import column_shard, identity, row_shard
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -581,3 +581,54 @@ def test_tied_module_is_sent_as_one_source(engine_tied: bool) -> None:
         sender.close()
         rx.close()
         ctrl.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_staging_arena_is_what_the_schedule_stages_not_half_the_budget() -> None:
+    """Issue 40, finding 18: every sender allocated and touched half the memory budget (512 MiB
+    by default) as its staging arena, even for a model of a few KiB. It now holds what the
+    schedule can stage at once (every task, plus the largest again for a block quarantined by
+    a failed update), capped at half the budget; scratch keeps its half."""
+    from weight_transfer.planner.plan import PlannerConfig as Planner
+
+    cp = control()
+    cfg = TransferConfig(
+        transport="loopback",
+        num_engines=1,
+        control=cp,
+        sender=SenderConfig(update_timeout_s=20.0),
+        planner=Planner(),  # the default budget: 1 GiB
+    )
+    ctrl = Controller(cfg.controller_config(1), cp)
+    g = torch.Generator().manual_seed(18)
+    src = {
+        "a.weight": torch.randn(36, 20, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    # The engine takes half of the columns (not contiguous in the trainer's tensor): staged.
+    recipes = (
+        row_shard("a.weight", "a.weight", (36, 20), tp_rank=1, tp_size=2),
+        identity("b.weight", "b.weight", (5,)),
+    )
+    tensors = {
+        "a.weight": torch.randn(36, 10, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    rx = WeightReceiver(tensors, recipes, cfg, engine="e0")
+    sender = WeightSender(src, cfg, controller=ctrl)
+    try:
+        ex = sender._executor
+        staged = sum(t.staging_bytes for t in sender.schedule.tasks)
+        assert staged > 0, "the schedule stages nothing: the test would check nothing"
+        assert ex.arena.nbytes < 64 << 10, f"arena of {ex.arena.nbytes} bytes for {staged}"
+        assert ex.staging.scratch_budget == (1 << 30) - (1 << 29)
+        for step in (1, 2):
+            for t in src.values():
+                t.mul_(-1.25)
+            sender.update(step)
+            assert rx.wait_for_version(step, 5.0) == step
+            assert torch.equal(tensors["a.weight"], src["a.weight"][:, 10:])
+            assert torch.equal(tensors["b.weight"], src["b.weight"])
+    finally:
+        sender.close()
+        rx.close()
