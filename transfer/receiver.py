@@ -88,6 +88,9 @@ class WeightReceiver:
     update k is complete (`wait_for_version` returns, or `end_update(k)` for an engine with
     post-processing to do first), and stays closed (FAILED) after a failure until a later
     update completes: a failed update is never rolled back, the next complete one repairs it.
+    With `ReceiverConfig.update_window` the trainers write only after such a call opened the
+    window (`Window`), so the gate is closed whenever a byte of an update lands; without it the
+    receiver is passive and the trainers do not wait for the engine's call.
 
     Not thread-safe; `version`, `wait_for_version` and the gate may be called from any thread.
     """
@@ -531,7 +534,6 @@ class WeightReceiver:
             return
         self._known_complete = decision.step
         self._word_of_session = True
-        self._window: int | None = None  # the update window announced and not yet consumed
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).
