@@ -227,6 +227,14 @@ class ReceiverConfig:
     patch_kernels: str = "auto"
     """GPU kernels that apply patches (`DELTA_KERNELS`, set for the process when the patch
     region is registered; as `DeltaConfig.kernels`)."""
+    update_window: bool = False
+    """Trainers write into this engine only inside an update window it opened
+    (`WeightReceiver.begin_update`, `wait_for_version` or `apply_delta` open one, after closing
+    the serving gate), so the gate is closed whenever a byte of an update lands. Every update
+    then waits (up to the trainers' `update_timeout_s`) until each such engine of the plan
+    opened one, and fails with nothing written, naming those that did not. Off: the engine
+    stays passive and the trainers write whenever they update (the gate closes only at the
+    engine's own call)."""
 
     def __post_init__(self) -> None:
         if self.patch_region_bytes < 0:

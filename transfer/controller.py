@@ -50,6 +50,8 @@ from weight_transfer.protocol import (
     RankPlan,
     Seen,
     TrainerJoin,
+    Window,
+    window_key,
 )
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,9 @@ class Controller:
         self._pending: _Plan | None = None  # a re-plan published, not yet switched to
         self._last_committed = 0
         """Last update whose version words were all written (what `close` lingers for)."""
+        self._committed_into: dict[str, int] = {}
+        """Engine -> last update committed into it (by the join the current plan uses): an
+        update window it opened for an update at or before that one is over."""
         self._decided: collections.deque[tuple[int, tuple[str, ...], int]] = collections.deque()
         """(step, engines, mesh groups) of the updates decided, oldest first (`_forget`)."""
         self._extra: dict[int, list[str]] = {}
@@ -353,6 +358,12 @@ class Controller:
         self.schedule = new.schedule
         self.joins = dict(new.joins)
         self.dests = [j.manifest for j in new.joins.values()]
+        # An engine that joined anew (a restart) has had no update committed into it yet.
+        self._committed_into = {
+            e: s
+            for e, s in self._committed_into.items()
+            if e in new.slot_of and self._slot_of.get(e) == new.slot_of[e]
+        }
         self._slot_of = dict(new.slot_of)
 
     def replan(
@@ -462,10 +473,61 @@ class Controller:
 
     # -- per update ------------------------------------------------------------------------
 
-    def go(self, step: int) -> None:
-        """Tell every rank to start update `step` (a one-rank trainer needs no message)."""
+    def go(self, step: int, timeout_s: float | None = None) -> str:
+        """Tell every rank to start update `step` (a one-rank trainer needs no message).
+
+        First, if engines of the plan write only inside their update window
+        (`ReceiverConfig.update_window`), wait (up to `timeout_s`, default the control plane's)
+        until each opened one for this update. If one did not, every rank is told not to start
+        (no byte is written) and the returned text says why ("" otherwise): each rank then
+        reports the update failed.
+        """
+        t = self.control.config.timeout_s if timeout_s is None else timeout_s
+        error = self._wait_windows(step, t)
         if self.config.num_trainer_ranks > 1:
-            self.control.put(f"go/{step}", Go(step=step))
+            self.control.put(f"go/{step}", Go(step=step, error=error))
+        return error
+
+    def _wait_windows(self, step: int, timeout_s: float) -> str:
+        """Wait until every windowed engine of the plan opened an update window that is not
+        over (`Window`); "" when they did, else why not. One blocking wait for all their keys
+        and one read per 64 (re-read with a backoff while a window is over: its engine
+        overwrites it when it opens the next)."""
+        windowed = sorted(e for e, j in self.joins.items() if j.window)
+        if not windowed:
+            return ""
+        keys = {window_key(e): e for e in windowed}
+        over: dict[str, int] = {}
+
+        def current(key: str, w: Window) -> bool:
+            engine = keys[key]
+            if w.engine != engine:
+                return False
+            if w.step <= self._committed_into.get(engine, 0):
+                over[engine] = w.step
+                return False
+            over.pop(engine, None)
+            return True
+
+        got = self.control.collect(list(keys), Window, timeout_s, accept=current)
+        if got.complete:
+            return ""
+        late = sorted(
+            [keys[k] for k in got.missing] + [e for e in over if window_key(e) in got.refused]
+        )
+        forged = {k: why for k, why in got.refused.items() if keys[k] not in over}
+        parts = []
+        if late:
+            parts.append(
+                f"engine(s) {late[:5]} did not open an update window within {timeout_s:.1f} s "
+                "(ReceiverConfig.update_window: an engine opens one with begin_update, "
+                "wait_for_version or apply_delta)"
+            )
+        if forged:
+            parts.append(
+                f"the window(s) {sorted(forged)} are not authentic: {next(iter(forged.values()))}"
+            )
+        return f"update {step} not started, nothing was written: " + "; ".join(parts)
 
     def decide(
         self, step: int, phase: Phase, timeout_s: float, *, own: Done | None = None
@@ -521,6 +583,8 @@ class Controller:
             verdict += self._decided_now(decision, with_result=phase is Phase.DONE)
             if phase is Phase.COMMITTED and decision.ok:
                 self._last_committed = step
+                for e in self.joins:
+                    self._committed_into[e] = step
         self.control.put_many(verdict)  # one request: the verdict and the engines' keys
         if phase is Phase.DONE and n > 1:
             # Ends every rank's watch for another rank's failure (`abort/<step>`), unless a

@@ -17,7 +17,11 @@ Keys (under the session prefix):
     built/<e>/<rank>               Done         trainer rank built its part of re-plan e
     switch/<e>                     Decision     controller: every rank switches to plan e, or
                                                 every rank keeps the plan it runs
-    go/<step>                      Go           start update `step`
+    window/<engine>                Window       an engine (`ReceiverConfig.update_window`) closed
+                                                its serving gate: writes of updates from `step`
+                                                on may land until one of them completes there
+    go/<step>                      Go           start update `step` (or, with an error, do not:
+                                                an engine did not open its update window)
     barrier/group/<step>/<g>/<r>   Go           trainer rank r > 0 reached mesh group g's barrier
     barrier/group/<step>/<g>/release BarrierRelease  rank 0: every rank arrived (or who did not)
     abort/<step>                   Failure      the first failure of a rank in update `step`
@@ -82,6 +86,27 @@ class EngineJoin:
     manifest: DestManifest
     transport: str
     endpoint: bytes
+    window: bool = False
+    """Trainers write into this engine only inside an update window it opened
+    (`ReceiverConfig.update_window`; `Window`)."""
+
+
+def window_key(engine: str) -> str:
+    """Where `engine` announces its update window (`Window`)."""
+    return f"window/{engine}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Window:
+    """An engine's update window: its serving gate is closed, and stays closed until an update
+    `step` or later completes there, so writes of such an update may land.
+
+    The controller takes it for update u while no update at or after `step` committed into
+    this engine (once one did, the engine's wait returned and the gate may be open again).
+    """
+
+    engine: str
+    step: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,9 +158,10 @@ class Failure:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Go:
-    """Start update `step`."""
+    """Start update `step`, unless `error` says why not (then no rank writes a byte)."""
 
     step: int
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

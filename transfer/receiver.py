@@ -29,6 +29,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControlPlaneConfig, ReceiverConfig, TransferConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.delta.patch import (
+    HEADER_BYTES,
     ApplyStats,
     PatchError,
     applied_key,
@@ -48,7 +49,15 @@ from weight_transfer.planner.types import (
     dtype_size,
     numel,
 )
-from weight_transfer.protocol import Claim, Decision, Digests, EngineJoin, Seen
+from weight_transfer.protocol import (
+    Claim,
+    Decision,
+    Digests,
+    EngineJoin,
+    Seen,
+    Window,
+    window_key,
+)
 from weight_transfer.serving import ServingGate, ServingStatus
 from weight_transfer.verify import name_key, position_digest, region_position
 
@@ -79,6 +88,9 @@ class WeightReceiver:
     update k is complete (`wait_for_version` returns, or `end_update(k)` for an engine with
     post-processing to do first), and stays closed (FAILED) after a failure until a later
     update completes: a failed update is never rolled back, the next complete one repairs it.
+    With `ReceiverConfig.update_window` the trainers write only after such a call opened the
+    window (`Window`), so the gate is closed whenever a byte of an update lands; without it the
+    receiver is passive and the trainers do not wait for the engine's call.
 
     Not thread-safe; `version`, `wait_for_version` and the gate may be called from any thread.
     """
@@ -124,28 +136,45 @@ class WeightReceiver:
         self._check_tensors()
         self._known_complete = 0  # newest version whose commit the controller confirmed
         self._heard = 0  # newest update whose outcome this engine read (`wait_for_version`)
+        # Whether this session's trainers wrote the version word (False after
+        # `join_new_session` until the new session confirms an update here): a word kept from
+        # an old session names no update of this one.
+        self._word_of_session = True
+        self._window: int | None = None  # the update window announced and not yet consumed
         self._applied = 0  # newest update whose patches this engine applied (delta mode)
         self._last_ack = 0
         self._last_digest = 0
         self.gate = ServingGate()
         """Whether the engine may serve now (see the class docstring)."""
         self._control = ControlPlane(control, server=False, member=f"engine {engine!r}")
-        first = self._claim_name()
-        if rejoin and first:
-            raise ConfigurationError(
-                f"engine {engine!r} cannot rejoin: it never joined this control plane session"
-            )
-        if not rejoin and not first:
-            raise ConfigurationError(
-                f"engine {engine!r} is already registered with this control plane session "
-                "(a restarted engine passes rejoin=True)"
-            )
-        self._transport: Transport = create_transport(transport)
+        first = False
         try:
-            self._manifest = self._register()
-            self._publish_join()
+            first = self._claim_name()
+            if rejoin and first:
+                raise ConfigurationError(
+                    f"engine {engine!r} cannot rejoin: it never joined this control plane session"
+                )
+            if not rejoin and not first:
+                raise ConfigurationError(
+                    f"engine {engine!r} is already registered with this control plane session "
+                    "(a restarted engine passes rejoin=True)"
+                )
+            self._transport: Transport = create_transport(transport)
+            try:
+                self._manifest = self._register()
+                self._publish_join()
+            except BaseException:
+                self._transport.close()
+                raise
         except BaseException:
-            self._transport.close()
+            # Nothing of this engine stays behind: a name it claimed is free again (a retry
+            # is not refused as "already registered"), and its connection is closed.
+            if first:
+                try:
+                    self._control.delete(f"claim/engine/{engine}")
+                except WeightTransferError as exc:
+                    log.warning("engine %r: could not release its name: %s", engine, exc)
+            self._control.close()
             raise
         log.info(
             "engine %s: registered %d tensors in %d regions over %s",
@@ -189,6 +218,7 @@ class WeightReceiver:
                 manifest=self._manifest,
                 transport=self._transport.name,
                 endpoint=self._transport.endpoint(),
+                window=self.config.update_window,
             ),
         )
 
@@ -200,8 +230,11 @@ class WeightReceiver:
         raised `PeerLostError`, say) instead of restarting: it connects to `control` (default:
         the same address and token), claims its name there and publishes its unchanged
         manifest and endpoint. The new trainers plan and connect as on a first start. Its
-        version word keeps the last update it received, so the new trainer job should continue
-        counting steps from there.
+        version word (and `version`, and the gate while it serves) keeps the last update it
+        received, but that update belongs to the old session: no wait in the new session ends
+        on it. `wait_for_version(k)` returns only an update the new session decided and wrote
+        into this engine, whatever the old word reads (a new trainer job may count its steps
+        from 1 again, or continue from the old word).
 
         Raises:
             TransportTimeoutError: the new control plane did not answer in time.
@@ -209,10 +242,17 @@ class WeightReceiver:
                 controller did not restart: use `WeightSender.replan` with `rejoined`).
         """
         config = control or self._control.config
-        # The old session's results are gone with it: what the word reads now is what this
-        # engine last received.
-        self._known_complete = self.version
+        # The old session's results are gone with it, and its step numbers mean nothing in the
+        # new one: only the new session's verdicts complete a wait from now on.
+        self._known_complete = 0
         self._heard = 0  # the new session's updates are heard of from its start
+        self._word_of_session = False
+        self._last_ack = self._last_digest = 0  # keys of the old store
+        self._window = None
+        if self._patch is not None:
+            # A patch of the old session must never be applied in the new one (its steps may
+            # be reused): an unwritten region header reads "no patch".
+            self._patch[:HEADER_BYTES].zero_()
         self._control.close()
         self._control = ControlPlane(config, server=False, member=f"engine {self.engine!r}")
         if not self._claim_name():
@@ -361,8 +401,8 @@ class WeightReceiver:
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        self.gate.begin(step)
         try:
+            self._open_window(step)
             v = self._wait_for_version(step, timeout_s)
         except TransportTimeoutError as exc:
             self.gate.still_updating(step, str(exc))
@@ -370,6 +410,7 @@ class WeightReceiver:
         except BaseException as exc:
             self.gate.fail(step, str(exc))
             raise
+        self._window = None  # consumed: update v >= step completed here
         if serve:
             self.gate.commit(v)
         return v
@@ -400,8 +441,21 @@ class WeightReceiver:
 
     def begin_update(self, step: int) -> None:
         """Close the gate for update `step` before telling the trainer this engine is ready
-        (`wait_for_version` closes it too; this is for an engine that pauses first)."""
+        (`wait_for_version` closes it too; this is for an engine that pauses first). With
+        `ReceiverConfig.update_window`, this opens the update window the trainers wait for.
+
+        Raises:
+            WeightTransferError: the window could not be announced (the control plane).
+        """
+        self._open_window(step)
+
+    def _open_window(self, step: int) -> None:
+        """Close the gate for `step`, then (`ReceiverConfig.update_window`) tell the trainers
+        that the writes of updates from `step` on may land (`Window`). Once per window."""
         self.gate.begin(step)
+        if self.config.update_window and self._window != step:
+            self._control.put(window_key(self.engine), Window(engine=self.engine, step=step))
+            self._window = step
 
     def end_update(self, step: int) -> None:
         """Open the gate on update `step`, complete (after `wait_for_version(step, serve=False)`
@@ -424,7 +478,7 @@ class WeightReceiver:
 
     def _wait_for_version(self, step: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        if self.version < step and self._heard == 0:
+        if self._heard == 0 and (self.version < step or not self._word_of_session):
             # A member new to the session (joined late, or `join_new_session`) starts from
             # the newest decided update: the first links of the chain may be deleted already.
             # Later, the version word tells how far the trainers got (`result/<v>`).
@@ -438,7 +492,10 @@ class WeightReceiver:
             if v >= step and v <= self._known_complete:
                 return v
             remaining = deadline - time.monotonic()
-            key = f"result/{v}" if v > self._heard else f"next/{self._heard}"
+            # `result/<v>` only for a word this session wrote (an old session's may name a
+            # step this one never decides); otherwise follow the chain of verdicts.
+            by_word = v > self._heard and self._word_of_session
+            key = f"result/{v}" if by_word else f"next/{self._heard}"
             try:
                 decision = self._control.get(key, Decision, max(0.001, remaining))
             except TransportTimeoutError:
@@ -476,6 +533,7 @@ class WeightReceiver:
         if v < decision.step or decision.step <= self._known_complete:
             return
         self._known_complete = decision.step
+        self._word_of_session = True
         try:
             # Lets a trainer job that is ending keep the control plane up until its engines
             # have seen the last update complete (`Controller.close`).
@@ -500,6 +558,9 @@ class WeightReceiver:
         Call it once per update, inside the update window (no forward pass may read the
         weights between `wait_for_version` and its return). A full update leaves no patch:
         then it only records the version. Without a patch region it is `wait_for_version`.
+        Like `wait_for_version`, the wait may end with a later update than `step` (a step the
+        trainers skipped); that update's patch is the one applied, acknowledged and served,
+        and the returned `ApplyStats.step` names it.
 
         Raises:
             TransportTimeoutError / WeightTransferError: as `wait_for_version` (nothing applied).
@@ -507,33 +568,51 @@ class WeightReceiver:
                 this engine holds; nothing was written, the trainers are told (their next
                 update is full for this engine) and this engine must not serve until then
                 (its serving gate is FAILED).
+            Exception: anything else that failed once the update was complete (a kernel, the
+                verification digest, the acknowledgement): as for a `PatchError`, the gate is
+                FAILED and the trainers are told (if the control plane still answers).
 
         The serving gate is handled as by `wait_for_version` (`serve=False`: the caller opens
         it with `end_update` after its own post-processing).
         """
-        self.wait_for_version(step, timeout_s, serve=False)
+        # The wait may end with a later update than `step` (a step the trainers skipped): the
+        # patch to apply is the one of the update that ended it, `v`.
+        v = self.wait_for_version(step, timeout_s, serve=False)
         if self._patch is None:
-            self._applied = step
+            self._applied = v
             if serve:
-                self.gate.commit(step)
-            return ApplyStats(step=step, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
+                self.gate.commit(v)
+            return ApplyStats(step=v, num_slots=0, num_segments=0, num_entries=0, patch_bytes=0)
         t0 = time.perf_counter()
         try:
             stats = apply_patch_region(
-                self._patch, self._delta_targets(), step, base_step=self._applied
+                self._patch, self._delta_targets(), v, base_step=self._applied
             )
-        except PatchError as exc:
-            self._ack(step, ok=False, error=f"engine {self.engine!r}: {exc}")
-            self.gate.fail(step, str(exc))
-            raise PatchError(f"engine {self.engine!r}: update {step}: {exc}") from exc
-        if self._patch.is_cuda:
-            torch.cuda.synchronize(self._patch.device)
-        stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
-        self._applied = step
-        self._publish_position_digest(step)
-        self._ack(step, ok=True, error="")
+            if self._patch.is_cuda:
+                torch.cuda.synchronize(self._patch.device)
+            stats = dataclasses.replace(stats, apply_s=time.perf_counter() - t0)
+            self._applied = v
+            self._publish_position_digest(v)
+            self._ack(v, ok=True, error="")
+        except BaseException as exc:
+            # Whatever failed (the patch, a kernel, the digest, the acknowledgement): serve
+            # nothing, and tell the trainers, whose next update is then full for this engine
+            # (without the acknowledgement they would wait out `apply_timeout_s` first).
+            text = (
+                str(exc) if isinstance(exc, WeightTransferError) else f"{type(exc).__name__}: {exc}"
+            )
+            reason = f"engine {self.engine!r}: update {v}: {text}"
+            self.gate.fail(v, reason)
+            if isinstance(exc, Exception):
+                try:
+                    self._ack(v, ok=False, error=reason)
+                except WeightTransferError as ack_exc:
+                    log.warning("%s; could not tell the trainers: %s", reason, ack_exc)
+            if isinstance(exc, PatchError):
+                raise PatchError(reason) from exc
+            raise
         if serve:
-            self.gate.commit(step)
+            self.gate.commit(v)
         return stats
 
     def _delta_targets(self) -> list[torch.Tensor]:

@@ -106,11 +106,16 @@ class _FailureWatch:
     dictionary: per update this is one wait and one read, whatever the update's length.
     """
 
+    _CLOSE_TIMEOUT_S = 2.0
+
     def __init__(self, control: ControlPlane, timeout_s: float) -> None:
+        self._main = control
         self._control = control.clone(f"{control.member} (failure watch)")
         self._timeout_s = timeout_s
         self._steps: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._failures: dict[int, str] = {}
+        self._waiting: int | None = None
+        """The update whose `abort/<step>` the thread blocks on now (None: idle)."""
         self._thread = threading.Thread(target=self._run, name="wt-failure-watch", daemon=True)
         self._thread.start()
 
@@ -121,26 +126,53 @@ class _FailureWatch:
         return lambda: failures.get(step)
 
     def _run(self) -> None:
-        while True:
-            step = self._steps.get()
-            if step is None:
-                return
-            for old in [s for s in self._failures if s < step - 16]:
-                del self._failures[old]
-            try:
-                report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
-            except WeightTransferError as exc:  # the update itself reports what went wrong
-                log.debug("%s: %s", self._control.member, exc)
-                continue
-            if report.message:
-                self._failures[step] = report.message
+        try:
+            while True:
+                step = self._steps.get()
+                if step is None:
+                    return
+                for old in [s for s in self._failures if s < step - 16]:
+                    del self._failures[old]
+                self._waiting = step
+                try:
+                    report = self._control.get(f"abort/{step}", Failure, self._timeout_s)
+                except WeightTransferError as exc:  # the update itself reports what went wrong
+                    log.debug("%s: %s", self._control.member, exc)
+                    continue
+                finally:
+                    self._waiting = None
+                if report.message:
+                    self._failures[step] = report.message
+        finally:
+            # The thread owns its connection: whenever it ends, the connection goes with it.
+            self._control.close()
 
     def close(self) -> None:
-        """Stop (a wait in progress ends with its update or its timeout)."""
+        """Stop the thread and close its connection.
+
+        A thread still blocked on an update that no verdict ended (its controller slow or
+        gone) is woken by an empty `abort/<step>` ("nothing to report", as the controller
+        writes it), unless a failure report is there already.
+        """
         self._steps.put(None)
-        self._thread.join(0.1)
-        if not self._thread.is_alive():
-            self._control.close()
+        deadline = time.monotonic() + self._CLOSE_TIMEOUT_S
+        woken: set[int] = set()
+        self._thread.join(0.05)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            step = self._waiting
+            if step is not None and step not in woken:
+                woken.add(step)
+                try:
+                    self._main.put_first(f"abort/{step}", Failure(message=""), Failure)
+                except WeightTransferError as exc:  # a lost controller ends the wait as well
+                    log.debug("%s: %s", self._control.member, exc)
+            self._thread.join(0.05)
+        if self._thread.is_alive():
+            log.warning(
+                "%s: the failure watch did not stop within %.1f s; it ends with its wait",
+                self._control.member,
+                self._CLOSE_TIMEOUT_S,
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -529,8 +561,14 @@ class WeightSender:
         before raising, so the ranks of a replica (and all engines) advance together or not
         at all; `WeightReceiver.wait_for_version` never reports an update that was rolled back.
 
+        A step is used up when the call starts, whatever its outcome: a retry (after a
+        timeout too) takes a later step. If this rank cannot read a verdict (a timeout or a
+        lost controller while it waits for one), it sets the version words it wrote back to
+        the last complete update before raising, and in delta mode its next update is full.
+
         Raises:
-            ValueError: `step` is not larger than the previous one.
+            ValueError: `step` is not larger than the previous one (tried before, failed or
+                not).
             UpdateInProgressError: (an `UpdateFailedError`) refused on this rank: an earlier
                 update's prepare thread outlived its deadline and still runs (the other ranks
                 raise `UpdateFailedError` naming this rank).
@@ -542,11 +580,28 @@ class WeightSender:
             raise ValueError(
                 f"update step {step} must be larger than the previous ({self._last_step})"
             )
+        # Consumed now, whatever happens next: a retry after any failure (a timeout waiting for
+        # the controller included) takes a later step, never this one's keys (`go/<step>`,
+        # `commit/<step>`, a verdict made from this attempt's reports).
+        self._last_step = step
         timeout = self.config.update_timeout_s
         t_go = time.perf_counter()
-        self._go(step, timeout)
+        try:
+            refused = self._go(step, timeout)
+        except BaseException:
+            if self._delta is not None:
+                self._delta.failed()
+            raise
         t0 = time.perf_counter()
-        ran = self._run(step, timeout)
+        if refused:
+            # Not started (an engine did not open its update window): nothing was written.
+            # The controller's rank reports why; the others as stopped by it.
+            cause = WeightTransferError(
+                refused if self.controller is not None else f"update {step} aborted: {refused}"
+            )
+            ran = _Outcome(error=self._describe(cause), cause=cause)
+        else:
+            ran = self._run(step, timeout)
         t_exec = time.perf_counter()
         done = Done(
             rank=self.rank,
@@ -556,9 +611,15 @@ class WeightSender:
             nbytes=ran.stats.nbytes if ran.stats else 0,
             seconds=time.perf_counter() - t0,
         )
-        decision = self._decide(step, Phase.DONE, done, timeout)
+        try:
+            decision = self._decide(step, Phase.DONE, done, timeout)
+        except BaseException:
+            # No verdict: this rank's bytes may be in the engines, whether the others
+            # committed or not is unknown here (it wrote no version word).
+            if self._delta is not None:
+                self._delta.outcome_unknown()
+            raise
         if not decision.ok:
-            self._last_step = step
             if self._delta is not None:
                 self._delta.failed()
             message = f"update {step} failed, no engine advanced: {decision.error}"
@@ -577,8 +638,15 @@ class WeightSender:
             nbytes=0,
             seconds=0.0,
         )
-        result = self._decide(step, Phase.COMMITTED, committed, timeout)
-        self._last_step = step
+        try:
+            result = self._decide(step, Phase.COMMITTED, committed, timeout)
+        except BaseException:
+            # This rank cannot tell whether update `step` committed: no word it wrote may
+            # claim so (an engine then waits for a later update instead of trusting it).
+            if self._delta is not None:
+                self._delta.outcome_unknown()
+            self._roll_back(step, timeout)
+            raise
         if not result.ok:
             if self._delta is not None:
                 self._delta.failed()
@@ -608,12 +676,15 @@ class WeightSender:
 
     # -- the steps of one update -----------------------------------------------------------
 
-    def _go(self, step: int, timeout_s: float) -> None:
-        """Start update `step`: the rank hosting the controller says go, the others wait."""
+    def _go(self, step: int, timeout_s: float) -> str:
+        """Start update `step`: the rank hosting the controller says go, the others wait.
+        Returns "" to go on, else why the update must not start (`Controller.go`)."""
         if self.controller is not None:
-            self.controller.go(step)
-        else:
-            self._control.get(f"go/{step}", Go, timeout_s)
+            return self.controller.go(step, timeout_s)
+        # The controller may spend `timeout_s` on the engines' update windows before it
+        # posts go (with why not, if they did not open): wait for that, plus its own answer.
+        wait_s = timeout_s + self._control.config.timeout_s
+        return self._control.get(f"go/{step}", Go, wait_s).error
 
     def _run(self, step: int, timeout_s: float) -> _Outcome:
         """This rank's writes of the update (the executor); any failure is caught, logged and

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class _Host:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.creator = os.getpid()
         self._lock = threading.Lock()
+        self._seq = 0
+        """Number of the last request: replies carry it, so a late one is told apart."""
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _HOST_MAIN, str(child.fileno())],
@@ -139,10 +142,22 @@ class _Host:
     def request(
         self, message: dict[str, Any], *, fds: tuple[int, ...] = (), timeout_s: float
     ) -> dict[str, Any]:
-        """One request and its reply (one at a time)."""
+        """One request and its reply (one at a time).
+
+        A request that timed out may still be answered later: its reply then waits in the
+        channel, and is recognised by its number and dropped by the next request, never
+        taken for that request's answer.
+        """
         with self._lock:
-            socket.send_fds(self._chan, [json.dumps(message).encode()], list(fds))
-            reply = self._receive(timeout_s)
+            self._seq += 1
+            seq = self._seq
+            socket.send_fds(self._chan, [json.dumps({**message, "seq": seq}).encode()], list(fds))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                reply = self._receive(max(1e-3, deadline - time.monotonic()))
+                if reply.get("seq") == seq:
+                    break
+                log.debug("store host: dropped the late reply %r", reply)
         if not reply.get("ok"):
             raise RuntimeError(str(reply.get("error", reply)))
         return reply
@@ -246,8 +261,10 @@ def _serve(chan: socket.socket) -> None:
             return
         if not data:
             return  # the parent is gone
+        seq = None
         try:
             req = json.loads(data)
+            seq = req.get("seq")
             if req["op"] == "host":
                 (listen_fd,) = fds
                 limits = StoreLimits(
@@ -283,6 +300,7 @@ def _serve(chan: socket.socket) -> None:
             reply: dict[str, Any] = {"ok": True}
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        reply["seq"] = seq  # the parent matches replies to requests by it
         chan.send(json.dumps(reply).encode())
 
 

@@ -23,6 +23,7 @@ from weight_transfer import sender as sender_module
 from weight_transfer.cli.run_demo import free_port
 from weight_transfer.config import (
     ControlPlaneConfig,
+    ReceiverConfig,
     SenderConfig,
     TransferConfig,
 )
@@ -121,6 +122,7 @@ class Cluster:
         task_target_bytes: int = 16 << 20,
         update_timeout_s: float = 30.0,
         wrap: Callable[[WeightSender], None] | None = None,
+        receiver: ReceiverConfig | None = None,
     ) -> None:
         self.full = dict(full)
         self.world = world
@@ -174,6 +176,7 @@ class Cluster:
             num_engines=len(self.engines),
             control=self.control,
             sender=SenderConfig(update_timeout_s=update_timeout_s),
+            receiver=receiver or ReceiverConfig(),
             planner=PlannerConfig(
                 memory_budget_bytes=memory_budget_bytes, task_target_bytes=task_target_bytes
             ),

@@ -53,6 +53,7 @@ kernels = "triton"
 allow_unwritten = true
 patch_region_bytes = 1048576
 patch_kernels = "cuda"
+update_window = true
 [planner]
 max_write_bytes = 1048576
 memory_budget_bytes = 268435456
@@ -78,7 +79,7 @@ def test_toml_maps_onto_the_dataclasses(tmp_path):
         delta=DeltaConfig(enabled=True, anchor_every_updates=4, kernels="triton"),
     )
     assert cfg.receiver == ReceiverConfig(
-        allow_unwritten=True, patch_region_bytes=1 << 20, patch_kernels="cuda"
+        allow_unwritten=True, patch_region_bytes=1 << 20, patch_kernels="cuda", update_window=True
     )
     assert cfg.planner == PlannerConfig(memory_budget_bytes=256 << 20, max_write_bytes=1 << 20)
     assert cfg.vllm == VllmConfig(

@@ -145,12 +145,15 @@ DAMAGES = {
     "dest_huge": "segment 0: destination outside",
     "second_dest": "segment 1: destination outside",  # the first segment is fine
     "negative_chunk": "segment 0: chunk offsets are not a prefix sum",
+    # Issue 40, finding 5: these wrote (or raised torch's RuntimeError) before refusing.
+    "last_index": "segment 0: an entry lies past the end of its run",
+    "slot_bytes": "slot size 524284 is not a multiple of 8",
+    "table_align": r"patch slot 0: table offset \d+ is not a multiple of 8",
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
-def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
-    old = _regions(6)
+def _damaged(damage: str, old: list[torch.Tensor]) -> torch.Tensor:
+    """A patch region of one valid patch of step 2 over `old`, then damaged as `DAMAGES` says."""
     slot_bytes = 1 << 19
     builder, _, n = _build(old, _new_runs(old, 7), step=2, slot_bytes=slot_bytes)
     data = builder.staging[:n].clone()
@@ -159,6 +162,9 @@ def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
     if damage == "magic":
         region = _patch_region([(0, data)], 1, slot_bytes)
         region[:8] = 0
+    elif damage == "slot_bytes":
+        region = _patch_region([(0, data)], 2, slot_bytes)
+        region[:HEADER_BYTES].view(torch.int64)[2] = slot_bytes - 4  # slot 1 is unaligned
     else:
         if damage == "table":
             words[5] += 8
@@ -184,12 +190,44 @@ def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
         elif damage == "negative_chunk":
             d0 = int(words[table + 6]) // 8
             words[d0 + 1] = -5  # RUNS[0] has two chunks: offsets [0, c0, c0 + c1]
+        elif damage == "last_index":
+            # RUNS[0]'s second chunk holds 70,000 - 65,536 = 4,464 elements: an entry indexing
+            # element 4,464 of it lies past the run (the dense segments are applied first).
+            d0 = int(words[table + 6]) // 8
+            c0 = int(words[d0 + 1])
+            index = data[8 * d0 + 24 :].view(torch.int16)  # after the 3 chunk offsets
+            index[c0] = 70_000 - 65_536
+        elif damage == "table_align":
+            words[5] += 4  # table offset and used bytes both moved by 4: consistent but unaligned
+            words[3] += 4
         region = _patch_region([(0, data)], 1, slot_bytes)
+    return region
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
+    old = _regions(6)
+    region = _damaged(damage, old)
     engine = [r.clone() for r in old]
     with pytest.raises(PatchError, match=DAMAGES[damage]):
         apply_patch_region(region, engine, 2)
     for got, want in zip(engine, old, strict=True):
         assert torch.equal(got, want), "a refused patch wrote something"
+
+
+@requires_cuda
+@pytest.mark.parametrize("damage", ["last_index", "slot_bytes", "table_align"])
+def test_gpu_corrupt_patch_refused_and_nothing_written(damage: str) -> None:
+    """The table kernels dropped an index past a partial last chunk without a word: the
+    checks run before them, on the GPU too."""
+    old = _regions(6)
+    region = _damaged(damage, old).cuda()
+    engine = [r.cuda() for r in old]
+    with pytest.raises(PatchError, match=DAMAGES[damage]):
+        apply_patch_region(region, engine, 2)
+    torch.cuda.synchronize()
+    for got, want in zip(engine, old, strict=True):
+        assert torch.equal(got.cpu(), want), "a refused patch wrote something"
 
 
 def test_base_step_mismatch_refused() -> None:

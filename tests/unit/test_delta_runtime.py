@@ -9,6 +9,7 @@ compared bit for bit, deltas and full updates alike, over many steps of sparse c
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -242,7 +243,8 @@ def test_failure_in_the_middle_nothing_drifts(setup: Setup, which: str, monkeypa
 
 
 @pytest.mark.timeout(120)
-def test_engine_that_did_not_apply_is_waited_for() -> None:
+def test_engine_that_did_not_apply_is_waited_for_once_then_sent_a_full_update() -> None:
+    # Issue 40, finding 4: a missed acknowledgement costs one update, not every later one.
     s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=1.0, full_when_slower=False))
     try:
         s.update(1)
@@ -252,6 +254,49 @@ def test_engine_that_did_not_apply_is_waited_for() -> None:
         _perturb(s.src, 3, 0.02)
         with pytest.raises(WeightTransferError, match=r"'e1'.*did not apply delta update 2"):
             s.sender.update(3)
+        _perturb(s.src, 4, 0.02)
+        assert s.update(4) == "full"  # every byte rewritten, engine 1's missed patch too
+        assert s.sender.delta_stats is not None and "'e1'" in s.sender.delta_stats.reason
+        s.check()
+        _perturb(s.src, 5, 0.02)
+        assert s.update(5) == "delta"
+        s.check()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_whose_apply_raises_acknowledges_the_failure(monkeypatch: Any) -> None:
+    # Issue 40, finding 4: any exception in apply_delta (not only a PatchError) is
+    # acknowledged as a failure, so the trainers' next update is full at once instead of
+    # waiting out apply_timeout_s on this one and every later one.
+    from weight_transfer import receiver as receiver_module
+
+    s = Setup("loopback", DeltaConfig(enabled=True, apply_timeout_s=30.0, full_when_slower=False))
+    try:
+        s.update(1)
+        _perturb(s.src, 2, 0.02)
+        s.sender.update(2)
+        s.receivers[0].apply_delta(2, 20.0)
+        real = receiver_module.apply_patch_region
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: the apply kernel failed")
+
+        monkeypatch.setattr(receiver_module, "apply_patch_region", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            s.receivers[1].apply_delta(2, 20.0)
+        assert s.receivers[1].serving.state.value == "failed"
+        monkeypatch.setattr(receiver_module, "apply_patch_region", real)
+        _perturb(s.src, 3, 0.02)
+        t0 = time.monotonic()
+        assert s.update(3) == "full"
+        assert time.monotonic() - t0 < 10.0
+        assert s.receivers[1].check_serving() == 3
+        s.check()
+        _perturb(s.src, 4, 0.02)
+        assert s.update(4) == "delta"
+        s.check()
     finally:
         s.close()
 
@@ -390,6 +435,66 @@ def test_full_when_slower_decides_from_the_updates_it_timed() -> None:
         mode = s.update(4)
         if slower:
             assert mode == "delta"  # tried again after one full update
+        s.check()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["loopback", "tcp"])
+def test_apply_delta_of_a_skipped_step_applies_the_update_that_ended_the_wait(
+    backend: str,
+) -> None:
+    # Issue 40, finding 1. The trainers skip step 2; the engine waits for it. Its wait ends
+    # with update 3 (a delta): that is the patch it must apply, acknowledge and serve.
+    s = Setup(backend, DeltaConfig(enabled=True, apply_timeout_s=2.0, full_when_slower=False))
+    try:
+        _perturb(s.src, 1, 0.02)
+        assert s.update(1) == "full"
+        _perturb(s.src, 3, 0.02)
+        s.sender.update(3)
+        assert s.sender.delta_stats is not None and s.sender.delta_stats.mode == "delta"
+        for rx in s.receivers:
+            stats = rx.apply_delta(2, 20.0)
+            assert stats.step == 3 and stats.num_segments > 0, stats
+            assert rx.applied_version == 3 and rx.version == 3
+            assert rx.check_serving() == 3
+        s.check()
+        for step in (4, 5):  # the trainers heard every engine apply 3: deltas go on
+            _perturb(s.src, step, 0.02)
+            assert s.update(step) == "delta"
+            s.check()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_session_never_applies_an_old_sessions_patch() -> None:
+    # Issue 40, finding 2 (delta side). The old session's last update (2) was a delta; after
+    # a controller restart the new trainer job's first update, numbered 2 again, is full. The
+    # patch region still holds the old slots headed 2: they must not be taken for this one.
+    import gc
+
+    s = Setup("loopback", DeltaConfig(enabled=True, full_when_slower=False))
+    try:
+        _perturb(s.src, 1, 0.02)
+        assert s.update(1) == "full"
+        _perturb(s.src, 2, 0.02)
+        assert s.update(2) == "delta"
+        config = s.sender.transfer_config
+        s.sender.close()
+        s.ctrl.close(linger_s=0)
+        del s.sender, s.ctrl
+        gc.collect()
+        s.ctrl = Controller(config.controller_config(1), config.control)
+        for rx in s.receivers:
+            rx.join_new_session()
+        s.src = _trainer(7)
+        s.sender = WeightSender(s.src, config, controller=s.ctrl)
+        assert s.update(2) == "full"
+        s.check()
+        _perturb(s.src, 3, 0.02)
+        assert s.update(3) == "delta"
         s.check()
     finally:
         s.close()

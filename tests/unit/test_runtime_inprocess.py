@@ -24,7 +24,7 @@ from weight_transfer.config import (
 from weight_transfer.controller import Controller
 from weight_transfer.errors import UpdateFailedError
 from weight_transfer.planner.plan import PlannerConfig
-from weight_transfer.planner.recipes import column_shard, identity
+from weight_transfer.planner.recipes import column_shard, identity, row_shard
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -333,7 +333,9 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         assert ctrl.control.run_id != first_run
         for rx in receivers:
             rx.join_new_session()
-            assert rx.wait_for_version(1, 1.0) == 1  # what it holds is still reported
+            # What it holds is still reported (no wait of the new session ends on it:
+            # test_after_join_new_session_the_old_version_word_does_not_end_a_wait).
+            assert rx.version == 1
         with pytest.raises(ConfigurationError, match="already registered"):
             receivers[0].join_new_session()  # twice in one session is a mistake, named
         src = trainer_tensors(2)
@@ -348,6 +350,57 @@ def test_engines_join_a_restarted_controller_without_restarting() -> None:
         sender.close()
         for r in receivers:
             r.close()
+
+
+@pytest.mark.timeout(60)
+def test_after_join_new_session_the_old_version_word_does_not_end_a_wait() -> None:
+    """Issue 40, finding 2. The old session reached update 2; the trainer job restarts (say
+    after a controller crash mid-update 3) and counts from 1 again. The word the engine kept
+    (2) was not written by the new session: a wait in it must not end on that word (the gate
+    would read SERVING while the new session's update 1 lands), and a wait started before the
+    new session's first update must end with it."""
+    import gc
+    import threading
+
+    from weight_transfer.serving import ServingState
+
+    cp = control(timeout_s=10)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+    recipes, tensors, _ = engine_setup(0, tp=1)
+    rx = WeightReceiver(tensors, recipes, config(cp, "tcp"), engine="e0")
+    sender: WeightSender | None = WeightSender(
+        trainer_tensors(1), config(cp, "tcp"), controller=ctrl
+    )
+    try:
+        assert sender is not None
+        sender.update(1)
+        sender.update(2)
+        assert rx.wait_for_version(2, 5.0) == 2
+        sender.close()
+        ctrl.close()
+        sender = None
+        del ctrl
+        gc.collect()
+        ctrl = Controller(ControllerConfig(num_trainer_ranks=1, num_engines=1), cp)
+        rx.join_new_session()
+        assert rx.version == 2 and rx.check_serving() == 2  # it still serves what it holds
+        with pytest.raises(TransportTimeoutError):
+            rx.wait_for_version(1, 0.3)
+        assert rx.serving.state is ServingState.UPDATING
+        src = trainer_tensors(2)
+        sender = WeightSender(src, config(cp, "tcp"), controller=ctrl)
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(rx.wait_for_version(1, 10.0)))
+        waiter.start()
+        sender.update(1)
+        waiter.join(15)
+        assert got == [1] and rx.version == 1 and rx.check_serving() == 1
+        assert torch.equal(tensors["a.weight"], src["a.weight"])
+        assert torch.equal(tensors["b.weight"], src["b.weight"])
+    finally:
+        if sender is not None:
+            sender.close()
+        rx.close()
 
 
 @pytest.mark.timeout(120)
@@ -528,3 +581,54 @@ def test_tied_module_is_sent_as_one_source(engine_tied: bool) -> None:
         sender.close()
         rx.close()
         ctrl.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_staging_arena_is_what_the_schedule_stages_not_half_the_budget() -> None:
+    """Issue 40, finding 18: every sender allocated and touched half the memory budget (512 MiB
+    by default) as its staging arena, even for a model of a few KiB. It now holds what the
+    schedule can stage at once (every task, plus the largest again for a block quarantined by
+    a failed update), capped at half the budget; scratch keeps its half."""
+    from weight_transfer.planner.plan import PlannerConfig as Planner
+
+    cp = control()
+    cfg = TransferConfig(
+        transport="loopback",
+        num_engines=1,
+        control=cp,
+        sender=SenderConfig(update_timeout_s=20.0),
+        planner=Planner(),  # the default budget: 1 GiB
+    )
+    ctrl = Controller(cfg.controller_config(1), cp)
+    g = torch.Generator().manual_seed(18)
+    src = {
+        "a.weight": torch.randn(36, 20, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    # The engine takes half of the columns (not contiguous in the trainer's tensor): staged.
+    recipes = (
+        row_shard("a.weight", "a.weight", (36, 20), tp_rank=1, tp_size=2),
+        identity("b.weight", "b.weight", (5,)),
+    )
+    tensors = {
+        "a.weight": torch.randn(36, 10, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    rx = WeightReceiver(tensors, recipes, cfg, engine="e0")
+    sender = WeightSender(src, cfg, controller=ctrl)
+    try:
+        ex = sender._executor
+        staged = sum(t.staging_bytes for t in sender.schedule.tasks)
+        assert staged > 0, "the schedule stages nothing: the test would check nothing"
+        assert ex.arena.nbytes < 64 << 10, f"arena of {ex.arena.nbytes} bytes for {staged}"
+        assert ex.staging.scratch_budget == (1 << 30) - (1 << 29)
+        for step in (1, 2):
+            for t in src.values():
+                t.mul_(-1.25)
+            sender.update(step)
+            assert rx.wait_for_version(step, 5.0) == step
+            assert torch.equal(tensors["a.weight"], src["a.weight"][:, 10:])
+            assert torch.equal(tensors["b.weight"], src["b.weight"])
+    finally:
+        sender.close()
+        rx.close()

@@ -19,9 +19,14 @@ import torch
 
 from weight_transfer.backends.base import WeightTransferError, WriteOp
 from weight_transfer.cli.run_demo import free_port
-from weight_transfer.config import ControlPlaneConfig, SenderConfig, TransferConfig
+from weight_transfer.config import (
+    ControlPlaneConfig,
+    ReceiverConfig,
+    SenderConfig,
+    TransferConfig,
+)
 from weight_transfer.controller import Controller
-from weight_transfer.errors import NotServingError, TransportTimeoutError
+from weight_transfer.errors import NotServingError, TransportTimeoutError, UpdateFailedError
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
 from weight_transfer.receiver import WeightReceiver
@@ -170,3 +175,147 @@ def test_gate_transitions() -> None:
         gate.check()
     gate.commit(3)
     assert gate.check() == 3 and gate.status.reason == ""
+
+
+def _windowed(update_timeout_s: float = 20.0) -> tuple[Any, ...]:
+    """One engine with `ReceiverConfig.update_window`, one trainer rank, loopback."""
+    g = torch.Generator().manual_seed(9)
+    live = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    start = {n: t.clone() for n, t in live.items()}
+    src = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    cp = ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=20)
+    config = TransferConfig(
+        num_engines=1,
+        control=cp,
+        sender=SenderConfig(update_timeout_s=update_timeout_s),
+        receiver=ReceiverConfig(update_window=True),
+        planner=PlannerConfig(memory_budget_bytes=1 << 20),
+    )
+    ctrl = Controller(config.controller_config(1), cp)
+    rx = WeightReceiver(live, [identity(n, n, s) for n, s in SHAPES.items()], config, engine="e0")
+    sender = WeightSender(src, config, controller=ctrl)
+    return live, start, src, rx, sender
+
+
+def _gate_at_every_post(sender: WeightSender, rx: WeightReceiver) -> list[Any]:
+    """The engine's gate as each batch of writes is posted (before any of its bytes land)."""
+    seen: list[Any] = []
+    tr: Any = sender._transport
+    real_post, real_prepared = tr.post_writes, tr.post_prepared
+
+    def post_writes(peer: str, ops: list[WriteOp]) -> Any:
+        seen.append(rx.serving)
+        return real_post(peer, ops)
+
+    def post_prepared(prepared: Any) -> Any:
+        seen.append(rx.serving)
+        return real_prepared(prepared)
+
+    tr.post_writes, tr.post_prepared = post_writes, post_prepared
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_with_update_windows_no_byte_lands_while_the_gate_is_open() -> None:
+    # Issue 40, finding 3. The engine serves for a while after each update before it opens the
+    # next window; the trainers update back to back. Every batch must be posted while the gate
+    # is closed for that very update (without the handshake, updates 2 and 3 were written
+    # while the gate read SERVING).
+    live, _, src, rx, sender = _windowed()
+    seen = _gate_at_every_post(sender, rx)
+    served: list[int] = []
+
+    def engine() -> None:
+        for k in (1, 2, 3):
+            served.append(rx.wait_for_version(k, 20))
+            time.sleep(0.3)  # serving update k: the gate is open
+
+    th = threading.Thread(target=engine)
+    th.start()
+    try:
+        for k in (1, 2, 3):
+            for t in src.values():
+                t.mul_(-1.5)
+            before = len(seen)
+            sender.update(k)
+            assert len(seen) > before, "the update posted nothing"
+            states = [(s.state, s.step) for s in seen[before:]]
+            assert states == [(ServingState.UPDATING, k)] * len(states), (k, states)
+        th.join(30)
+        assert served == [1, 2, 3]
+        for n in SHAPES:
+            assert torch.equal(live[n], src[n]), n
+    finally:
+        sender.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_that_opens_no_window_fails_the_update_before_any_write() -> None:
+    live, start, src, rx, sender = _windowed(update_timeout_s=1.0)
+    seen = _gate_at_every_post(sender, rx)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(
+            UpdateFailedError,
+            match=r"update 1 not started, nothing was written: engine\(s\) "
+            r"\['e0'\] did not open an update window within 1.0 s",
+        ):
+            sender.update(1)
+        assert time.monotonic() - t0 < 5
+        assert seen == [] and rx.version == 0 and rx.check_serving() == 0
+        for n in SHAPES:
+            assert torch.equal(live[n], start[n]), n
+        th = threading.Thread(target=lambda: rx.wait_for_version(2, 20))
+        th.start()
+        sender.update(2)
+        th.join(30)
+        assert rx.check_serving() == 2
+        for n in SHAPES:
+            assert torch.equal(live[n], src[n]), n
+    finally:
+        sender.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_trainer_rank_fails_fast_when_an_engine_opens_no_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two trainer ranks: the rank hosting the controller tells the other (go/<k> carries why).
+    from tests.unit._inprocess import Cluster, Engine, fsdp_shards
+
+    g = torch.Generator().manual_seed(12)
+    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    engine = Engine(
+        "e0",
+        tuple(identity(n, n, s) for n, s in SHAPES.items()),
+        {n: torch.randn(s, generator=g) for n, s in SHAPES.items()},
+    )
+    start = {n: t.clone() for n, t in engine.tensors.items()}
+    with Cluster(
+        monkeypatch,
+        full,
+        {n: fsdp_shards(s, 2) for n, s in SHAPES.items()},
+        [engine],
+        world=2,
+        timeout_s=10.0,
+        update_timeout_s=1.0,
+        receiver=ReceiverConfig(update_window=True),
+    ) as cluster:
+        out = cluster.update(1)
+        for r in (0, 1):
+            exc = out.results[r]
+            assert isinstance(exc, UpdateFailedError), exc
+            assert "['e0'] did not open an update window" in str(exc), str(exc)
+            assert out.seconds[r] < 5
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, start[n]), n
+        rx = cluster.receivers[0]
+        th = threading.Thread(target=lambda: rx.wait_for_version(2, 20))
+        th.start()
+        out = cluster.update(2)
+        th.join(30)
+        assert not any(isinstance(v, BaseException) for v in out.results.values()), out.results
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, full[n]), n

@@ -496,6 +496,9 @@ def apply_patch_region(
         or HEADER_BYTES + num_slots * slot_bytes > patch.numel()
     ):
         raise PatchError(f"patch region header is inconsistent ({num_slots} x {slot_bytes})")
+    if slot_bytes % 8:
+        # Every word of a slot is read as int64 in place: an unaligned slot is not a patch.
+        raise PatchError(f"patch region: slot size {slot_bytes} is not a multiple of 8")
     tables: list[np.ndarray] = []
     slot_rows: list[tuple[int, int, int, int]] = []  # (slot, base, table_at, segments)
     patch_bytes = 0
@@ -516,6 +519,8 @@ def apply_patch_region(
             and table_at + nseg * SEGMENT_BYTES == used <= slot_bytes
         ):
             raise PatchError(f"patch slot {s}: table or size out of bounds")
+        if table_at % 8:
+            raise PatchError(f"patch slot {s}: table offset {table_at} is not a multiple of 8")
         patch_bytes += used
         words = patch[base + table_at : base + table_at + SEGMENT_BYTES * nseg]
         tables.append(words.view(torch.int64).cpu().numpy().reshape(nseg, 8))
@@ -627,7 +632,9 @@ def _check_segments(seg: _Segments, region_bytes: Sequence[int]) -> None:
 
 def _check_chunk_offsets(patch: torch.Tensor, seg: _Segments) -> None:
     """Read every sparse segment's chunk offsets in one transfer and check them: a prefix sum
-    from 0 to its entries, no chunk with more entries than elements."""
+    from 0 to its entries, no chunk with more entries than elements; then read the indices of
+    every run's partial last chunk (a second transfer) and check that none lies past the
+    run."""
     sparse = np.flatnonzero(seg.table[:, 4] == SPARSE)
     if sparse.size == 0:
         return
@@ -649,13 +656,36 @@ def _check_chunk_offsets(patch: torch.Tensor, seg: _Segments) -> None:
     neg = np.bincount(owner[within < 0], minlength=sparse.size) > 0
     big = np.bincount(owner[within > CHUNK_ELEMENTS], minlength=sparse.size) > 0
     bad = np.flatnonzero(not_prefix | neg | big)
-    if bad.size == 0:
+    if bad.size:
+        k = int(bad[0])
+        where = seg.where(int(sparse[k]))
+        if not_prefix[k] or neg[k]:
+            raise PatchError(f"{where}: chunk offsets are not a prefix sum")
+        raise PatchError(f"{where}: a chunk has more entries than elements")
+    # An entry's 16-bit index addresses any element of a whole chunk, but only the first
+    # numel % CHUNK_ELEMENTS of a run's last, partial chunk: read those entries' indices (one
+    # transfer) and check them here, before anything is written (the apply kernels would
+    # write the entries before them, or on a GPU drop such an entry without a word).
+    rem = numel % CHUNK_ELEMENTS
+    part = np.flatnonzero(rem > 0)
+    lo = o[first[1:][part] - 2]
+    hi = o[first[1:][part] - 1]
+    n_last = hi - lo
+    if int(n_last.sum()) == 0:
         return
-    k = int(bad[0])
-    where = seg.where(int(sparse[k]))
-    if not_prefix[k] or neg[k]:
-        raise PatchError(f"{where}: chunk offsets are not a prefix sum")
-    raise PatchError(f"{where}: a chunk has more entries than elements")
+    # Index entries are int16 right after a segment's chunk offsets (8-byte aligned).
+    index_at = (seg.base[sparse] + seg.table[sparse, 6] + 8 * words) // 2
+    at = np.repeat(index_at[part] + lo, n_last)
+    at += np.arange(at.size, dtype=np.int64) - np.repeat(np.cumsum(n_last) - n_last, n_last)
+    halves = patch[: patch.numel() & ~1].view(torch.int16)
+    index = halves[torch.from_numpy(at).to(halves.device)].cpu().numpy().astype(np.int64)
+    past = (index & 0xFFFF) >= np.repeat(rem[part], n_last)
+    if past.any():
+        k = int(part[int(np.repeat(np.arange(part.size), n_last)[int(np.argmax(past))])])
+        raise PatchError(
+            f"{seg.where(int(sparse[k]))}: an entry lies past the end of its run of "
+            f"{int(numel[k])} elements"
+        )
 
 
 def _apply_segments(patch: torch.Tensor, regions: Sequence[torch.Tensor], seg: _Segments) -> None:

@@ -375,6 +375,8 @@ class DeltaSession:
             enabled=config.full_when_slower, retry_after=config.retry_delta_after_updates
         )
         self._await_applied: tuple[int, list[str]] | None = None
+        self._invalid_because = "the last full update failed"
+        """Why the snapshot is invalid (after its first full update committed)."""
         self._failed_apply: set[str] = set()
         self._overflowed = False
         self._encode_s = 0.0
@@ -460,18 +462,15 @@ class DeltaSession:
         elif snap is None or not snap.valid:
             self.mode, self.reason = (
                 FULL,
-                (
-                    "first update"
-                    if snap is None or snap.step == 0
-                    else "the last full update failed"
-                ),
+                ("first update" if snap is None or snap.step == 0 else self._invalid_because),
             )
         elif self._overflowed:
             self.mode, self.reason = FULL, "the last delta failed in the delta layer"
         elif self._failed_apply:
             self.mode = FULL
             self.reason = (
-                f"engine(s) {sorted(self._failed_apply)[:3]} could not apply the last patch"
+                f"engine(s) {sorted(self._failed_apply)[:3]} did not apply the last update "
+                "(or did not say so in time)"
             )
         elif cfg.anchor_every_updates and self._updates_since_full >= cfg.anchor_every_updates:
             self.mode, self.reason = FULL, f"anchor (every {cfg.anchor_every_updates} updates)"
@@ -485,35 +484,51 @@ class DeltaSession:
         self._overflowed = False
         if self.mode == FULL and snap is not None:
             snap.valid = False
+            self._invalid_because = "the last full update failed"
             # The runs' places in the snapshot are laid out anew by every full update.
             self._offsets = {}
             self._next_offset = 0  # becomes valid again when this full update commits
             self._layout_gen += 1
 
     def _wait_applied(self, deadline: float) -> None:
-        """Bounded wait until every engine sent the last committed delta acknowledged it."""
+        """Bounded wait until every engine sent the last committed delta acknowledged it.
+
+        Whatever happens, the wait is over after this call: an engine that did not answer (or
+        whose answer cannot be read) fails this update, with nothing written, and gets a full
+        update next, so a missed acknowledgement costs one update and never wedges delta mode.
+        """
         if self._await_applied is None:
             return
         step, engines = self._await_applied
+        self._await_applied = None
         t0 = time.perf_counter()
         until = min(deadline, time.monotonic() + self.config.apply_timeout_s)
         keys = {e: applied_key(step, e) for e in engines}
         try:
             self.control.wait(list(keys.values()), max(0.001, until - time.monotonic()))
-        except TransportTimeoutError as exc:
-            missing = [e for e, k in keys.items() if not self.control.exists(k)]
+        except WeightTransferError as exc:
+            try:
+                missing = [e for e, k in keys.items() if not self.control.exists(k)]
+            except WeightTransferError:
+                missing = list(engines)
+            self._failed_apply = set(missing) or set(engines)
+            if not isinstance(exc, TransportTimeoutError):
+                raise
             raise TransportTimeoutError(
                 f"trainer rank {self.rank}: engine(s) {missing[:5]} did not apply delta update "
                 f"{step} within {self.config.apply_timeout_s:.1f} s (the engine calls "
-                "WeightReceiver.apply_delta once per update); nothing was written"
+                "WeightReceiver.apply_delta once per update); nothing was written, and the "
+                "next update is full"
             ) from exc
         self._failed_apply = set()
         for e, k in keys.items():
-            d = self.control.get(k, Decision)
+            try:
+                d = self.control.get(k, Decision)
+            except WeightTransferError as exc:
+                d = Decision(step=step, ok=False, error=f"engine {e!r}'s acknowledgement: {exc}")
             if not d.ok:
                 log.warning("trainer rank %d: %s", self.rank, d.error)
                 self._failed_apply.add(e)
-        self._await_applied = None
         self._apply_wait_s = time.perf_counter() - t0
 
     def intercepts(self, ops: Sequence[WriteOp]) -> bool:
@@ -710,6 +725,14 @@ class DeltaSession:
                     for (peer, region, offset, nbytes), at in self._offsets.items()
                 ],
             )
+
+    def outcome_unknown(self) -> None:
+        """This rank could not read the update's verdict: the engines may or may not hold it,
+        so the snapshot says nothing about them any more and the next update is full."""
+        self.failed()
+        if self.snapshot is not None:
+            self.snapshot.valid = False
+            self._invalid_because = "this rank could not read the last update's verdict"
 
     def failed(self) -> None:
         """The update failed: a delta leaves everything as it was; after a full one the

@@ -20,6 +20,7 @@ from weight_transfer.backends.base import (
     WeightTransferError,
 )
 from weight_transfer.errors import UpdateInProgressError
+from weight_transfer.pipeline.geometry import ALIGN, round_up
 from weight_transfer.pipeline.graphs import GraphGroups, NotGraphable
 from weight_transfer.pipeline.prepare import BarrierFn, GatherFn, PrepareStage
 from weight_transfer.pipeline.quant import QuantFn, default_quantize
@@ -37,6 +38,23 @@ log = logging.getLogger(__name__)
 STUCK_JOIN_S = 0.5
 """How long `run` waits for the previous update's prepare thread, still running at the start
 of a new update, before refusing the new one."""
+
+
+def arena_bytes(schedule: RankSchedule, memory_budget_bytes: int) -> int:
+    """Bytes of the registered staging arena a rank running `schedule` needs: what the
+    schedule can stage at once (every task in flight together, each piece aligned as the arena
+    hands it out), plus its largest task again, so that an update can always progress while a
+    failed update's blocks stay quarantined; capped at half the memory budget (the pipeline's
+    admission keeps what is in flight within it). A 4x4 model gets a few KiB, not 512 MiB
+    registered and page-faulted per sender."""
+    needs = [
+        round_up(t.staging_bytes) + 2 * ALIGN * len(t.writes)  # <= 2 aligned blocks per write
+        for t in schedule.tasks
+        if t.staging_bytes
+    ]
+    if not needs:
+        return ALIGN
+    return max(ALIGN, min(memory_budget_bytes // 2, sum(needs) + max(needs)))
 
 
 class Executor:
@@ -82,17 +100,18 @@ class Executor:
         self.schedule = schedule
         self.transport = transport
         self.device = device
-        arena_bytes = memory_budget_bytes // 2
-        too_big = [t for t in schedule.tasks if t.staging_bytes > arena_bytes]
+        half = memory_budget_bytes // 2
+        too_big = [t for t in schedule.tasks if t.staging_bytes > half]
         if too_big:
             t = too_big[0]
             raise WeightTransferError(
                 f"trainer rank {rank}: task {t.task_id} needs {t.staging_bytes} staging bytes, "
-                f"more than half the memory budget ({arena_bytes}); raise memory_budget_bytes "
+                f"more than half the memory budget ({half}); raise memory_budget_bytes "
                 "or plan with a smaller max_write_bytes"
             )
-        self.arena = StagingArena(transport, arena_bytes, device)
-        self.staging = Staging(self.arena, memory_budget_bytes - arena_bytes, rank)
+        self.arena = StagingArena(transport, arena_bytes(schedule, memory_budget_bytes), device)
+        # Scratch keeps its half whatever the arena takes: the plan was made for that split.
+        self.staging = Staging(self.arena, memory_budget_bytes - half, rank)
         self.versions = VersionWriter(
             transport, schedule.version_engines, descriptors, version_regions
         )
@@ -120,6 +139,7 @@ class Executor:
                     quantize=quantize,
                     mapped_writes=mapped_writes,
                     table_quantize=table_quantize,
+                    group_budget_bytes=half,
                 )
             except NotGraphable as why:
                 log.info("trainer rank %d: per-task graphs not used: %s", rank, why)

@@ -145,8 +145,13 @@ class GraphGroups:
         quantize: QuantFn,
         mapped_writes: bool,
         table_quantize: bool,
+        group_budget_bytes: int | None = None,
     ) -> GraphGroups:
         """Lay out and capture every task whose id is not in `static`.
+
+        `group_budget_bytes` (default: the arena's size) sets how large a group's ring slice
+        may grow (an eighth of it, at most 128 MiB): the executor passes half the memory
+        budget, so groups do not shrink when the arena is sized to what the schedule stages.
 
         Raises:
             NotGraphable: some such task is not a local quantization of whole blocks.
@@ -161,7 +166,8 @@ class GraphGroups:
         ]
         groups: dict[int, GraphGroup] = {}
         skip: set[int] = set()
-        for plan in _plan_groups(per_task, arena.nbytes):
+        budget = arena.nbytes if group_budget_bytes is None else group_budget_bytes
+        for plan in _plan_groups(per_task, arena.nbytes, budget):
             groups[plan.members[0].task.task_id] = _capture_group(
                 plan, sources, descriptors, arena, stream, quantize, table_quantize
             )
@@ -260,12 +266,14 @@ def _lay_out(
     return TaskLayout(t, size, units, work, ncalls)
 
 
-def _plan_groups(per_task: Sequence[TaskLayout], arena_bytes: int) -> list[GroupPlan]:
+def _plan_groups(
+    per_task: Sequence[TaskLayout], arena_bytes: int, budget_bytes: int
+) -> list[GroupPlan]:
     """Consecutive small tasks share one graph, one ring slice and one batch per engine, so
     a MoE layer's hundreds of expert units cost a few replays and posts, not hundreds.
     Mapped units take no ring space; a group also closes at `GROUP_BYTES` of output or
     `GROUP_CALLS` kernels, so the write stage still sees progress and graphs stay small."""
-    group_limit = max(1, min(arena_bytes // 8, 128 << 20))
+    group_limit = max(1, min(arena_bytes, budget_bytes // 8, 128 << 20))
     groups: list[list[TaskLayout]] = []
     staged = out = calls = 0  # of the open group
     for item in per_task:

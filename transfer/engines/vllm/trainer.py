@@ -291,19 +291,27 @@ class LLMWeightSyncClient:
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Every worker records the update; prefix cache reset; version set; scheduling resumed."""
+        """Every worker records the update; prefix cache reset; version set; scheduling resumed.
+
+        If any of that raises, the engine is not known to serve the update as a whole (a
+        worker that did not record it, KV blocks of the old weights still cached): as after
+        `fail_weight_update`, scheduling stays paused and `serving` reads FAILED until a later
+        update finishes.
+        """
         try:
             self.llm.collective_rpc("finish_weight_update")
             self.llm.reset_prefix_cache()
             if weight_version is not None:
-                self._version = weight_version
                 set_version = getattr(self.llm.llm_engine, "set_weight_version", None)
                 if set_version is not None:  # vLLM 0.27 and later
                     set_version(weight_version)
-        finally:
-            # The workers' refresh ran inside update_weights, which returned: complete.
-            self._gate.commit(self._step)
-            self.llm.wake_up(tags=["scheduling"])
+                self._version = weight_version
+        except BaseException as exc:
+            self.fail_weight_update(f"finish_weight_update failed: {type(exc).__name__}: {exc}")
+            raise
+        # The workers' refresh ran inside update_weights, which returned: complete.
+        self._gate.commit(self._step)
+        self.llm.wake_up(tags=["scheduling"])
 
     def abort_weight_update(self) -> None:
         """The update failed before any byte was written ("go" never posted): resume

@@ -739,7 +739,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 exc,
             )
             raise
-        rx.end_update(k)
+        rx.end_update(applied.step)
         self._pending = k
         if self._publish_digests:
             rx.publish_digests(k)
