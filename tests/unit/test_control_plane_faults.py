@@ -43,6 +43,7 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
+from weight_transfer.protocol import Go
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -579,4 +580,122 @@ def test_store_refuses_a_value_larger_than_it_accepts_naming_the_key() -> None:
             _raw(cp.port).set("wt/default/forged", b"\x00" * 64)
             server.get("forged", Failure, 1)
     finally:
+        server.close()
+
+
+class _GoesSilent:
+    """A proxy in front of a real store on its own port: it forwards every connection until
+    `silence()`, then only the next one (the probe); on later ones it answers torch's
+    handshake itself (VALIDATE, then PING's nonce) or not, and says nothing more (issue 40,
+    finding 7)."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._forward: int | None = None
+        self._handshake = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def silence(self, *, handshake: bool) -> None:
+        with self._lock:
+            self._forward, self._handshake = 1, handshake
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._socks.append(conn)
+                forward = self._forward is None or self._forward > 0
+                if self._forward:
+                    self._forward -= 1
+                handshake = self._handshake
+            if forward:
+                up = socket.create_connection(("127.0.0.1", self._target))
+                with self._lock:
+                    self._socks.append(up)
+                for a, b in ((conn, up), (up, conn)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            elif handshake:
+                threading.Thread(target=self._shake, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _shake(conn: socket.socket) -> None:
+        data = b""
+        try:
+            while len(data) < 10:  # VALIDATE (query 0, magic) and PING (query 13, nonce)
+                data += conn.recv(10 - len(data))
+            conn.sendall(data[6:10])
+        except OSError:
+            pass
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for s in self._socks:
+                s.close()
+
+
+def _bounded(fn: Callable[[], Any], limit_s: float) -> tuple[float, BaseException | None]:
+    """Run `fn` on a thread; (seconds it took, what it raised). Fails if it outlives `limit_s`."""
+    out: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the test
+            out[0] = exc
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still blocked after {limit_s:.0f} s"
+    return time.monotonic() - t0, out[0]
+
+
+@pytest.mark.timeout(60)
+def test_f_a_store_that_goes_silent_after_the_probe_cannot_block_connecting() -> None:
+    """Something on the port answers the connect probe, then is silent on torch's own client
+    connection (whose handshake had no timeout), or after that handshake: joining, `clone`
+    (and so `join_new_session` and vLLM's init, which join the same way) end at `timeout_s`
+    with a timeout naming the stall, and leave no thread behind."""
+    cp = _control(timeout_s=10)
+    server = ControlPlane(cp, server=True, member="controller")
+    proxy = _GoesSilent(cp.port)
+    via = ControlPlaneConfig(port=proxy.port, token=cp.token, timeout_s=2)
+    member = ControlPlane(via, server=False, member="trainer rank 1")  # all forwarded
+    try:
+        before = {t.ident for t in threading.enumerate()}
+        for handshake, connect in (
+            (False, lambda: ControlPlane(via, server=False, member="trainer rank 2")),
+            (False, lambda: member.clone("trainer rank 1 (failure watch)")),
+            (True, lambda: ControlPlane(via, server=False, member="engine 'e0'")),
+        ):
+            proxy.silence(handshake=handshake)
+            took, raised = _bounded(connect, via.timeout_s + 6)
+            assert isinstance(raised, TransportTimeoutError), raised
+            assert "did not finish the client's handshake" in str(raised)
+            assert took < via.timeout_s + 1.0, f"blocked {took:.1f} s past a 2 s timeout"
+        left = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not [n for n in left if n.startswith("wt-")], left
+        # The store itself still serves its members.
+        member.put("still", Go(step=1))
+        assert server.get("still", Go, 2).step == 1
+    finally:
+        member.close()
+        proxy.close()
         server.close()
