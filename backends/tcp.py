@@ -15,20 +15,27 @@ refused batch writes nothing: its payload is drained and an error frame
 names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
 
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
-inside its endpoint, which members exchange sealed on the control plane. A connecting client
-must prove it holds the key before anything else is read, and every batch's header (frame and
-op table) carries an HMAC-SHA256 under a per-connection key and the batch's sequence number, so
-a stranger who reaches the port can neither write nor replay a recorded batch; the header is
-checked before a single payload byte is read. (The payload itself rides the authenticated TCP
-stream; an attacker able to inject into an established stream is out of scope: use a private
-network.) Connections are bounded (`_MAX_CONNECTIONS` served, `_MAX_HANDSHAKES` unproven, each
-with a handshake deadline), and a refused batch makes the receiver read at most
+inside its endpoint, which members exchange sealed on the control plane. The handshake is a
+mutual proof of that key over both sides' fresh nonces: the listener proves it first, so a
+program that binds an exited engine's port (and echoes its listener id, which anyone who
+connected to it saw) receives no weights and cannot acknowledge any; then the client proves
+it, before anything else is read. Every batch's header (frame and op table) carries an
+HMAC-SHA256 under a per-connection key and the batch's sequence number, so a stranger who
+reaches the port can neither write nor replay a recorded batch; the header is checked before a
+single payload byte is read. (The payload itself rides the authenticated TCP stream; an
+attacker able to inject into an established stream is out of scope: use a private network.)
+Each side's handshake has one deadline for the whole exchange, however the bytes trickle in
+(the listener's: `min(connect_timeout_s, _HANDSHAKE_TIMEOUT_S)`; the client's:
+`connect_timeout_s`, connecting included). Connections are bounded (`_MAX_CONNECTIONS` served,
+`_MAX_HANDSHAKES` unproven), and a refused batch makes the receiver read at most
 `_MAX_DRAIN_BYTES` more; a claim of more closes the connection.
 
 Wire format (network byte order, no pickle anywhere):
-- handshake: client sends `HELLO` (magic, version); the listener answers with `HELLO` plus its
-  64-bit listener id, which the client checks against the endpoint it was given, and a 16-byte
-  nonce; the client answers HMAC(key, "client" || nonce).
+- handshake: client sends `HELLO` (magic, version, 0) and a 16-byte nonce c; the listener
+  answers with `HELLO` carrying its 64-bit listener id (the client checks it against the
+  endpoint it was given), a 16-byte nonce l and HMAC(key, "listener" || c || l), which the
+  client checks before it sends anything more; the client answers HMAC(key, "client" || c ||
+  l). The connection key is HMAC(key, "conn" || c || l).
 - client -> listener: `FRAME` (type BATCH, number of ops, batch id), then number-of-ops `OP`
   entries (region key, offset, length), then the 32-byte tag HMAC(connection key, sequence ||
   frame || table), then the payload of every op in table order.
@@ -48,6 +55,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -74,8 +82,8 @@ __all__ = ["TcpTransport"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 2
-_MAGIC = b"WTT2"
+_VERSION = 3
+_MAGIC = b"WTT3"
 _HELLO = struct.Struct("!4sHxxQ")  # magic, version, listener id (0 from the client)
 _FRAME = struct.Struct("!BxxxIQ")  # type, count (ops or message bytes), batch id
 _OP = struct.Struct("!QQQ")  # region key, offset, length
@@ -137,12 +145,21 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes | None:
-    """Read exactly `nbytes`; None on EOF before the first byte; ConnectionError on EOF inside."""
+def _recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes | None:
+    """Read exactly `nbytes`; None on EOF before the first byte; ConnectionError on EOF inside.
+
+    With a `deadline` (`time.monotonic()`), the whole read ends there (TimeoutError), however
+    the bytes trickle in: each `recv` waits only for the time left.
+    """
     buf = bytearray(nbytes)
     view = memoryview(buf)
     got = 0
     while got < nbytes:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out after {got} of {nbytes} bytes")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:
             if got == 0:
@@ -538,21 +555,29 @@ class TcpTransport(Transport):
         """Receive batches from one sender until EOF. Never lets an exception escape silently."""
         proven = False
         try:
-            conn.settimeout(min(self.config.connect_timeout_s, _HANDSHAKE_TIMEOUT_S))
-            hello = _recv_exact(conn, _HELLO.size)
+            # One deadline for the whole handshake: a client that trickles its bytes in
+            # cannot hold a handshake slot longer than that.
+            deadline = time.monotonic() + min(self.config.connect_timeout_s, _HANDSHAKE_TIMEOUT_S)
+            hello = _recv_exact(conn, _HELLO.size + _NONCE_BYTES, deadline)
             if hello is None:
                 return
-            magic, version, _ = _HELLO.unpack(hello)
+            magic, version, _ = _HELLO.unpack(hello[: _HELLO.size])
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake (magic {magic!r}, version {version})")
-            nonce = secrets.token_bytes(_NONCE_BYTES)
-            conn.sendall(_HELLO.pack(_MAGIC, _VERSION, self._listener_id) + nonce)
-            proof = _recv_exact(conn, _TAG_BYTES)
-            if proof is None or not hmac.compare_digest(proof, _mac(self._key, b"client", nonce)):
+            theirs, mine = hello[_HELLO.size :], secrets.token_bytes(_NONCE_BYTES)
+            conn.sendall(
+                _HELLO.pack(_MAGIC, _VERSION, self._listener_id)
+                + mine
+                + _mac(self._key, b"listener", theirs, mine)
+            )
+            proof = _recv_exact(conn, _TAG_BYTES, deadline)
+            if proof is None or not hmac.compare_digest(
+                proof, _mac(self._key, b"client", theirs, mine)
+            ):
                 raise _Refused("the client does not hold this transport's key")
             proven = True
             self._handshakes.release()
-            conn_key = _mac(self._key, b"conn", nonce)
+            conn_key = _mac(self._key, b"conn", theirs, mine)
             seq = 0
             conn.settimeout(None)
             _tune(conn)
@@ -598,6 +623,8 @@ class TcpTransport(Transport):
                 conn.sendall(_FRAME.pack(_ACK, 0, batch_id))
         except _Refused as exc:
             log.warning("tcp: closing the connection from %s: %s", addr, exc)
+        except TimeoutError:
+            log.warning("tcp: closing the connection from %s: handshake not finished in time", addr)
         except OSError as exc:
             if not self._stopping.is_set():
                 log.warning("tcp: connection from %s lost: %s", addr, exc)
@@ -662,6 +689,7 @@ class TcpTransport(Transport):
             raise ValueError(f"tcp: endpoint of peer {peer!r} is not a tcp endpoint")
         address = (obj["host"], obj["port"])
         timeout_s = self.config.connect_timeout_s
+        deadline = time.monotonic() + timeout_s  # connecting and the whole handshake
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
         except TimeoutError as exc:
@@ -672,13 +700,15 @@ class TcpTransport(Transport):
             raise PeerLostError(
                 f"tcp: cannot connect to peer {peer!r} at {address}: {exc}"
             ) from exc
+        key: bytes = obj["key"]
         try:
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, 0))
-            reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES)
+            mine = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, 0) + mine)
+            reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES + _TAG_BYTES, deadline)
             if reply is None:
                 raise ConnectionError("closed during the handshake")
-            reply, nonce = reply[: _HELLO.size], reply[_HELLO.size :]
-            magic, version, listener_id = _HELLO.unpack(reply)
+            magic, version, listener_id = _HELLO.unpack(reply[: _HELLO.size])
+            theirs = reply[_HELLO.size : _HELLO.size + _NONCE_BYTES]
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake reply (magic {magic!r}, version {version})")
             if listener_id != obj["id"]:
@@ -686,7 +716,14 @@ class TcpTransport(Transport):
                     f"listener id {listener_id:#x} differs from the endpoint's {obj['id']:#x} "
                     "(a different transport now listens on that port)"
                 )
-            sock.sendall(_mac(obj["key"], b"client", nonce))
+            if not hmac.compare_digest(
+                reply[_HELLO.size + _NONCE_BYTES :], _mac(key, b"listener", mine, theirs)
+            ):
+                raise ConnectionError(
+                    "the listener did not prove it holds the endpoint's key (the transport that "
+                    "published it is gone, and another program now listens on its port)"
+                )
+            sock.sendall(_mac(key, b"client", mine, theirs))
             sock.settimeout(None)
             _tune(sock)
         except TimeoutError as exc:
@@ -699,7 +736,7 @@ class TcpTransport(Transport):
             raise PeerLostError(
                 f"tcp: handshake with peer {peer!r} at {address} failed: {exc}"
             ) from exc
-        self._links[peer] = _Link(peer, sock, listener_id, _mac(obj["key"], b"conn", nonce))
+        self._links[peer] = _Link(peer, sock, listener_id, _mac(key, b"conn", mine, theirs))
 
     def _disconnect(self, peer: str) -> None:
         link = self._links.pop(peer, None)
