@@ -12,7 +12,11 @@ into the registered memory (`recv_into`, or `recvmsg_into` over up to 512 host r
 memoryviews over the addresses; ranges that continue one another are merged first; CUDA targets
 go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A
 refused batch writes nothing: its payload is drained and an error frame
-names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
+names the reason. Each batch is acknowledged; the sender completes its handle on the ack. A
+posted batch of more than `_MAX_OPS_PER_BATCH` writes (what a receiver takes in one frame) goes
+out as several wire batches under one handle, complete when all are acknowledged; if one is
+refused the handle fails naming why (the parts before it may have landed, as after any failed
+batch).
 
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
 inside its endpoint, which members exchange sealed on the control plane. The handshake is a
@@ -266,16 +270,42 @@ class _Target:
 
 
 class _BatchState:
-    """Completion state of one posted batch (handle.state); set by the link's threads."""
+    """Completion state of one posted batch (handle.state); set by the link's threads.
 
-    __slots__ = ("done", "error", "sent")
+    A batch of more writes than a receiver takes in one frame (`_MAX_OPS_PER_BATCH`) goes out
+    as several wire batches (parts) that share this state: done once every part was
+    acknowledged, or at the first part that failed.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_lock", "_unacked", "_unsent", "done", "error", "sent")
+
+    def __init__(self, parts: int = 1) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.sent = threading.Event()
         """Set once the send thread no longer reads the batch's sources: sent, or skipped
-        because the link had failed, or abandoned when sending failed."""
+        because the link had failed, or abandoned when sending failed (every part)."""
+        self._lock = threading.Lock()
+        self._unacked = parts
+        self._unsent = parts
+
+    def part_done(self, error: BaseException | None) -> None:
+        """A part was acknowledged, refused (`error`), or failed with the link."""
+        with self._lock:
+            self._unacked -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            finished = self._unacked <= 0 or self.error is not None
+        if finished:
+            self.done.set()
+
+    def part_sent(self) -> None:
+        """The send thread is done with a part's sources."""
+        with self._lock:
+            self._unsent -= 1
+            finished = self._unsent <= 0
+        if finished:
+            self.sent.set()
 
 
 class _Link:
@@ -299,17 +329,18 @@ class _Link:
         self._reader.start()
 
     def post(
-        self, batch_id: int, table: bytes, sources: list[tuple[Region, int, int]]
-    ) -> _BatchState:
-        state = _BatchState()
+        self, parts: list[tuple[int, bytes, list[tuple[Region, int, int]]]], state: _BatchState
+    ) -> None:
+        """Queue the wire batches (batch id, frame and op table, sources) of one posted batch,
+        all or none."""
         with self._lock:
             if self.failure is not None:
                 raise PeerLostError(f"tcp: peer {self.peer!r} is lost: {self.failure}")
-            self._pending[batch_id] = state
-            # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
-            # `failure` is set under it) then sees every batch queued before it.
-            self._queue.put((batch_id, table, sources, state))
-        return state
+            for batch_id, table, sources in parts:
+                self._pending[batch_id] = state
+                # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
+                # `failure` is set under it) then sees every batch queued before it.
+                self._queue.put((batch_id, table, sources, state))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -317,8 +348,7 @@ class _Link:
                 self.failure = error
             pending, self._pending = self._pending, {}
         for state in pending.values():
-            state.error = error
-            state.done.set()
+            state.part_done(error)
 
     def _send_loop(self) -> None:
         state: _BatchState | None = None
@@ -330,13 +360,12 @@ class _Link:
                     self.sock.shutdown(socket.SHUT_WR)
                     return
                 _, table, sources, state = item
-                if self.failure is not None:
-                    # The link failed (the ack reader saw the peer go) and this batch was
-                    # already failed with it: its sources are never read.
-                    state.sent.set()
-                    continue
-                self._send_batch(table, sources)
-                state.sent.set()
+                if self.failure is None:
+                    self._send_batch(table, sources)
+                # Else the link failed (the ack reader saw the peer go) and this batch was
+                # already failed with it: its sources are never read.
+                state.part_sent()
+                state = None
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r} while sending: {exc}"))
             self._abandon_queued(state)
@@ -349,14 +378,14 @@ class _Link:
         """The send thread ends on an error: the batch it was sending and every queued one
         will not be read again (`failure` is set, so nothing more is queued)."""
         if current is not None:
-            current.sent.set()
+            current.part_sent()
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
             if item is not None:
-                item[3].sent.set()
+                item[3].part_sent()
 
     def _send_batch(self, table: bytes, sources: list[tuple[Region, int, int]]) -> None:
         """Frame, tag and payload of one batch (the payload straight from the sources)."""
@@ -398,8 +427,7 @@ class _Link:
                     state = self._pending.pop(batch_id, None)
                 if state is None:
                     raise ConnectionError(f"reply for unknown batch {batch_id}")
-                state.error = error
-                state.done.set()
+                state.part_done(error)
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r}: {exc}"))
         except Exception as exc:  # never let the reader die silently
@@ -754,10 +782,22 @@ class TcpTransport(Transport):
             if key is None:
                 key = keys[op.target.payload] = self._target_key(peer, link, i, op.target)
             entries.append(_OP.pack(key, op.target_offset, op.nbytes))
-        self._batch_ids += 1
-        table = _FRAME.pack(_BATCH, len(ops), self._batch_ids) + b"".join(entries)
-        sources = [(op.source, op.source_offset, op.nbytes) for op in ops]
-        handle.state = link.post(self._batch_ids, table, sources)
+        # A receiver takes at most `_MAX_OPS_PER_BATCH` writes per frame (it closes the
+        # connection on more): a larger batch goes out as several, completed together.
+        step = _MAX_OPS_PER_BATCH
+        parts = []
+        for begin in range(0, len(ops), step):
+            self._batch_ids += 1
+            chunk = ops[begin : begin + step]
+            table = _FRAME.pack(_BATCH, len(chunk), self._batch_ids) + b"".join(
+                entries[begin : begin + step]
+            )
+            parts.append(
+                (self._batch_ids, table, [(o.source, o.source_offset, o.nbytes) for o in chunk])
+            )
+        state = _BatchState(len(parts))
+        link.post(parts, state)
+        handle.state = state
 
     @staticmethod
     def _target_key(peer: str, link: _Link, index: int, desc: RegionDescriptor) -> int:
