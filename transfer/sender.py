@@ -274,6 +274,10 @@ class WeightSender:
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
         self._watch: _FailureWatch | None = None
+        self._barriers: ControlPlane | None = None
+        """The connection mesh-group barriers block on (the prepare thread's): a failure report
+        on the rank's own connection must not wait behind a barrier (a connection serves one
+        request at a time)."""
         self._delta: DeltaSession | None = None
         self._patch_bytes = 0
         self.delta_stats: DeltaStats | None = None
@@ -287,7 +291,10 @@ class WeightSender:
                 self._watch = _FailureWatch(
                     self._control, 2 * self.config.update_timeout_s + self._control.config.timeout_s
                 )
+                self._barriers = self._control.clone(f"trainer rank {rank} (barriers)")
         except BaseException:
+            if self._watch is not None:
+                self._watch.close()
             self._transport.close()
             raise
 
@@ -511,7 +518,7 @@ class WeightSender:
             # The budget the plan was made for: planner and executor cannot disagree.
             memory_budget_bytes=self.schedule.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
-            barrier=lambda step, g: self._control.barrier(
+            barrier=lambda step, g: (self._barriers or self._control).barrier(
                 f"group/{step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
@@ -731,6 +738,8 @@ class WeightSender:
         try:
             if self._watch is not None:
                 self._watch.close()
+            if self._barriers is not None:
+                self._barriers.close()
             self._executor.close()
             if self._delta is not None:
                 self._delta.close()
