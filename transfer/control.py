@@ -25,6 +25,8 @@ they are written), reports are read together (`collect`: one wait and one `multi
 ranks' keys), barriers are one arrival per member and one release written by member 0, and
 nothing polls. A member that must wait for two things at once (a trainer rank watching for
 another rank's failure while its writes run) opens a second connection (`clone`).
+The store tells nobody that a member's connection closed; a trainer rank's death is heard
+through a connection of its own to the controller (`weight_transfer.presence`).
 
 The store binds the configured host only (torch's TCPStore server would listen on every
 interface: the listening socket is created here and handed over) and runs in a process of its
@@ -39,6 +41,7 @@ the connection is cut under it (`_ConnectDeadline`). Losing the store (the contr
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -49,7 +52,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
@@ -170,22 +173,23 @@ def _probe(host: str, port: int, deadline: float) -> None:
         delay = min(delay * 2, 0.5)
 
 
-def _connect(config: ControlPlaneConfig, deadline: float) -> dist.Store:
+def _connect(config: ControlPlaneConfig, guard: _ConnectDeadline) -> dist.Store:
     """A TCPStore client, constructed on the calling thread once a store answered (`_probe`).
 
-    Call it inside a `_ConnectDeadline`: the client's own opening exchange waits without a
-    timeout, and only the deadline's watchdog ends it. Its timeout is the time left (torch
-    retries a cut connection until then), its default timeout afterwards `config.timeout_s`.
+    `guard` (entered) bounds it: the client's own opening exchange waits without a timeout, and
+    only the deadline's watchdog ends it. Its timeout is the time left (torch retries a cut
+    connection until then), its default timeout afterwards `config.timeout_s`.
     """
-    _probe(config.host, config.port, deadline)
-    store = dist.TCPStore(
-        config.host,
-        config.port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.05)),
-        wait_for_workers=False,
-        use_libuv=True,
-    )
+    _probe(config.host, config.port, guard.deadline)
+    with guard.building():
+        store = dist.TCPStore(
+            config.host,
+            config.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(guard.deadline - time.monotonic(), 0.05)),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
     store.set_timeout(datetime.timedelta(seconds=config.timeout_s))
     return store
 
@@ -220,67 +224,94 @@ def _plain_ip(ip: str) -> str:
 class _ConnectDeadline:
     """One deadline for the whole of connecting to the store: probe, torch's client handshake
     (a second connection, whose VALIDATE and PING replies torch waits for without a timeout)
-    and reading `hello`.
+    and the first requests (reading `hello`).
 
     Something on the port that answered the probe can still go silent on the client's own
     connection, and torch's client would wait forever. So, while the `with` block runs, a
     watchdog thread waits for the deadline; if the block is still running then, it shuts down
-    (`SHUT_RDWR`, through a duplicate of the descriptor: the socket itself is shut) every
-    socket this process opened to the store's address since the block began, so the blocked
-    call returns with an error, and keeps doing so until the block ends (torch reconnects
-    until its own timeout, the same deadline). `fired` then says so. Connections of this
-    process to one address are made one at a time, so the sockets cut are only this block's
-    own. On a system without `/proc/self/fd` nothing can be cut and the wait is torch's.
+    (`SHUT_RDWR`, through a duplicate of the descriptor: the socket itself is shut) the
+    block's own connection to the store, so the blocked call returns with an error, and keeps
+    doing so until the block ends (torch reconnects until its own timeout, the same deadline).
+    `fired` then says so. Which sockets are the block's own: while the client is built
+    (`building`, one at a time per store address in this process) every socket this process
+    opened to the store's address since building began; afterwards the ones that were found
+    so. On a system without `/proc/self/fd` nothing can be cut and the wait is torch's.
     """
 
     def __init__(self, host: str, port: int, deadline: float) -> None:
         self._host = host
         self._port = port
-        self._deadline = deadline
+        self.deadline = deadline
+        """`time.monotonic()` by which connecting ends."""
         self.fired = False
         """The deadline passed while the block ran (its connection may be cut)."""
         self._done = threading.Event()
         with _CONNECT_LOCKS_GUARD:
-            self._lock = _CONNECT_LOCKS.setdefault((host, port), threading.Lock())
-        self._before: set[int] = set()
+            self._address_lock = _CONNECT_LOCKS.setdefault((host, port), threading.Lock())
+        self._state = threading.Lock()
+        self._before: set[int] | None = None
+        """Sockets that existed when building began (set while building)."""
+        self._mine: set[int] = set()
+        """The block's sockets to the store, found when building ended."""
         self._peers: set[str] = set()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> _ConnectDeadline:
-        if not self._lock.acquire(timeout=max(0.0, self._deadline - time.monotonic())):
-            raise TimeoutError(
-                "another connection of this process to the store did not finish in time"
-            )
-        try:
-            infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
-            self._peers = {_plain_ip(str(info[4][0])) for info in infos}
-            self._before = set(_socket_inodes())
-            self._thread = threading.Thread(
-                target=self._watch, name="wt-store-connect-deadline", daemon=True
-            )
-            self._thread.start()
-        except BaseException:
-            self._lock.release()
-            raise
+        infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+        self._peers = {_plain_ip(str(info[4][0])) for info in infos}
+        self._thread = threading.Thread(
+            target=self._watch, name="wt-store-connect-deadline", daemon=True
+        )
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join()  # it wakes on `_done` within `_CUT_EVERY_S`
-        self._lock.release()
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around constructing the client: the sockets it opens are this block's own."""
+        if not self._address_lock.acquire(timeout=max(0.0, self.deadline - time.monotonic())):
+            raise TimeoutError(
+                "another connection of this process to the store did not finish its handshake "
+                "in time"
+            )
+        try:
+            with self._state:
+                self._before = set(_socket_inodes())
+            try:
+                yield
+            finally:
+                with self._state:
+                    self._mine = self._scan(exclude=self._before)
+                    self._before = None
+        finally:
+            self._address_lock.release()
 
     def _watch(self) -> None:
-        if self._done.wait(max(0.0, self._deadline - time.monotonic())):
+        if self._done.wait(max(0.0, self.deadline - time.monotonic())):
             return
         self.fired = True
         while not self._done.is_set():
-            self._cut()
+            with self._state:  # while building, the address lock is held: no other connect
+                if self._before is not None:
+                    self._scan(exclude=self._before, shut=True)
+                elif self._mine:
+                    self._scan(only=self._mine, shut=True)
             self._done.wait(_CUT_EVERY_S)
 
-    def _cut(self) -> None:
+    def _scan(
+        self, *, exclude: set[int] | None = None, only: set[int] | None = None, shut: bool = False
+    ) -> set[int]:
+        """Inodes of this process's sockets connected to the store's address, but those in
+        `exclude` or, with `only`, only those; with `shut`, each is shut down too."""
+        found: set[int] = set()
         for inode, fd in _socket_inodes().items():
-            if inode in self._before:
+            if (exclude is not None and inode in exclude) or (
+                only is not None and inode not in only
+            ):
                 continue
             try:
                 sock = socket.socket(fileno=os.dup(fd))
@@ -294,12 +325,16 @@ class _ConnectDeadline:
                 ):
                     continue
                 peer = sock.getpeername()
-                if peer[1] == self._port and _plain_ip(str(peer[0])) in self._peers:
+                if peer[1] != self._port or _plain_ip(str(peer[0])) not in self._peers:
+                    continue
+                found.add(inode)
+                if shut:
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # not connected, or already shut
             finally:
                 sock.close()
+        return found
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -371,7 +406,7 @@ class ControlPlane:
         guard = _ConnectDeadline(config.host, config.port, deadline)
         try:
             with guard:
-                self._store = _connect(config, deadline)
+                self._store = _connect(config, guard)
                 self.run_id = self._greet(server, deadline)
             if guard.fired:
                 raise TimeoutError("the deadline passed as the connection was made")
@@ -446,7 +481,7 @@ class ControlPlane:
         guard = _ConnectDeadline(self.config.host, self.config.port, deadline)
         try:
             with guard:
-                other._store = _connect(self.config, deadline)
+                other._store = _connect(self.config, guard)
             if guard.fired:
                 raise TimeoutError(
                     "something answered the probe as a TCPStore, then did not finish the "
