@@ -37,7 +37,9 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.planner import codec
 from weight_transfer.planner.plan import plan
 from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
+from weight_transfer.presence import PresenceListener
 from weight_transfer.protocol import (
+    BarrierRelease,
     Claim,
     Decision,
     Digests,
@@ -47,6 +49,7 @@ from weight_transfer.protocol import (
     Failure,
     Go,
     PlanStage,
+    PresenceAddress,
     RankPlan,
     Seen,
     TrainerJoin,
@@ -192,6 +195,28 @@ class Controller:
         self._extra: dict[int, list[str]] = {}
         """Keys others asked to delete with a step's (`forget_later`)."""
         self._janitor: _Janitor | None = None
+        self._gone_lock = threading.Lock()
+        self._gone: dict[int, str] = {}
+        """Trainer ranks whose presence connection closed: why (names the rank)."""
+        self._in_flight: int | None = None
+        """The update between `go` and its decision (a rank lost meanwhile fails it)."""
+        self._presence: PresenceListener | None = None
+        self._presence_control: ControlPlane | None = None
+        try:
+            # Its own connection: the listener's thread writes while `decide` blocks.
+            self._presence_control = self.control.clone("controller (presence)")
+            self._presence = PresenceListener(
+                self._presence_control,
+                control.presence_port,
+                config.num_trainer_ranks,
+                self._rank_gone,
+                self._rank_present,
+            )
+            self.control.put("presence", PresenceAddress(port=self._presence.port))
+        except BaseException:
+            self._close_presence()
+            self.control.close()
+            raise
 
     # -- planning --------------------------------------------------------------------------
 
@@ -463,9 +488,54 @@ class Controller:
     # -- per update ------------------------------------------------------------------------
 
     def go(self, step: int) -> None:
-        """Tell every rank to start update `step` (a one-rank trainer needs no message)."""
+        """Tell every rank to start update `step` (a one-rank trainer needs no message).
+
+        A trainer rank already gone (`transfer.presence`) fails it at once, named.
+        """
+        with self._gone_lock:
+            self._in_flight = step
+            gone = dict(self._gone)
         if self.config.num_trainer_ranks > 1:
             self.control.put(f"go/{step}", Go(step=step))
+        for rank, why in gone.items():
+            self._fail_for_gone(self.control, step, rank, why)
+
+    def _rank_gone(self, rank: int, why: str) -> None:
+        """The presence listener's thread: trainer rank `rank` is gone; fail the update in
+        flight now (and, through `go`, every later one)."""
+        with self._gone_lock:
+            self._gone[rank] = why
+            step = self._in_flight
+        if step is not None and self._presence_control is not None:
+            self._fail_for_gone(self._presence_control, step, rank, why)
+
+    def _rank_present(self, rank: int) -> None:
+        """The presence listener's thread: trainer rank `rank` (re)joined."""
+        with self._gone_lock:
+            self._gone.pop(rank, None)
+
+    def _fail_for_gone(self, control: ControlPlane, step: int, rank: int, why: str) -> None:
+        """Write what a gone rank can no longer write for update `step`: its failed reports of
+        both phases (unless it made them), the update's abort (every rank's failure watch
+        wakes and stops), and its arrival at every mesh-group barrier with a failed release
+        (no rank waits there for it). Each only if not there already."""
+        report = Done(rank=rank, step=step, ok=False, error=why, nbytes=0, seconds=0.0)
+        items: list[tuple[str, object, type]] = [
+            (f"{Phase.DONE.value}/{step}/{rank}", report, Done),
+            (f"{Phase.COMMITTED.value}/{step}/{rank}", report, Done),
+            (f"abort/{step}", Failure(message=why), Failure),
+        ]
+        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        for g in range(1, groups):
+            if rank > 0:
+                items.append((f"barrier/group/{step}/{g}/{rank}", Go(step=rank), Go))
+            release = BarrierRelease(ok=False, error=why, forged=False)
+            items.append((f"barrier/group/{step}/{g}/release", release, BarrierRelease))
+        for key, message, cls in items:
+            try:
+                control.put_first(key, message, cls)
+            except WeightTransferError as exc:
+                log.warning("controller: could not write %r for %s: %s", key, why, exc)
 
     def decide(
         self, step: int, phase: Phase, timeout_s: float, *, own: Done | None = None
@@ -518,6 +588,9 @@ class Controller:
             verdict.append((f"{phase.verdict_key}/{step}", decision))
         if phase is Phase.COMMITTED or not decision.ok:
             # The update is decided (a failed DONE verdict: no version word was written).
+            with self._gone_lock:
+                if self._in_flight == step:
+                    self._in_flight = None
             verdict += self._decided_now(decision, with_result=phase is Phase.DONE)
             if phase is Phase.COMMITTED and decision.ok:
                 self._last_committed = step
@@ -634,4 +707,13 @@ class Controller:
                 )
         if self._janitor is not None:
             self._janitor.close()
+        self._close_presence()
         cp.close()
+
+    def _close_presence(self) -> None:
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
+        if self._presence_control is not None:
+            self._presence_control.close()
+            self._presence_control = None

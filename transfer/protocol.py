@@ -34,6 +34,8 @@ Keys (under the session prefix):
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
     seen/<engine>                  Seen         the last update an engine saw complete
                                                 (`Controller.close` lingers for it)
+    presence                       PresenceAddress  where the controller hears trainer ranks'
+                                                presence connections (`transfer.presence`)
 
 Every value is encrypted and authenticated under the run's key, bound to its store key and run
 id (`transfer.control`); nothing is decided on a plain counter (`auth_failures` only makes a
@@ -136,6 +138,13 @@ class Go:
     """Start update `step`."""
 
     step: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PresenceAddress:
+    """Where the controller's presence listener listens (on the control plane's host)."""
+
+    port: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from weight_transfer.pipeline import (
     trace_events,
 )
 from weight_transfer.planner.types import SliceWrite
+from weight_transfer.presence import Presence
 from weight_transfer.protocol import (
     Decision,
     Done,
@@ -227,6 +228,9 @@ class WeightSender:
         try:
             self._join(config, controller, transport)
         except BaseException:
+            presence: Presence | None = getattr(self, "_presence", None)
+            if presence is not None:
+                presence.close()
             if self._owns_controller and controller is not None:
                 controller.close(linger_s=0)
             raise
@@ -243,6 +247,10 @@ class WeightSender:
             if controller
             else ControlPlane(config.control, server=False, member=f"trainer rank {rank}")
         )
+        self._presence: Presence | None = None
+        if controller is None:
+            # The controller hears at once if this process is gone (`transfer.presence`).
+            self._presence = Presence(self._control, rank, config.control.timeout_s)
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, float, Any]] = []
@@ -736,6 +744,8 @@ class WeightSender:
         """Release registrations and connections (and the controller this rank hosts, if it
         made it: it lingers, bounded, until the engines saw the last update)."""
         try:
+            if self._presence is not None:
+                self._presence.close()
             if self._watch is not None:
                 self._watch.close()
             if self._barriers is not None:

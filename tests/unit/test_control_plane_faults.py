@@ -699,3 +699,52 @@ def test_f_a_store_that_goes_silent_after_the_probe_cannot_block_connecting() ->
         member.close()
         proxy.close()
         server.close()
+
+
+# -- a trainer rank that is gone (issue 40, findings 10 and 11) ---------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_g_a_rank_that_left_fails_the_next_update_at_once_and_strangers_cannot_register() -> None:
+    """The controller's presence listener: a stranger's handshake (no key) is closed and counts
+    for nothing; a trainer rank that closed its sender makes the next update fail on the other
+    ranks and the engine at once, naming it (before: at the update's timeout, 30 s here)."""
+    import struct
+
+    cp = _control(timeout_s=30)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
+    rx = _engine("e0", cp, seed=1)
+    src = _source(2)
+    built = _on_threads(
+        [lambda: _sender(src, cp, ctrl, world=2), lambda: _sender(src, cp, None, rank=1, world=2)],
+        60,
+    )
+    tx0, tx1 = built
+    assert isinstance(tx0, WeightSender) and isinstance(tx1, WeightSender), built
+    try:
+        out = _on_threads([lambda: tx0.update(1), lambda: tx1.update(1)], 30)
+        assert not [o for o in out if isinstance(o, BaseException)], out
+        assert rx.wait_for_version(1, 5) == 1
+        # A stranger on the presence port: a forged proof is refused, the connection closed.
+        from weight_transfer.presence import PRESENCE_KEY
+        from weight_transfer.protocol import PresenceAddress
+
+        port = ctrl.control.get(PRESENCE_KEY, PresenceAddress, 5).port
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            challenge = s.recv(16)
+            forged = b"\0" * 12 + challenge + struct.pack("!q", 1) + b"\0" * 16
+            s.sendall(struct.pack("!I", len(forged)) + forged)
+            assert s.recv(16) == b"", "a forged presence handshake was answered"
+        # Rank 1 leaves; rank 0 starts update 2 as if it were there.
+        tx1.close()
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError, match=r"trainer rank 1: left \(it closed"):
+            tx0.update(2)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(WeightTransferError, match="trainer rank 1: left"):
+            rx.wait_for_version(2, 5)
+        assert rx.version == 1
+    finally:
+        tx0.close()
+        rx.close()
+        ctrl.close()
