@@ -187,6 +187,13 @@ class Controller:
         self._slot_of: dict[str, int] = {}  # engine -> join slot the current plan uses
         self._latest: dict[str, tuple[int, EngineJoin]] = {}  # engine -> newest join seen
         self._slots_read = 0
+        self._live_slots: set[int] = set()
+        """Join slots read whose manifest is still in the store (`_forget_slots`)."""
+        self._epoch_in_use = 0
+        """The epoch of the plan updates run (`epoch` counts plans made, failed ones too)."""
+        self._dead_plan_keys: list[str] = []
+        """Keys of re-plans that failed or were not switched to: deleted once every rank is
+        past them (the next decided update or successful switch)."""
         self._pending: _Plan | None = None  # a re-plan published, not yet switched to
         self._last_committed = 0
         """Last update whose version words were all written (what `close` lingers for)."""
@@ -346,6 +353,7 @@ class Controller:
                 raise TransportTimeoutError(f"{what()} ({owner} claimed slot {i} but never joined)")
             j = got.values[key]
             self._latest[j.manifest.engine] = (i, j)
+            self._live_slots.add(i)
             self._slots_read = i + 1
 
     def _plan_for(self, epoch: int, joins: Sequence[EngineJoin]) -> _Plan:
@@ -406,7 +414,11 @@ class Controller:
         epoch = self.epoch = self.epoch + 1  # a failed plan uses up its number too
         t = cp.config.timeout_s
         self._pending = None
-        self._stage(epoch, "started", PlanStage(epoch=epoch, ok=True, error="", wait_s=t))
+        try:
+            self._stage(epoch, "started", PlanStage(epoch=epoch, ok=True, error="", wait_s=t))
+        except WeightTransferError:
+            self._dead_plan_keys += self._plan_keys(epoch)
+            raise
         try:
             # Inside the try: every rank must learn that this plan number failed.
             if not names or len(set(names)) != len(names):
@@ -435,6 +447,7 @@ class Controller:
             )
             new = self._plan_for(epoch, [self._latest[e][1] for e in names])
         except (PlanMismatchError, WeightTransferError) as exc:
+            self._dead_plan_keys += self._plan_keys(epoch)
             self._stage(epoch, "result", plan_failure(epoch, exc))
             raise
         self._publish(new)
@@ -453,9 +466,16 @@ class Controller:
         decision = self.decide(epoch, Phase.BUILT, timeout_s, own=own)
         new, self._pending = self._pending, None
         if decision.ok and new is not None and new.epoch == epoch:
-            old = self.schedule
+            old_epoch = self._epoch_in_use
             self._adopt(new)
-            self._forget_plan(epoch - 1, old)
+            self._epoch_in_use = epoch
+            # Every rank read this verdict after every earlier re-plan's: those keys can go.
+            self._clean(self._plan_keys(old_epoch) + self._dead_plan_keys)
+            self._dead_plan_keys = []
+            self._forget_slots()
+        else:
+            # Other ranks read `switch/<e>` after this: delete once they are past it.
+            self._dead_plan_keys += self._plan_keys(epoch)
         return decision
 
     def _publish(self, new: _Plan) -> None:
@@ -613,6 +633,10 @@ class Controller:
         if with_result:
             items.append((f"result/{decision.step}", decision))
         groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        if self._dead_plan_keys:
+            # Every rank reported this update, so each is past the re-plans before it.
+            self._clean(self._dead_plan_keys)
+            self._dead_plan_keys = []
         self._decided.append((decision.step, tuple(self.joins), groups))
         while len(self._decided) > _KEEP_STEPS:
             self._forget(*self._decided.popleft())
@@ -641,16 +665,28 @@ class Controller:
             keys += self._extra.pop(old)
         self._clean(keys)
 
-    def _forget_plan(self, epoch: int, schedule: Schedule | None) -> None:
-        """Delete the keys of a plan no rank runs any more (after a switch away from it)."""
-        if epoch < 0:
-            return
+    def _plan_keys(self, epoch: int) -> list[str]:
+        """Every key of plan `epoch`: schedules, stages, build reports and switch verdict."""
         n = self.config.num_trainer_ranks
         keys = [plan_key(epoch, f"schedule/{r}") for r in range(n)]
+        keys += [plan_key(epoch, f"plan_error_seen/{r}") for r in range(n)]
         keys += [stage_key(epoch, "started"), stage_key(epoch, "result")]
         if epoch > 0:
             keys += [f"built/{epoch}/{r}" for r in range(n)] + [f"switch/{epoch}"]
-        self._clean(keys)
+        return keys
+
+    def _forget_slots(self) -> None:
+        """Delete the manifests of join slots that neither the plan in use nor a pending one
+        uses and that are no engine's newest join (an engine's older joins, after it
+        rejoined and the plan moved to the new one). Their claims stay: engines find a free
+        slot by claiming in order, so a claim is never given back (one small value per join)."""
+        keep = set(self._slot_of.values()) | {i for i, _ in self._latest.values()}
+        if self._pending is not None:
+            keep |= set(self._pending.slot_of.values())
+        stale = sorted(self._live_slots - keep)
+        self._live_slots -= set(stale)
+        if stale:
+            self._clean([f"engine_slot/{i}" for i in stale])
 
     def _clean(self, keys: list[str]) -> None:
         if self._janitor is None:

@@ -748,3 +748,86 @@ def test_g_a_rank_that_left_fails_the_next_update_at_once_and_strangers_cannot_r
         tx0.close()
         rx.close()
         ctrl.close()
+
+
+# -- long runs with re-plans and rejoins (issue 40, finding 16) ---------------------------------
+
+
+def _exists(port: int, key: str) -> bool:
+    return bool(_raw(port).check([f"wt/default/{key}"]))
+
+
+@pytest.mark.timeout(180)
+def test_h_replans_and_rejoins_do_not_grow_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round: the engine restarts and rejoins (a new join slot with its whole manifest),
+    a re-plan fails to switch (a rank cannot build it), the retry switches, an update lands.
+    Before, every round left the failed plan's schedules, stages, build reports and verdict
+    and the old join slot's manifest in the store (8 more keys per round here). Now all
+    of them are deleted; only the slot's claim stays (one small value per join). (Per-update
+    keys are kept for the last `_KEEP_STEPS` updates, 2 here: `test_c` covers them.)"""
+    from weight_transfer import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "_KEEP_STEPS", 2)
+    cp = _control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
+    rx = _engine("e0", cp, seed=1)
+    src = _source(2)
+    built = _on_threads(
+        [lambda: _sender(src, cp, ctrl, world=2), lambda: _sender(src, cp, None, rank=1, world=2)],
+        60,
+    )
+    assert not any(isinstance(b, BaseException) for b in built), built
+    tx0, tx1 = built
+    g = torch.Generator().manual_seed(5)
+    counts: dict[int, int] = {}
+    failed_epochs: list[int] = []
+    try:
+        step = 0
+        for round_ in range(1, 7):
+            rx.close()
+            rx = WeightReceiver(
+                {"w": torch.randn(SHAPE, generator=g)},
+                [identity("w", "w", SHAPE)],
+                TransferConfig(transport="loopback", control=cp),
+                engine="e0",
+                rejoin=True,
+            )
+            real_build = tx1._build
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("injected: cannot build")
+
+            tx1._build = broken  # type: ignore[method-assign]
+            out = _on_threads([lambda t=t: t.replan(rejoined=["e0"]) for t in built], 60)
+            assert all(isinstance(o, WeightTransferError) for o in out), out
+            failed_epochs.append(tx0.epoch)
+            tx1._build = real_build  # type: ignore[method-assign]
+            out = _on_threads([lambda t=t: t.replan(rejoined=["e0"]) for t in built], 60)
+            assert not any(isinstance(o, BaseException) for o in out), out
+            with torch.no_grad():
+                src["w"].add_(1.0)
+            step += 1
+            out = _on_threads([lambda t=t, s=step: t.update(s) for t in built], 30)
+            assert not any(isinstance(o, BaseException) for o in out), out
+            assert rx.wait_for_version(step, 5) == step
+            assert torch.equal(rx.tensor("w"), src["w"])
+            if round_ in (3, 6):
+                # Every delete queued so far (they run on the controller's janitor thread).
+                assert ctrl._janitor is not None and ctrl._janitor.drain(10)
+                counts[round_] = _settled_num_keys(cp.port)
+        # Three more joins: three more claims, nothing else.
+        assert counts[6] - counts[3] <= 3, f"store keys grew from {counts[3]} to {counts[6]}"
+        for e in failed_epochs:
+            for key in (
+                f"epoch/{e}/schedule/0",
+                f"plan/{e}/started",
+                f"built/{e}/1",
+                f"switch/{e}",
+            ):
+                assert not _exists(cp.port, key), f"{key} of the failed re-plan {e} is still there"
+        assert not _exists(cp.port, "engine_slot/0"), "the first join's manifest is still there"
+    finally:
+        for t in built:
+            t.close()
+        rx.close()
+        ctrl.close()
