@@ -168,12 +168,13 @@ class PresenceListener:
         self._drop(sock)
         if data:
             why = f"trainer rank {rank}: left (it closed its sender)"
+            log.info("controller: %s", why)
         else:
             why = (
                 f"trainer rank {rank}: lost (its connection to the controller closed without "
                 "a goodbye: the process is gone, or its host is unreachable)"
             )
-        log.error("controller: %s", why)
+            log.error("controller: %s", why)
         self._on_gone(rank, why)
 
     def _handshake(self, p: _Pending, data: bytes) -> None:
