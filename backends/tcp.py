@@ -12,23 +12,34 @@ into the registered memory (`recv_into`, or `recvmsg_into` over up to 512 host r
 memoryviews over the addresses; ranges that continue one another are merged first; CUDA targets
 go through a host bounce buffer). The sender gathers host sources the same way (`sendmsg`). A
 refused batch writes nothing: its payload is drained and an error frame
-names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
+names the reason. Each batch is acknowledged; the sender completes its handle on the ack. A
+posted batch of more than `_MAX_OPS_PER_BATCH` writes (what a receiver takes in one frame) goes
+out as several wire batches under one handle, complete when all are acknowledged; if one is
+refused the handle fails naming why (the parts before it may have landed, as after any failed
+batch).
 
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
-inside its endpoint, which members exchange sealed on the control plane. A connecting client
-must prove it holds the key before anything else is read, and every batch's header (frame and
-op table) carries an HMAC-SHA256 under a per-connection key and the batch's sequence number, so
-a stranger who reaches the port can neither write nor replay a recorded batch; the header is
-checked before a single payload byte is read. (The payload itself rides the authenticated TCP
-stream; an attacker able to inject into an established stream is out of scope: use a private
-network.) Connections are bounded (`_MAX_CONNECTIONS` served, `_MAX_HANDSHAKES` unproven, each
-with a handshake deadline), and a refused batch makes the receiver read at most
+inside its endpoint, which members exchange sealed on the control plane. The handshake is a
+mutual proof of that key over both sides' fresh nonces: the listener proves it first, so a
+program that binds an exited engine's port (and echoes its listener id, which anyone who
+connected to it saw) receives no weights and cannot acknowledge any; then the client proves
+it, before anything else is read. Every batch's header (frame and op table) carries an
+HMAC-SHA256 under a per-connection key and the batch's sequence number, so a stranger who
+reaches the port can neither write nor replay a recorded batch; the header is checked before a
+single payload byte is read. (The payload itself rides the authenticated TCP stream; an
+attacker able to inject into an established stream is out of scope: use a private network.)
+Each side's handshake has one deadline for the whole exchange, however the bytes trickle in
+(the listener's: `min(connect_timeout_s, _HANDSHAKE_TIMEOUT_S)`; the client's:
+`connect_timeout_s`, connecting included). Connections are bounded (`_MAX_CONNECTIONS` served,
+`_MAX_HANDSHAKES` unproven), and a refused batch makes the receiver read at most
 `_MAX_DRAIN_BYTES` more; a claim of more closes the connection.
 
 Wire format (network byte order, no pickle anywhere):
-- handshake: client sends `HELLO` (magic, version); the listener answers with `HELLO` plus its
-  64-bit listener id, which the client checks against the endpoint it was given, and a 16-byte
-  nonce; the client answers HMAC(key, "client" || nonce).
+- handshake: client sends `HELLO` (magic, version, 0) and a 16-byte nonce c; the listener
+  answers with `HELLO` carrying its 64-bit listener id (the client checks it against the
+  endpoint it was given), a 16-byte nonce l and HMAC(key, "listener" || c || l), which the
+  client checks before it sends anything more; the client answers HMAC(key, "client" || c ||
+  l). The connection key is HMAC(key, "conn" || c || l).
 - client -> listener: `FRAME` (type BATCH, number of ops, batch id), then number-of-ops `OP`
   entries (region key, offset, length), then the 32-byte tag HMAC(connection key, sequence ||
   frame || table), then the payload of every op in table order.
@@ -48,6 +59,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -74,8 +86,8 @@ __all__ = ["TcpTransport"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 2
-_MAGIC = b"WTT2"
+_VERSION = 3
+_MAGIC = b"WTT3"
 _HELLO = struct.Struct("!4sHxxQ")  # magic, version, listener id (0 from the client)
 _FRAME = struct.Struct("!BxxxIQ")  # type, count (ops or message bytes), batch id
 _OP = struct.Struct("!QQQ")  # region key, offset, length
@@ -137,12 +149,21 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes | None:
-    """Read exactly `nbytes`; None on EOF before the first byte; ConnectionError on EOF inside."""
+def _recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes | None:
+    """Read exactly `nbytes`; None on EOF before the first byte; ConnectionError on EOF inside.
+
+    With a `deadline` (`time.monotonic()`), the whole read ends there (TimeoutError), however
+    the bytes trickle in: each `recv` waits only for the time left.
+    """
     buf = bytearray(nbytes)
     view = memoryview(buf)
     got = 0
     while got < nbytes:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"timed out after {got} of {nbytes} bytes")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:
             if got == 0:
@@ -249,16 +270,42 @@ class _Target:
 
 
 class _BatchState:
-    """Completion state of one posted batch (handle.state); set by the link's threads."""
+    """Completion state of one posted batch (handle.state); set by the link's threads.
 
-    __slots__ = ("done", "error", "sent")
+    A batch of more writes than a receiver takes in one frame (`_MAX_OPS_PER_BATCH`) goes out
+    as several wire batches (parts) that share this state: done once every part was
+    acknowledged, or at the first part that failed.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_lock", "_unacked", "_unsent", "done", "error", "sent")
+
+    def __init__(self, parts: int = 1) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.sent = threading.Event()
         """Set once the send thread no longer reads the batch's sources: sent, or skipped
-        because the link had failed, or abandoned when sending failed."""
+        because the link had failed, or abandoned when sending failed (every part)."""
+        self._lock = threading.Lock()
+        self._unacked = parts
+        self._unsent = parts
+
+    def part_done(self, error: BaseException | None) -> None:
+        """A part was acknowledged, refused (`error`), or failed with the link."""
+        with self._lock:
+            self._unacked -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            finished = self._unacked <= 0 or self.error is not None
+        if finished:
+            self.done.set()
+
+    def part_sent(self) -> None:
+        """The send thread is done with a part's sources."""
+        with self._lock:
+            self._unsent -= 1
+            finished = self._unsent <= 0
+        if finished:
+            self.sent.set()
 
 
 class _Link:
@@ -282,17 +329,18 @@ class _Link:
         self._reader.start()
 
     def post(
-        self, batch_id: int, table: bytes, sources: list[tuple[Region, int, int]]
-    ) -> _BatchState:
-        state = _BatchState()
+        self, parts: list[tuple[int, bytes, list[tuple[Region, int, int]]]], state: _BatchState
+    ) -> None:
+        """Queue the wire batches (batch id, frame and op table, sources) of one posted batch,
+        all or none."""
         with self._lock:
             if self.failure is not None:
                 raise PeerLostError(f"tcp: peer {self.peer!r} is lost: {self.failure}")
-            self._pending[batch_id] = state
-            # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
-            # `failure` is set under it) then sees every batch queued before it.
-            self._queue.put((batch_id, table, sources, state))
-        return state
+            for batch_id, table, sources in parts:
+                self._pending[batch_id] = state
+                # Queued under the lock: a failure of the send thread (`_abandon_queued`, after
+                # `failure` is set under it) then sees every batch queued before it.
+                self._queue.put((batch_id, table, sources, state))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -300,8 +348,7 @@ class _Link:
                 self.failure = error
             pending, self._pending = self._pending, {}
         for state in pending.values():
-            state.error = error
-            state.done.set()
+            state.part_done(error)
 
     def _send_loop(self) -> None:
         state: _BatchState | None = None
@@ -313,13 +360,12 @@ class _Link:
                     self.sock.shutdown(socket.SHUT_WR)
                     return
                 _, table, sources, state = item
-                if self.failure is not None:
-                    # The link failed (the ack reader saw the peer go) and this batch was
-                    # already failed with it: its sources are never read.
-                    state.sent.set()
-                    continue
-                self._send_batch(table, sources)
-                state.sent.set()
+                if self.failure is None:
+                    self._send_batch(table, sources)
+                # Else the link failed (the ack reader saw the peer go) and this batch was
+                # already failed with it: its sources are never read.
+                state.part_sent()
+                state = None
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r} while sending: {exc}"))
             self._abandon_queued(state)
@@ -332,14 +378,14 @@ class _Link:
         """The send thread ends on an error: the batch it was sending and every queued one
         will not be read again (`failure` is set, so nothing more is queued)."""
         if current is not None:
-            current.sent.set()
+            current.part_sent()
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
             if item is not None:
-                item[3].sent.set()
+                item[3].part_sent()
 
     def _send_batch(self, table: bytes, sources: list[tuple[Region, int, int]]) -> None:
         """Frame, tag and payload of one batch (the payload straight from the sources)."""
@@ -381,8 +427,7 @@ class _Link:
                     state = self._pending.pop(batch_id, None)
                 if state is None:
                     raise ConnectionError(f"reply for unknown batch {batch_id}")
-                state.error = error
-                state.done.set()
+                state.part_done(error)
         except OSError as exc:
             self._fail_all(PeerLostError(f"tcp: lost peer {self.peer!r}: {exc}"))
         except Exception as exc:  # never let the reader die silently
@@ -538,21 +583,29 @@ class TcpTransport(Transport):
         """Receive batches from one sender until EOF. Never lets an exception escape silently."""
         proven = False
         try:
-            conn.settimeout(min(self.config.connect_timeout_s, _HANDSHAKE_TIMEOUT_S))
-            hello = _recv_exact(conn, _HELLO.size)
+            # One deadline for the whole handshake: a client that trickles its bytes in
+            # cannot hold a handshake slot longer than that.
+            deadline = time.monotonic() + min(self.config.connect_timeout_s, _HANDSHAKE_TIMEOUT_S)
+            hello = _recv_exact(conn, _HELLO.size + _NONCE_BYTES, deadline)
             if hello is None:
                 return
-            magic, version, _ = _HELLO.unpack(hello)
+            magic, version, _ = _HELLO.unpack(hello[: _HELLO.size])
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake (magic {magic!r}, version {version})")
-            nonce = secrets.token_bytes(_NONCE_BYTES)
-            conn.sendall(_HELLO.pack(_MAGIC, _VERSION, self._listener_id) + nonce)
-            proof = _recv_exact(conn, _TAG_BYTES)
-            if proof is None or not hmac.compare_digest(proof, _mac(self._key, b"client", nonce)):
+            theirs, mine = hello[_HELLO.size :], secrets.token_bytes(_NONCE_BYTES)
+            conn.sendall(
+                _HELLO.pack(_MAGIC, _VERSION, self._listener_id)
+                + mine
+                + _mac(self._key, b"listener", theirs, mine)
+            )
+            proof = _recv_exact(conn, _TAG_BYTES, deadline)
+            if proof is None or not hmac.compare_digest(
+                proof, _mac(self._key, b"client", theirs, mine)
+            ):
                 raise _Refused("the client does not hold this transport's key")
             proven = True
             self._handshakes.release()
-            conn_key = _mac(self._key, b"conn", nonce)
+            conn_key = _mac(self._key, b"conn", theirs, mine)
             seq = 0
             conn.settimeout(None)
             _tune(conn)
@@ -598,6 +651,8 @@ class TcpTransport(Transport):
                 conn.sendall(_FRAME.pack(_ACK, 0, batch_id))
         except _Refused as exc:
             log.warning("tcp: closing the connection from %s: %s", addr, exc)
+        except TimeoutError:
+            log.warning("tcp: closing the connection from %s: handshake not finished in time", addr)
         except OSError as exc:
             if not self._stopping.is_set():
                 log.warning("tcp: connection from %s lost: %s", addr, exc)
@@ -662,6 +717,7 @@ class TcpTransport(Transport):
             raise ValueError(f"tcp: endpoint of peer {peer!r} is not a tcp endpoint")
         address = (obj["host"], obj["port"])
         timeout_s = self.config.connect_timeout_s
+        deadline = time.monotonic() + timeout_s  # connecting and the whole handshake
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
         except TimeoutError as exc:
@@ -672,13 +728,15 @@ class TcpTransport(Transport):
             raise PeerLostError(
                 f"tcp: cannot connect to peer {peer!r} at {address}: {exc}"
             ) from exc
+        key: bytes = obj["key"]
         try:
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, 0))
-            reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES)
+            mine = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, 0) + mine)
+            reply = _recv_exact(sock, _HELLO.size + _NONCE_BYTES + _TAG_BYTES, deadline)
             if reply is None:
                 raise ConnectionError("closed during the handshake")
-            reply, nonce = reply[: _HELLO.size], reply[_HELLO.size :]
-            magic, version, listener_id = _HELLO.unpack(reply)
+            magic, version, listener_id = _HELLO.unpack(reply[: _HELLO.size])
+            theirs = reply[_HELLO.size : _HELLO.size + _NONCE_BYTES]
             if magic != _MAGIC or version != _VERSION:
                 raise ConnectionError(f"bad handshake reply (magic {magic!r}, version {version})")
             if listener_id != obj["id"]:
@@ -686,7 +744,14 @@ class TcpTransport(Transport):
                     f"listener id {listener_id:#x} differs from the endpoint's {obj['id']:#x} "
                     "(a different transport now listens on that port)"
                 )
-            sock.sendall(_mac(obj["key"], b"client", nonce))
+            if not hmac.compare_digest(
+                reply[_HELLO.size + _NONCE_BYTES :], _mac(key, b"listener", mine, theirs)
+            ):
+                raise ConnectionError(
+                    "the listener did not prove it holds the endpoint's key (the transport that "
+                    "published it is gone, and another program now listens on its port)"
+                )
+            sock.sendall(_mac(key, b"client", mine, theirs))
             sock.settimeout(None)
             _tune(sock)
         except TimeoutError as exc:
@@ -699,7 +764,7 @@ class TcpTransport(Transport):
             raise PeerLostError(
                 f"tcp: handshake with peer {peer!r} at {address} failed: {exc}"
             ) from exc
-        self._links[peer] = _Link(peer, sock, listener_id, _mac(obj["key"], b"conn", nonce))
+        self._links[peer] = _Link(peer, sock, listener_id, _mac(key, b"conn", mine, theirs))
 
     def _disconnect(self, peer: str) -> None:
         link = self._links.pop(peer, None)
@@ -717,10 +782,22 @@ class TcpTransport(Transport):
             if key is None:
                 key = keys[op.target.payload] = self._target_key(peer, link, i, op.target)
             entries.append(_OP.pack(key, op.target_offset, op.nbytes))
-        self._batch_ids += 1
-        table = _FRAME.pack(_BATCH, len(ops), self._batch_ids) + b"".join(entries)
-        sources = [(op.source, op.source_offset, op.nbytes) for op in ops]
-        handle.state = link.post(self._batch_ids, table, sources)
+        # A receiver takes at most `_MAX_OPS_PER_BATCH` writes per frame (it closes the
+        # connection on more): a larger batch goes out as several, completed together.
+        step = _MAX_OPS_PER_BATCH
+        parts = []
+        for begin in range(0, len(ops), step):
+            self._batch_ids += 1
+            chunk = ops[begin : begin + step]
+            table = _FRAME.pack(_BATCH, len(chunk), self._batch_ids) + b"".join(
+                entries[begin : begin + step]
+            )
+            parts.append(
+                (self._batch_ids, table, [(o.source, o.source_offset, o.nbytes) for o in chunk])
+            )
+        state = _BatchState(len(parts))
+        link.post(parts, state)
+        handle.state = state
 
     @staticmethod
     def _target_key(peer: str, link: _Link, index: int, desc: RegionDescriptor) -> int:

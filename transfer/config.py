@@ -93,6 +93,10 @@ class ControlPlaneConfig:
     store refuses writes. Size it to the schedule: every rank's part is stored once."""
     store_max_connections: int = 4096
     """Most connections the store serves at once (each member holds one or two)."""
+    presence_port: int = 0
+    """TCP port on `host` where the controller hears whether trainer ranks are alive (each
+    rank not hosting the controller holds one connection there; 0: one the kernel picks). Open
+    it between the trainer hosts as the store's port."""
 
     def __post_init__(self) -> None:
         if self.store_memory_bytes <= 0:
@@ -103,6 +107,8 @@ class ControlPlaneConfig:
             raise ConfigurationError("control plane host must be non-empty")
         if not 0 < self.port < 65536:
             raise ConfigurationError(f"control plane port {self.port} is out of range")
+        if not 0 <= self.presence_port < 65536:
+            raise ConfigurationError(f"presence port {self.presence_port} is out of range")
         if not self.token:
             raise ConfigurationError(
                 "control plane token is required (there is no default): make one with "

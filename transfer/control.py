@@ -25,28 +25,34 @@ they are written), reports are read together (`collect`: one wait and one `multi
 ranks' keys), barriers are one arrival per member and one release written by member 0, and
 nothing polls. A member that must wait for two things at once (a trainer rank watching for
 another rank's failure while its writes run) opens a second connection (`clone`).
+The store tells nobody that a member's connection closed; a trainer rank's death is heard
+through a connection of its own to the controller (`weight_transfer.presence`).
 
 The store binds the configured host only (torch's TCPStore server would listen on every
 interface: the listening socket is created here and handed over) and runs in a process of its
 own with bounded memory and connections (`weight_transfer.store`), so a stranger on the port
-cannot take the training process down. Every wait has a timeout; connecting first checks,
-within the timeout, that a store answers (torch's client would wait forever on a port held by
-something else); losing the store (the controller) raises `PeerLostError` naming it.
+cannot take the training process down. Every wait has a timeout. Connecting (probe, torch's
+client handshake on a second connection, reading `hello`) runs under one deadline of
+`timeout_s`: torch's client waits for its handshake replies without one, so past the deadline
+the connection is cut under it (`_ConnectDeadline`). Losing the store (the controller) raises
+`PeerLostError` naming it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
@@ -167,18 +173,168 @@ def _probe(host: str, port: int, deadline: float) -> None:
         delay = min(delay * 2, 0.5)
 
 
-def _connect(config: ControlPlaneConfig, deadline: float) -> dist.Store:
-    """A TCPStore client, constructed on the calling thread once a store answered (`_probe`)."""
-    _probe(config.host, config.port, deadline)
-    remaining = max(1.0, deadline - time.monotonic())
-    return dist.TCPStore(
-        config.host,
-        config.port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=max(remaining, config.timeout_s)),
-        wait_for_workers=False,
-        use_libuv=True,
-    )
+def _connect(config: ControlPlaneConfig, guard: _ConnectDeadline) -> dist.Store:
+    """A TCPStore client, constructed on the calling thread once a store answered (`_probe`).
+
+    `guard` (entered) bounds it: the client's own opening exchange waits without a timeout, and
+    only the deadline's watchdog ends it. Its timeout is the time left (torch retries a cut
+    connection until then), its default timeout afterwards `config.timeout_s`.
+    """
+    _probe(config.host, config.port, guard.deadline)
+    with guard.building():
+        store = dist.TCPStore(
+            config.host,
+            config.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(guard.deadline - time.monotonic(), 0.05)),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+    store.set_timeout(datetime.timedelta(seconds=config.timeout_s))
+    return store
+
+
+_CONNECT_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+_CONNECT_LOCKS_GUARD = threading.Lock()
+_CUT_EVERY_S = 0.05
+"""How often the deadline's watchdog cuts again (torch retries a cut connection)."""
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's sockets: inode -> one descriptor of it (Linux `/proc/self/fd`)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.stat(int(name))
+        except (OSError, ValueError):
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            out.setdefault(st.st_ino, int(name))
+    return out
+
+
+def _plain_ip(ip: str) -> str:
+    return ip.removeprefix("::ffff:")
+
+
+class _ConnectDeadline:
+    """One deadline for the whole of connecting to the store: probe, torch's client handshake
+    (a second connection, whose VALIDATE and PING replies torch waits for without a timeout)
+    and the first requests (reading `hello`).
+
+    Something on the port that answered the probe can still go silent on the client's own
+    connection, and torch's client would wait forever. So, while the `with` block runs, a
+    watchdog thread waits for the deadline; if the block is still running then, it shuts down
+    (`SHUT_RDWR`, through a duplicate of the descriptor: the socket itself is shut) the
+    block's own connection to the store, so the blocked call returns with an error, and keeps
+    doing so until the block ends (torch reconnects until its own timeout, the same deadline).
+    `fired` then says so. Which sockets are the block's own: while the client is built
+    (`building`, one at a time per store address in this process) every socket this process
+    opened to the store's address since building began; afterwards the ones that were found
+    so. On a system without `/proc/self/fd` nothing can be cut and the wait is torch's.
+    """
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        self._host = host
+        self._port = port
+        self.deadline = deadline
+        """`time.monotonic()` by which connecting ends."""
+        self.fired = False
+        """The deadline passed while the block ran (its connection may be cut)."""
+        self._done = threading.Event()
+        with _CONNECT_LOCKS_GUARD:
+            self._address_lock = _CONNECT_LOCKS.setdefault((host, port), threading.Lock())
+        self._state = threading.Lock()
+        self._before: set[int] | None = None
+        """Sockets that existed when building began (set while building)."""
+        self._mine: set[int] = set()
+        """The block's sockets to the store, found when building ended."""
+        self._peers: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _ConnectDeadline:
+        infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+        self._peers = {_plain_ip(str(info[4][0])) for info in infos}
+        self._thread = threading.Thread(
+            target=self._watch, name="wt-store-connect-deadline", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()  # it wakes on `_done` within `_CUT_EVERY_S`
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around constructing the client: the sockets it opens are this block's own."""
+        if not self._address_lock.acquire(timeout=max(0.0, self.deadline - time.monotonic())):
+            raise TimeoutError(
+                "another connection of this process to the store did not finish its handshake "
+                "in time"
+            )
+        try:
+            with self._state:
+                self._before = set(_socket_inodes())
+            try:
+                yield
+            finally:
+                with self._state:
+                    self._mine = self._scan(exclude=self._before)
+                    self._before = None
+        finally:
+            self._address_lock.release()
+
+    def _watch(self) -> None:
+        if self._done.wait(max(0.0, self.deadline - time.monotonic())):
+            return
+        self.fired = True
+        while not self._done.is_set():
+            with self._state:  # while building, the address lock is held: no other connect
+                if self._before is not None:
+                    self._scan(exclude=self._before, shut=True)
+                elif self._mine:
+                    self._scan(only=self._mine, shut=True)
+            self._done.wait(_CUT_EVERY_S)
+
+    def _scan(
+        self, *, exclude: set[int] | None = None, only: set[int] | None = None, shut: bool = False
+    ) -> set[int]:
+        """Inodes of this process's sockets connected to the store's address, but those in
+        `exclude` or, with `only`, only those; with `shut`, each is shut down too."""
+        found: set[int] = set()
+        for inode, fd in _socket_inodes().items():
+            if (exclude is not None and inode in exclude) or (
+                only is not None and inode not in only
+            ):
+                continue
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue  # closed meanwhile
+            try:
+                # Checked on the duplicate: the number may have been reused since the scan.
+                if os.fstat(sock.fileno()).st_ino != inode or sock.family not in (
+                    socket.AF_INET,
+                    socket.AF_INET6,
+                ):
+                    continue
+                peer = sock.getpeername()
+                if peer[1] != self._port or _plain_ip(str(peer[0])) not in self._peers:
+                    continue
+                found.add(inode)
+                if shut:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected, or already shut
+            finally:
+                sock.close()
+        return found
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -226,8 +382,9 @@ class ControlPlane:
         self.requests: collections.Counter[str] = collections.Counter()
         """Store requests this connection sent, by operation (`REQUESTS`)."""
         self._hosted: HostedStore | None = None
-        try:
-            if server:
+        self._store: dist.Store = None  # type: ignore[assignment]
+        if server:
+            try:
                 # The store host takes the socket over (bound here: exactly this host). Its
                 # start, once per process, is bounded on its own (it imports torch).
                 self._hosted = host_store(
@@ -239,40 +396,70 @@ class ControlPlane:
                     ),
                     config.timeout_s,
                 )
-            deadline = time.monotonic() + config.timeout_s
-            self._store = _connect(config, deadline)
-        except (RuntimeError, OSError, TimeoutError) as exc:
+            except (RuntimeError, OSError, TimeoutError) as exc:
+                raise TransportTimeoutError(
+                    f"{member}: could not host the control plane at {config.host}:"
+                    f"{config.port} within {config.timeout_s:.0f} s: {exc}"
+                ) from exc
+        # One deadline for probe, handshake and `hello`, whatever the port's holder does.
+        deadline = time.monotonic() + config.timeout_s
+        guard = _ConnectDeadline(config.host, config.port, deadline)
+        try:
+            with guard:
+                self._store = _connect(config, guard)
+                self.run_id = self._greet(server, deadline)
+            if guard.fired:
+                raise TimeoutError("the deadline passed as the connection was made")
+        except BaseException as exc:
+            self._store = None  # type: ignore[assignment]
             if self._hosted is not None:
                 self._hosted.stop()
-            what = "host" if server else "reach"
-            raise TransportTimeoutError(
-                f"{member}: could not {what} the control plane at {config.host}:{config.port} "
-                f"within {config.timeout_s:.0f} s: {exc}"
-            ) from exc
+                self._hosted = None
+            stalled = guard.fired and isinstance(exc, (RuntimeError, OSError, TimeoutError))
+            if stalled or (
+                isinstance(exc, (RuntimeError, OSError, TimeoutError))
+                and not isinstance(exc, WeightTransferError)
+            ):
+                why = (
+                    "something answered the probe as a TCPStore, then did not finish the "
+                    "client's handshake or answer its first requests in time (is the port held "
+                    "by another program?)"
+                    if stalled
+                    else str(exc)
+                )
+                raise TransportTimeoutError(
+                    f"{member}: could not reach the control plane at {config.host}:"
+                    f"{config.port} within {config.timeout_s:.0f} s: {why}"
+                ) from exc
+            raise
+        self._aead = AESGCM(derive_key(config.token, config.session, self.run_id))
+
+    def _greet(self, server: bool, deadline: float) -> bytes:
+        """Publish (the store's host) or read and check the sealed `hello`: the run id."""
+        config, member = self.config, self.member
         full = self._prefix + "hello"
         if server:
-            self.run_id = os.urandom(_RUN_ID_BYTES)
-            hello = Hello(protocol=PROTOCOL_VERSION, session=config.session, run_id=self.run_id)
+            run_id = os.urandom(_RUN_ID_BYTES)
+            hello = Hello(protocol=PROTOCOL_VERSION, session=config.session, run_id=run_id)
             nonce = os.urandom(_NONCE_BYTES)
             value = nonce + self._hello_aead.encrypt(nonce, codec.to_msgpack(hello), full.encode())
             self._call("publishing 'hello'", "set", lambda: self._store.set(full, value))  # type: ignore[arg-type]
-        else:
-            self.wait(["hello"], max(1.0, deadline - time.monotonic()))
-            raw = self._call("reading 'hello'", "get", lambda: self._store.get(full))
-            try:
-                hello = codec.from_msgpack(Hello, self._open(self._hello_aead, full, b"", raw))
-            except ControlPlaneAuthError:
-                self._note_auth_failure()
-                raise
-            if hello.protocol != PROTOCOL_VERSION:
-                raise WeightTransferError(
-                    f"{member}: control plane speaks protocol {hello.protocol}, "
-                    f"this process {PROTOCOL_VERSION}"
-                )
-            if len(hello.run_id) != _RUN_ID_BYTES:
-                raise ControlPlaneAuthError(f"{member}: the control plane's run id is malformed")
-            self.run_id = hello.run_id
-        self._aead = AESGCM(derive_key(config.token, config.session, self.run_id))
+            return run_id
+        self.wait(["hello"], max(0.001, deadline - time.monotonic()))
+        raw = self._call("reading 'hello'", "get", lambda: self._store.get(full))
+        try:
+            hello = codec.from_msgpack(Hello, self._open(self._hello_aead, full, b"", raw))
+        except ControlPlaneAuthError:
+            self._note_auth_failure()
+            raise
+        if hello.protocol != PROTOCOL_VERSION:
+            raise WeightTransferError(
+                f"{member}: control plane speaks protocol {hello.protocol}, "
+                f"this process {PROTOCOL_VERSION}"
+            )
+        if len(hello.run_id) != _RUN_ID_BYTES:
+            raise ControlPlaneAuthError(f"{member}: the control plane's run id is malformed")
+        return hello.run_id
 
     def clone(self, member: str | None = None) -> ControlPlane:
         """Another connection to the same store and run (for a second thread that blocks in
@@ -290,9 +477,22 @@ class ControlPlane:
         other._op_lock = threading.Lock()
         other.requests = collections.Counter()
         other._hosted = None
+        deadline = time.monotonic() + self.config.timeout_s
+        guard = _ConnectDeadline(self.config.host, self.config.port, deadline)
         try:
-            other._store = _connect(self.config, time.monotonic() + self.config.timeout_s)
+            with guard:
+                other._store = _connect(self.config, guard)
+            if guard.fired:
+                raise TimeoutError(
+                    "something answered the probe as a TCPStore, then did not finish the "
+                    "client's handshake in time (is the port held by another program?)"
+                )
         except (RuntimeError, OSError, TimeoutError) as exc:
+            if guard.fired and not isinstance(exc, TimeoutError):
+                exc = TimeoutError(
+                    "something answered the probe as a TCPStore, then did not finish the "
+                    f"client's handshake in time (is the port held by another program?): {exc}"
+                )
             raise TransportTimeoutError(
                 f"{other.member}: could not reach the control plane at {self.config.host}:"
                 f"{self.config.port} within {self.config.timeout_s:.0f} s: {exc}"

@@ -37,7 +37,9 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.planner import codec
 from weight_transfer.planner.plan import plan
 from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
+from weight_transfer.presence import PresenceListener
 from weight_transfer.protocol import (
+    BarrierRelease,
     Claim,
     Decision,
     Digests,
@@ -47,6 +49,7 @@ from weight_transfer.protocol import (
     Failure,
     Go,
     PlanStage,
+    PresenceAddress,
     RankPlan,
     Seen,
     TrainerJoin,
@@ -186,6 +189,13 @@ class Controller:
         self._slot_of: dict[str, int] = {}  # engine -> join slot the current plan uses
         self._latest: dict[str, tuple[int, EngineJoin]] = {}  # engine -> newest join seen
         self._slots_read = 0
+        self._live_slots: set[int] = set()
+        """Join slots read whose manifest is still in the store (`_forget_slots`)."""
+        self._epoch_in_use = 0
+        """The epoch of the plan updates run (`epoch` counts plans made, failed ones too)."""
+        self._dead_plan_keys: list[str] = []
+        """Keys of re-plans that failed or were not switched to: deleted once every rank is
+        past them (the next decided update or successful switch)."""
         self._pending: _Plan | None = None  # a re-plan published, not yet switched to
         self._last_committed = 0
         """Last update whose version words were all written (what `close` lingers for)."""
@@ -197,6 +207,28 @@ class Controller:
         self._extra: dict[int, list[str]] = {}
         """Keys others asked to delete with a step's (`forget_later`)."""
         self._janitor: _Janitor | None = None
+        self._gone_lock = threading.Lock()
+        self._gone: dict[int, str] = {}
+        """Trainer ranks whose presence connection closed: why (names the rank)."""
+        self._in_flight: int | None = None
+        """The update between `go` and its decision (a rank lost meanwhile fails it)."""
+        self._presence: PresenceListener | None = None
+        self._presence_control: ControlPlane | None = None
+        try:
+            # Its own connection: the listener's thread writes while `decide` blocks.
+            self._presence_control = self.control.clone("controller (presence)")
+            self._presence = PresenceListener(
+                self._presence_control,
+                control.presence_port,
+                config.num_trainer_ranks,
+                self._rank_gone,
+                self._rank_present,
+            )
+            self.control.put("presence", PresenceAddress(port=self._presence.port))
+        except BaseException:
+            self._close_presence()
+            self.control.close()
+            raise
 
     # -- planning --------------------------------------------------------------------------
 
@@ -326,6 +358,7 @@ class Controller:
                 raise TransportTimeoutError(f"{what()} ({owner} claimed slot {i} but never joined)")
             j = got.values[key]
             self._latest[j.manifest.engine] = (i, j)
+            self._live_slots.add(i)
             self._slots_read = i + 1
 
     def _plan_for(self, epoch: int, joins: Sequence[EngineJoin]) -> _Plan:
@@ -392,7 +425,11 @@ class Controller:
         epoch = self.epoch = self.epoch + 1  # a failed plan uses up its number too
         t = cp.config.timeout_s
         self._pending = None
-        self._stage(epoch, "started", PlanStage(epoch=epoch, ok=True, error="", wait_s=t))
+        try:
+            self._stage(epoch, "started", PlanStage(epoch=epoch, ok=True, error="", wait_s=t))
+        except WeightTransferError:
+            self._dead_plan_keys += self._plan_keys(epoch)
+            raise
         try:
             # Inside the try: every rank must learn that this plan number failed.
             if not names or len(set(names)) != len(names):
@@ -421,6 +458,7 @@ class Controller:
             )
             new = self._plan_for(epoch, [self._latest[e][1] for e in names])
         except (PlanMismatchError, WeightTransferError) as exc:
+            self._dead_plan_keys += self._plan_keys(epoch)
             self._stage(epoch, "result", plan_failure(epoch, exc))
             raise
         self._publish(new)
@@ -439,9 +477,16 @@ class Controller:
         decision = self.decide(epoch, Phase.BUILT, timeout_s, own=own)
         new, self._pending = self._pending, None
         if decision.ok and new is not None and new.epoch == epoch:
-            old = self.schedule
+            old_epoch = self._epoch_in_use
             self._adopt(new)
-            self._forget_plan(epoch - 1, old)
+            self._epoch_in_use = epoch
+            # Every rank read this verdict after every earlier re-plan's: those keys can go.
+            self._clean(self._plan_keys(old_epoch) + self._dead_plan_keys)
+            self._dead_plan_keys = []
+            self._forget_slots()
+        else:
+            # Other ranks read `switch/<e>` after this: delete once they are past it.
+            self._dead_plan_keys += self._plan_keys(epoch)
         return decision
 
     def _publish(self, new: _Plan) -> None:
@@ -480,12 +525,18 @@ class Controller:
         (`ReceiverConfig.update_window`), wait (up to `timeout_s`, default the control plane's)
         until each opened one for this update. If one did not, every rank is told not to start
         (no byte is written) and the returned text says why ("" otherwise): each rank then
-        reports the update failed.
+        reports the update failed. A trainer rank already gone (`transfer.presence`) fails it
+        at once, named.
         """
+        with self._gone_lock:
+            self._in_flight = step
+            gone = dict(self._gone)
         t = self.control.config.timeout_s if timeout_s is None else timeout_s
         error = self._wait_windows(step, t)
         if self.config.num_trainer_ranks > 1:
             self.control.put(f"go/{step}", Go(step=step, error=error))
+        for rank, why in gone.items():
+            self._fail_for_gone(self.control, step, rank, why)
         return error
 
     def _wait_windows(self, step: int, timeout_s: float) -> str:
@@ -528,6 +579,43 @@ class Controller:
                 f"the window(s) {sorted(forged)} are not authentic: {next(iter(forged.values()))}"
             )
         return f"update {step} not started, nothing was written: " + "; ".join(parts)
+
+    def _rank_gone(self, rank: int, why: str) -> None:
+        """The presence listener's thread: trainer rank `rank` is gone; fail the update in
+        flight now (and, through `go`, every later one)."""
+        with self._gone_lock:
+            self._gone[rank] = why
+            step = self._in_flight
+        if step is not None and self._presence_control is not None:
+            self._fail_for_gone(self._presence_control, step, rank, why)
+
+    def _rank_present(self, rank: int) -> None:
+        """The presence listener's thread: trainer rank `rank` (re)joined."""
+        with self._gone_lock:
+            self._gone.pop(rank, None)
+
+    def _fail_for_gone(self, control: ControlPlane, step: int, rank: int, why: str) -> None:
+        """Write what a gone rank can no longer write for update `step`: its failed reports of
+        both phases (unless it made them), the update's abort (every rank's failure watch
+        wakes and stops), and its arrival at every mesh-group barrier with a failed release
+        (no rank waits there for it). Each only if not there already."""
+        report = Done(rank=rank, step=step, ok=False, error=why, nbytes=0, seconds=0.0)
+        items: list[tuple[str, object, type]] = [
+            (f"{Phase.DONE.value}/{step}/{rank}", report, Done),
+            (f"{Phase.COMMITTED.value}/{step}/{rank}", report, Done),
+            (f"abort/{step}", Failure(message=why), Failure),
+        ]
+        groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        for g in range(1, groups):
+            if rank > 0:
+                items.append((f"barrier/group/{step}/{g}/{rank}", Go(step=rank), Go))
+            release = BarrierRelease(ok=False, error=why, forged=False)
+            items.append((f"barrier/group/{step}/{g}/release", release, BarrierRelease))
+        for key, message, cls in items:
+            try:
+                control.put_first(key, message, cls)
+            except WeightTransferError as exc:
+                log.warning("controller: could not write %r for %s: %s", key, why, exc)
 
     def decide(
         self, step: int, phase: Phase, timeout_s: float, *, own: Done | None = None
@@ -580,6 +668,9 @@ class Controller:
             verdict.append((f"{phase.verdict_key}/{step}", decision))
         if phase is Phase.COMMITTED or not decision.ok:
             # The update is decided (a failed DONE verdict: no version word was written).
+            with self._gone_lock:
+                if self._in_flight == step:
+                    self._in_flight = None
             verdict += self._decided_now(decision, with_result=phase is Phase.DONE)
             if phase is Phase.COMMITTED and decision.ok:
                 self._last_committed = step
@@ -604,6 +695,10 @@ class Controller:
         if with_result:
             items.append((f"result/{decision.step}", decision))
         groups = self.schedule.ranks[0].num_mesh_groups if self.schedule else 1
+        if self._dead_plan_keys:
+            # Every rank reported this update, so each is past the re-plans before it.
+            self._clean(self._dead_plan_keys)
+            self._dead_plan_keys = []
         self._decided.append((decision.step, tuple(self.joins), groups))
         while len(self._decided) > _KEEP_STEPS:
             self._forget(*self._decided.popleft())
@@ -632,16 +727,28 @@ class Controller:
             keys += self._extra.pop(old)
         self._clean(keys)
 
-    def _forget_plan(self, epoch: int, schedule: Schedule | None) -> None:
-        """Delete the keys of a plan no rank runs any more (after a switch away from it)."""
-        if epoch < 0:
-            return
+    def _plan_keys(self, epoch: int) -> list[str]:
+        """Every key of plan `epoch`: schedules, stages, build reports and switch verdict."""
         n = self.config.num_trainer_ranks
         keys = [plan_key(epoch, f"schedule/{r}") for r in range(n)]
+        keys += [plan_key(epoch, f"plan_error_seen/{r}") for r in range(n)]
         keys += [stage_key(epoch, "started"), stage_key(epoch, "result")]
         if epoch > 0:
             keys += [f"built/{epoch}/{r}" for r in range(n)] + [f"switch/{epoch}"]
-        self._clean(keys)
+        return keys
+
+    def _forget_slots(self) -> None:
+        """Delete the manifests of join slots that neither the plan in use nor a pending one
+        uses and that are no engine's newest join (an engine's older joins, after it
+        rejoined and the plan moved to the new one). Their claims stay: engines find a free
+        slot by claiming in order, so a claim is never given back (one small value per join)."""
+        keep = set(self._slot_of.values()) | {i for i, _ in self._latest.values()}
+        if self._pending is not None:
+            keep |= set(self._pending.slot_of.values())
+        stale = sorted(self._live_slots - keep)
+        self._live_slots -= set(stale)
+        if stale:
+            self._clean([f"engine_slot/{i}" for i in stale])
 
     def _clean(self, keys: list[str]) -> None:
         if self._janitor is None:
@@ -698,4 +805,13 @@ class Controller:
                 )
         if self._janitor is not None:
             self._janitor.close()
+        self._close_presence()
         cp.close()
+
+    def _close_presence(self) -> None:
+        if self._presence is not None:
+            self._presence.close()
+            self._presence = None
+        if self._presence_control is not None:
+            self._presence_control.close()
+            self._presence_control = None

@@ -38,13 +38,18 @@ Keys (under the session prefix):
     digest/<step>/<engine>         Digests      (verification) per-tensor sha256 of an engine
     seen/<engine>                  Seen         the last update an engine saw complete
                                                 (`Controller.close` lingers for it)
+    presence                       PresenceAddress  where the controller hears trainer ranks'
+                                                presence connections (`transfer.presence`)
 
 Every value is encrypted and authenticated under the run's key, bound to its store key and run
 id (`transfer.control`); nothing is decided on a plain counter (`auth_failures` only makes a
 join fail early) or on a key's existence. The per-update keys of a step are deleted once eight
 later updates were decided (whatever the steps' numbers); a plan's keys once every rank
-switched away from it. Join slots are claimed in order with an atomic compare-and-set (a slot a
-stranger's value holds is skipped); a restarted engine takes a new slot under its old name.
+switched away from it; a re-plan's that failed or was not switched to once every rank is past
+it (the next decided update or switch). Join slots are claimed in order with an atomic
+compare-and-set (a slot a stranger's value holds is skipped); a restarted engine takes a new
+slot under its old name, and the old slot's manifest is deleted once no plan uses it (its
+claim, a small value, stays: slots are never given back).
 """
 
 from __future__ import annotations
@@ -162,6 +167,13 @@ class Go:
 
     step: int
     error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PresenceAddress:
+    """Where the controller's presence listener listens (on the control plane's host)."""
+
+    port: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

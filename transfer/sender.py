@@ -41,6 +41,7 @@ from weight_transfer.pipeline import (
     trace_events,
 )
 from weight_transfer.planner.types import SliceWrite
+from weight_transfer.presence import Presence
 from weight_transfer.protocol import (
     Decision,
     Done,
@@ -259,6 +260,9 @@ class WeightSender:
         try:
             self._join(config, controller, transport)
         except BaseException:
+            presence: Presence | None = getattr(self, "_presence", None)
+            if presence is not None:
+                presence.close()
             if self._owns_controller and controller is not None:
                 controller.close(linger_s=0)
             raise
@@ -275,6 +279,10 @@ class WeightSender:
             if controller
             else ControlPlane(config.control, server=False, member=f"trainer rank {rank}")
         )
+        self._presence: Presence | None = None
+        if controller is None:
+            # The controller hears at once if this process is gone (`transfer.presence`).
+            self._presence = Presence(self._control, rank, config.control.timeout_s)
         self._last_step = 0
         self._committed_step = 0  # last update whose version words were all written
         self._records: list[tuple[int, float, Any]] = []
@@ -306,6 +314,10 @@ class WeightSender:
         self._transport: Transport = create_transport(transport)
         self._source_regions: list[Any] = []
         self._watch: _FailureWatch | None = None
+        self._barriers: ControlPlane | None = None
+        """The connection mesh-group barriers block on (the prepare thread's): a failure report
+        on the rank's own connection must not wait behind a barrier (a connection serves one
+        request at a time)."""
         self._delta: DeltaSession | None = None
         self._patch_bytes = 0
         self.delta_stats: DeltaStats | None = None
@@ -319,7 +331,10 @@ class WeightSender:
                 self._watch = _FailureWatch(
                     self._control, 2 * self.config.update_timeout_s + self._control.config.timeout_s
                 )
+                self._barriers = self._control.clone(f"trainer rank {rank} (barriers)")
         except BaseException:
+            if self._watch is not None:
+                self._watch.close()
             self._transport.close()
             raise
 
@@ -543,7 +558,7 @@ class WeightSender:
             # The budget the plan was made for: planner and executor cannot disagree.
             memory_budget_bytes=self.schedule.memory_budget_bytes,
             gather=lambda t: full_tensor(t, self.device),
-            barrier=lambda step, g: self._control.barrier(
+            barrier=lambda step, g: (self._barriers or self._control).barrier(
                 f"group/{step}/{g}", self.world_size, self.rank
             ),
             table_quantize=self.config.table_quantize,
@@ -800,8 +815,12 @@ class WeightSender:
         """Release registrations and connections (and the controller this rank hosts, if it
         made it: it lingers, bounded, until the engines saw the last update)."""
         try:
+            if self._presence is not None:
+                self._presence.close()
             if self._watch is not None:
                 self._watch.close()
+            if self._barriers is not None:
+                self._barriers.close()
             self._executor.close()
             if self._delta is not None:
                 self._delta.close()

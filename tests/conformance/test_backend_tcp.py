@@ -140,3 +140,41 @@ def test_capabilities() -> None:
     with TcpTransport(TransportConfig(name="tcp")) as transport:
         caps = transport.capabilities
         assert caps.one_sided is False and caps.cross_host is True
+
+
+@pytest.mark.timeout(30)
+def test_a_batch_over_the_receivers_op_limit_is_split_and_lands(
+    pair: tuple[TcpTransport, TcpTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver takes at most `_MAX_OPS_PER_BATCH` writes per frame (2**20; shipped plans
+    stay far below it, so the limit is lowered here to 8). Before, a larger batch made the
+    receiver close the connection and the sender saw "peer lost"; now it goes out as several
+    frames, one handle completes when all landed, and a part refused fails the whole batch,
+    naming the reason."""
+    from weight_transfer.backends import tcp
+
+    monkeypatch.setattr(tcp, "_MAX_OPS_PER_BATCH", 8)
+    receiver, sender = pair
+    target = seeded_bytes(4096, 1)
+    region = receiver.register(target, role=RegionRole.TARGET)
+    assert region.descriptor is not None
+    source = seeded_bytes(4096, 2)
+    src = sender.register(source, role=RegionRole.SOURCE)
+    # 21 writes of 100 bytes each, every one moved to another offset (a wrong part order or a
+    # dropped part shows).
+    ops = [WriteOp(src, 100 * i, region.descriptor, 4000 - 100 * (i + 1), 100) for i in range(21)]
+    sender.wait(sender.post_writes("rx", ops), 10)
+    expected = seeded_bytes(4096, 1)
+    for i in range(21):
+        expected[4000 - 100 * (i + 1) : 4000 - 100 * i] = source[100 * i : 100 * (i + 1)]
+    assert torch.equal(target, expected)
+    # A forged descriptor in the third part: the batch fails naming the refusal.
+    payload = msgpack.unpackb(region.descriptor.payload)
+    payload["key"] ^= 0x5A5A
+    forged = RegionDescriptor("tcp", region.descriptor.kind, 4096, msgpack.packb(payload))
+    bad = ops[:17] + [WriteOp(src, 0, forged, 0, 100)] + ops[17:]
+    with pytest.raises(TransportError, match="unknown region key"):
+        sender.wait(sender.post_writes("rx", bad), 10)
+    # The connection is intact.
+    sender.wait(sender.post_writes("rx", [WriteOp(src, 0, region.descriptor, 0, 4096)]), 10)
+    assert torch.equal(target, source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import socket
 import threading
 import time
@@ -19,7 +20,13 @@ import torch
 
 from tests.conformance._support import seeded_bytes
 from weight_transfer.backends import tcp
-from weight_transfer.backends.base import RegionRole, TransportConfig, WriteOp
+from weight_transfer.backends.base import (
+    RegionRole,
+    TransportConfig,
+    TransportTimeoutError,
+    WeightTransferError,
+    WriteOp,
+)
 from weight_transfer.backends.tcp import TcpTransport
 
 
@@ -30,15 +37,17 @@ def _endpoint(t: TcpTransport) -> dict:
 def _raw_connect(ep: dict, *, key: bytes | None) -> tuple[socket.socket, bytes | None]:
     """Connect and handshake; prove the key if given. Returns (socket, connection key)."""
     s = socket.create_connection((ep["host"], ep["port"]), timeout=5)
-    s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 0))
-    reply = tcp._recv_exact(s, tcp._HELLO.size + tcp._NONCE_BYTES)
+    mine = secrets.token_bytes(tcp._NONCE_BYTES)
+    s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 0) + mine)
+    reply = tcp._recv_exact(s, tcp._HELLO.size + tcp._NONCE_BYTES + tcp._TAG_BYTES)
     assert reply is not None
-    nonce = reply[tcp._HELLO.size :]
+    theirs = reply[tcp._HELLO.size : tcp._HELLO.size + tcp._NONCE_BYTES]
     if key is None:
         s.sendall(b"\0" * tcp._TAG_BYTES)
         return s, None
-    s.sendall(tcp._mac(key, b"client", nonce))
-    return s, tcp._mac(key, b"conn", nonce)
+    assert reply[-tcp._TAG_BYTES :] == tcp._mac(key, b"listener", mine, theirs)
+    s.sendall(tcp._mac(key, b"client", mine, theirs))
+    return s, tcp._mac(key, b"conn", mine, theirs)
 
 
 def _closed_within(s: socket.socket, timeout_s: float) -> bool:
@@ -147,3 +156,150 @@ def test_connection_flood_is_bounded_and_members_still_get_through(receiver) -> 
         tx.close()
         for s in flood:
             s.close()
+
+
+# -- issue 40, finding 13: one deadline per handshake, and the listener proves the key too ----
+
+
+def _trickle(s: socket.socket, data: bytes, every_s: float, limit_s: float) -> float | None:
+    """Send `data` a byte at a time; seconds until the peer closed, None if it answered."""
+    t0 = time.monotonic()
+    s.settimeout(every_s)
+    for byte in data:
+        try:
+            s.sendall(bytes([byte]))
+            if not s.recv(65536):
+                return time.monotonic() - t0
+            return None  # it answered a handshake that took longer than its deadline
+        except TimeoutError:
+            pass
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > limit_s:
+            break
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_trickled_handshake_is_cut_at_one_deadline() -> None:
+    """Each byte of the HELLO comes within the per-read limit (1 s here), the whole takes ~8 s:
+    the listener closes at its 1 s handshake deadline instead of answering."""
+    rx = TcpTransport(TransportConfig(name="tcp", connect_timeout_s=1.0))
+    try:
+        ep = _endpoint(rx)
+        hello = tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 0) + b"\1" * tcp._NONCE_BYTES
+        with socket.create_connection((ep["host"], ep["port"]), timeout=5) as s:
+            closed_after = _trickle(s, hello, every_s=0.3, limit_s=9)
+        assert closed_after is not None, "the listener answered a handshake trickled past 1 s"
+        assert closed_after < 2.0, f"closed only after {closed_after:.1f} s"
+    finally:
+        rx.close()
+
+
+class _FakeListener:
+    """Accepts one connection on `port` (0: any) and runs `script(self, conn)` on it."""
+
+    def __init__(self, script, port: int = 0) -> None:
+        self._srv = socket.create_server(("127.0.0.1", port))
+        self.port = self._srv.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.received = bytearray()
+        self._script = script
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            conn, _ = self._srv.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        try:
+            self._script(self, conn)
+        except OSError:
+            pass
+
+    def endpoint(self, of: TcpTransport) -> bytes:
+        """`of`'s endpoint, pointing at this listener's port."""
+        ep = _endpoint(of)
+        ep["port"] = self.port
+        return msgpack.packb(ep, use_bin_type=True)
+
+    def close(self) -> None:
+        self._srv.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_that_trickles_its_reply_ends_the_connect_at_its_timeout() -> None:
+    """The client side of the same: its connect (connecting and handshake) has one deadline."""
+    rx = TcpTransport(TransportConfig(name="tcp"))
+
+    def trickle(fake: _FakeListener, conn: socket.socket) -> None:
+        conn.recv(tcp._HELLO.size + tcp._NONCE_BYTES)
+        for _ in range(200):
+            conn.sendall(b"\0")
+            time.sleep(0.3)
+
+    fake = _FakeListener(trickle)
+    tx = TcpTransport(TransportConfig(name="tcp", connect_timeout_s=1.0))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeoutError, match="did not finish the handshake"):
+            tx.connect("rx", fake.endpoint(rx))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        tx.close()
+        fake.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_program_on_an_exited_engines_port_gets_no_weights_and_acks_nothing() -> None:
+    """An engine's transport exits; another program binds its port and answers the handshake
+    with the listener id it saw in the clear (the endpoint's key it never had). Before, the
+    client checked only that id: it sent its weights there and the impostor's acks completed
+    the writes, so an update could commit without the engine. Now the listener must prove
+    the key first, and the connect fails naming that."""
+    rx = TcpTransport(TransportConfig(name="tcp"))
+    target = seeded_bytes(4096, 1)
+    desc = rx.register(target, role=RegionRole.TARGET).descriptor
+    ep = _endpoint(rx)
+
+    def impostor(fake: _FakeListener, conn: socket.socket) -> None:
+        conn.settimeout(0.5)
+        try:
+            conn.recv(4096)  # the client's HELLO (and, in this protocol, its nonce)
+        except TimeoutError:
+            pass
+        conn.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, ep["id"]) + b"\7" * 16)
+        try:
+            fake.received += conn.recv(65536)  # a client that checks nothing proves itself
+        except TimeoutError:
+            conn.sendall(b"\0" * tcp._TAG_BYTES)  # one that waits for a proof: a forged one
+        conn.settimeout(5)
+        while True:  # then take every batch and acknowledge it
+            head = tcp._recv_exact(conn, tcp._FRAME.size)
+            if head is None:
+                return
+            _, num_ops, batch_id = tcp._FRAME.unpack(head)
+            table = tcp._recv_exact(conn, num_ops * tcp._OP.size + tcp._TAG_BYTES) or b""
+            ops = list(tcp._OP.iter_unpack(table[: -tcp._TAG_BYTES]))
+            fake.received += tcp._recv_exact(conn, sum(n for _, _, n in ops)) or b""
+            conn.sendall(tcp._FRAME.pack(tcp._ACK, 0, batch_id))
+
+    port = ep["port"]
+    rx.close()  # the engine exits; the impostor takes its port
+    fake = _FakeListener(impostor, port)
+    tx = TcpTransport(TransportConfig(name="tcp", connect_timeout_s=5.0))
+    src = seeded_bytes(4096, 9)
+    sreg = tx.register(src, role=RegionRole.SOURCE)
+    try:
+        with pytest.raises(WeightTransferError, match="did not prove it holds the endpoint's key"):
+            tx.connect("rx", msgpack.packb(ep, use_bin_type=True))
+            tx.wait(tx.post_writes("rx", [WriteOp(sreg, 0, desc, 0, 4096)]), 10)
+        assert src.numpy().tobytes() not in bytes(fake.received)
+    finally:
+        tx.close()
+        fake.close()

@@ -91,6 +91,7 @@ def trainer_proc(
     resume: Any,
     finish: Any,
     constructed: Any,
+    update_timeout_s: float,
     out: Any,
 ) -> None:
     """A trainer rank; rank 0 hosts the controller. Reports its outcome on `out`. Every rank
@@ -107,7 +108,7 @@ def trainer_proc(
     # Rank 0's sender hosts the controller.
     sender = WeightSender(
         src,
-        _config(port, token, backend, engines=engines, update_timeout_s=UPDATE_TIMEOUT_S),
+        _config(port, token, backend, engines=engines, update_timeout_s=update_timeout_s),
         rank=rank,
         world_size=world,
     )
@@ -129,6 +130,7 @@ def trainer_proc(
             if (fault == "kill_trainer" and rank == 1) or (
                 fault == "kill_controller" and rank == 0
             ):
+                out.put(("killed_at", rank, time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
         return handle
 
@@ -139,6 +141,7 @@ def trainer_proc(
         sender.update(1)
         out.put(("trainer", rank, "ok", "", time.monotonic() - t0))
     except WeightTransferError as exc:
+        out.put(("raised_at", f"trainer{rank}", time.time()))
         out.put(("trainer", rank, type(exc).__name__, str(exc), time.monotonic() - t0))
     out.put(("untouched", rank, all(torch.equal(src[n], before[n]) for n in src)))
     finish.wait(60)  # keep the control plane up until the test has every report
@@ -169,6 +172,7 @@ def engine_proc(
         rx.wait_for_version(1, CONTROL_TIMEOUT_S)
         out.put(("engine", index, "ok", "", time.monotonic() - t0, rx.version))
     except WeightTransferError as exc:
+        out.put(("raised_at", f"e{index}", time.time()))
         out.put(("engine", index, type(exc).__name__, str(exc), time.monotonic() - t0, rx.version))
     finally:
         rx.close()
@@ -194,6 +198,7 @@ def _run(
     big: bool = False,
     kill_engine: int | None = None,
     stop_engine: int | None = None,
+    update_timeout_s: float = UPDATE_TIMEOUT_S,
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     paused, resume, finish = ctx.Event(), ctx.Event(), ctx.Event()
@@ -216,6 +221,7 @@ def _run(
                 resume,
                 finish,
                 constructed,
+                update_timeout_s,
             ),
         )
         for r in range(world)
@@ -223,7 +229,14 @@ def _run(
         Child(f"e{e}", engine_proc, (e, engines, backend, port, token, big)) for e in range(engines)
     ]
     launch = Launch(children).start()
-    reports: dict[str, Any] = {"trainer": {}, "engine": {}, "untouched": {}, "tasks": {}}
+    reports: dict[str, Any] = {
+        "trainer": {},
+        "engine": {},
+        "untouched": {},
+        "tasks": {},
+        "killed_at": {},
+        "raised_at": {},
+    }
     expected_dead = set()
     if fault == "kill_trainer":
         expected_dead.add("trainer1")
@@ -312,6 +325,27 @@ def test_trainer_rank_killed_mid_update(backend: str) -> None:
     assert rep["tasks"][1] > 0, "rank 1 must have writes for the fault to land mid-update"
     _check_common(rep, "trainer rank 1")
     assert set(rep["trainer"]) == {0} and set(rep["engine"]) == {0, 1}
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_trainer_rank_fails_every_member_within_2_s_naming_it() -> None:
+    """Issue 40, findings 10 and 11: trainer rank 1 SIGKILLed after posting its first writes
+    (tcp, 2 ranks, 2 engines), with a 30 s update timeout and the engines waiting up to 20 s.
+    Before, rank 0 raised after the update timeout ("trainer rank 1 did not report done for
+    update 1 in time") and each engine at the end of its own wait ("update 1 not complete
+    after 20.0 s"), never told why. Now the controller hears rank 1's presence connection
+    close, fails the update at once, and every survivor raises within 2 s of the kill with
+    the controller's verdict naming rank 1 as lost."""
+    rep = _run("kill_trainer", "tcp", world=2, engines=2, update_timeout_s=30.0)
+    assert rep["tasks"][1] > 0, "rank 1 must have writes for the fault to land mid-update"
+    _check_common(rep, "trainer rank 1: lost")
+    assert set(rep["trainer"]) == {0} and set(rep["engine"]) == {0, 1}
+    killed_at = rep["killed_at"][1]
+    for who in ("trainer0", "e0", "e1"):
+        late = rep["raised_at"][who] - killed_at
+        assert late < 2.0, f"{who} raised {late:.1f} s after trainer rank 1 was killed"
+    for kind, message, _, _ in rep["engine"].values():
+        assert kind == "UpdateFailedError" and "failed and was not applied" in message, message
 
 
 @pytest.mark.timeout(300)
@@ -443,7 +477,9 @@ def test_trainer_rank_killed_inside_a_gather() -> None:
     assert rep["tasks"][0] > 0 and rep["tasks"][1] > 0, "the plan must gather across both ranks"
     kind, message, elapsed = rep["trainer"][0]
     assert kind != "ok" and "trainer rank 1" in message, message
-    assert "trainer rank 0: gathering 'w'" in message, message  # the blocked gather, named
+    # The dead rank is named as lost (its presence connection closed); rank 0's own broken
+    # gather is named too when its report got there before it heard of the loss.
+    assert "trainer rank 1: lost" in message, message
     assert elapsed < UPDATE_TIMEOUT_S * 3 + PG_TIMEOUT_S + SLACK_S, elapsed
     kind, message, elapsed, version = rep["engine"][0]
     assert kind != "ok" and "trainer rank 1" in message and version == 0, message

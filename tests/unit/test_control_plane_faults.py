@@ -43,6 +43,7 @@ from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
+from weight_transfer.protocol import Go
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 
@@ -580,3 +581,253 @@ def test_store_refuses_a_value_larger_than_it_accepts_naming_the_key() -> None:
             server.get("forged", Failure, 1)
     finally:
         server.close()
+
+
+class _GoesSilent:
+    """A proxy in front of a real store on its own port: it forwards every connection until
+    `silence()`, then only the next one (the probe); on later ones it answers torch's
+    handshake itself (VALIDATE, then PING's nonce) or not, and says nothing more (issue 40,
+    finding 7)."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._forward: int | None = None
+        self._handshake = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def silence(self, *, handshake: bool) -> None:
+        with self._lock:
+            self._forward, self._handshake = 1, handshake
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._socks.append(conn)
+                forward = self._forward is None or self._forward > 0
+                if self._forward:
+                    self._forward -= 1
+                handshake = self._handshake
+            if forward:
+                up = socket.create_connection(("127.0.0.1", self._target))
+                with self._lock:
+                    self._socks.append(up)
+                for a, b in ((conn, up), (up, conn)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            elif handshake:
+                threading.Thread(target=self._shake, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _shake(conn: socket.socket) -> None:
+        data = b""
+        try:
+            while len(data) < 10:  # VALIDATE (query 0, magic) and PING (query 13, nonce)
+                data += conn.recv(10 - len(data))
+            conn.sendall(data[6:10])
+        except OSError:
+            pass
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for s in self._socks:
+                s.close()
+
+
+def _bounded(fn: Callable[[], Any], limit_s: float) -> tuple[float, BaseException | None]:
+    """Run `fn` on a thread; (seconds it took, what it raised). Fails if it outlives `limit_s`."""
+    out: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the test
+            out[0] = exc
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still blocked after {limit_s:.0f} s"
+    return time.monotonic() - t0, out[0]
+
+
+@pytest.mark.timeout(60)
+def test_f_a_store_that_goes_silent_after_the_probe_cannot_block_connecting() -> None:
+    """Something on the port answers the connect probe, then is silent on torch's own client
+    connection (whose handshake had no timeout), or after that handshake: joining, `clone`
+    (and so `join_new_session` and vLLM's init, which join the same way) end at `timeout_s`
+    with a timeout naming the stall, and leave no thread behind."""
+    cp = _control(timeout_s=10)
+    server = ControlPlane(cp, server=True, member="controller")
+    proxy = _GoesSilent(cp.port)
+    via = ControlPlaneConfig(port=proxy.port, token=cp.token, timeout_s=2)
+    member = ControlPlane(via, server=False, member="trainer rank 1")  # all forwarded
+    try:
+        before = {t.ident for t in threading.enumerate()}
+        for handshake, connect in (
+            (False, lambda: ControlPlane(via, server=False, member="trainer rank 2")),
+            (False, lambda: member.clone("trainer rank 1 (failure watch)")),
+            (True, lambda: ControlPlane(via, server=False, member="engine 'e0'")),
+        ):
+            proxy.silence(handshake=handshake)
+            took, raised = _bounded(connect, via.timeout_s + 6)
+            assert isinstance(raised, TransportTimeoutError), raised
+            assert "did not finish the client's handshake" in str(raised)
+            assert took < via.timeout_s + 1.0, f"blocked {took:.1f} s past a 2 s timeout"
+        left = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert not [n for n in left if n.startswith("wt-")], left
+        # The store itself still serves its members.
+        member.put("still", Go(step=1))
+        assert server.get("still", Go, 2).step == 1
+    finally:
+        member.close()
+        proxy.close()
+        server.close()
+
+
+# -- a trainer rank that is gone (issue 40, findings 10 and 11) ---------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_g_a_rank_that_left_fails_the_next_update_at_once_and_strangers_cannot_register() -> None:
+    """The controller's presence listener: a stranger's handshake (no key) is closed and counts
+    for nothing; a trainer rank that closed its sender makes the next update fail on the other
+    ranks and the engine at once, naming it (before: at the update's timeout, 30 s here)."""
+    import struct
+
+    cp = _control(timeout_s=30)
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
+    rx = _engine("e0", cp, seed=1)
+    src = _source(2)
+    built = _on_threads(
+        [lambda: _sender(src, cp, ctrl, world=2), lambda: _sender(src, cp, None, rank=1, world=2)],
+        60,
+    )
+    tx0, tx1 = built
+    assert isinstance(tx0, WeightSender) and isinstance(tx1, WeightSender), built
+    try:
+        out = _on_threads([lambda: tx0.update(1), lambda: tx1.update(1)], 30)
+        assert not [o for o in out if isinstance(o, BaseException)], out
+        assert rx.wait_for_version(1, 5) == 1
+        # A stranger on the presence port: a forged proof is refused, the connection closed.
+        from weight_transfer.presence import PRESENCE_KEY
+        from weight_transfer.protocol import PresenceAddress
+
+        port = ctrl.control.get(PRESENCE_KEY, PresenceAddress, 5).port
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            challenge = s.recv(16)
+            forged = b"\0" * 12 + challenge + struct.pack("!q", 1) + b"\0" * 16
+            s.sendall(struct.pack("!I", len(forged)) + forged)
+            assert s.recv(16) == b"", "a forged presence handshake was answered"
+        # Rank 1 leaves; rank 0 starts update 2 as if it were there.
+        tx1.close()
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError, match=r"trainer rank 1: left \(it closed"):
+            tx0.update(2)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(WeightTransferError, match="trainer rank 1: left"):
+            rx.wait_for_version(2, 5)
+        assert rx.version == 1
+    finally:
+        tx0.close()
+        rx.close()
+        ctrl.close()
+
+
+# -- long runs with re-plans and rejoins (issue 40, finding 16) ---------------------------------
+
+
+def _exists(port: int, key: str) -> bool:
+    return bool(_raw(port).check([f"wt/default/{key}"]))
+
+
+@pytest.mark.timeout(180)
+def test_h_replans_and_rejoins_do_not_grow_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round: the engine restarts and rejoins (a new join slot with its whole manifest),
+    a re-plan fails to switch (a rank cannot build it), the retry switches, an update lands.
+    Before, every round left the failed plan's schedules, stages, build reports and verdict
+    and the old join slot's manifest in the store (8 more keys per round here). Now all
+    of them are deleted; only the slot's claim stays (one small value per join). (Per-update
+    keys are kept for the last `_KEEP_STEPS` updates, 2 here: `test_c` covers them.)"""
+    from weight_transfer import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "_KEEP_STEPS", 2)
+    cp = _control()
+    ctrl = Controller(ControllerConfig(num_trainer_ranks=2, num_engines=1, planner=PLANNER), cp)
+    rx = _engine("e0", cp, seed=1)
+    src = _source(2)
+    built = _on_threads(
+        [lambda: _sender(src, cp, ctrl, world=2), lambda: _sender(src, cp, None, rank=1, world=2)],
+        60,
+    )
+    assert not any(isinstance(b, BaseException) for b in built), built
+    tx0, tx1 = built
+    g = torch.Generator().manual_seed(5)
+    counts: dict[int, int] = {}
+    failed_epochs: list[int] = []
+    try:
+        step = 0
+        for round_ in range(1, 7):
+            rx.close()
+            rx = WeightReceiver(
+                {"w": torch.randn(SHAPE, generator=g)},
+                [identity("w", "w", SHAPE)],
+                TransferConfig(transport="loopback", control=cp),
+                engine="e0",
+                rejoin=True,
+            )
+            real_build = tx1._build
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("injected: cannot build")
+
+            tx1._build = broken  # type: ignore[method-assign]
+            out = _on_threads([lambda t=t: t.replan(rejoined=["e0"]) for t in built], 60)
+            assert all(isinstance(o, WeightTransferError) for o in out), out
+            failed_epochs.append(tx0.epoch)
+            tx1._build = real_build  # type: ignore[method-assign]
+            out = _on_threads([lambda t=t: t.replan(rejoined=["e0"]) for t in built], 60)
+            assert not any(isinstance(o, BaseException) for o in out), out
+            with torch.no_grad():
+                src["w"].add_(1.0)
+            step += 1
+            out = _on_threads([lambda t=t, s=step: t.update(s) for t in built], 30)
+            assert not any(isinstance(o, BaseException) for o in out), out
+            assert rx.wait_for_version(step, 5) == step
+            assert torch.equal(rx.tensor("w"), src["w"])
+            if round_ in (3, 6):
+                # Every delete queued so far (they run on the controller's janitor thread).
+                assert ctrl._janitor is not None and ctrl._janitor.drain(10)
+                counts[round_] = _settled_num_keys(cp.port)
+        # Three more joins: three more claims, nothing else.
+        assert counts[6] - counts[3] <= 3, f"store keys grew from {counts[3]} to {counts[6]}"
+        for e in failed_epochs:
+            for key in (
+                f"epoch/{e}/schedule/0",
+                f"plan/{e}/started",
+                f"built/{e}/1",
+                f"switch/{e}",
+            ):
+                assert not _exists(cp.port, key), f"{key} of the failed re-plan {e} is still there"
+        assert not _exists(cp.port, "engine_slot/0"), "the first join's manifest is still there"
+    finally:
+        for t in built:
+            t.close()
+        rx.close()
+        ctrl.close()

@@ -145,3 +145,98 @@ def test_plain_exception_fails_every_rank_fast(monkeypatch: pytest.MonkeyPatch, 
                 fp8=True,
                 block=(128, 128),
             )
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_report_does_not_wait_behind_the_ranks_own_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 40, finding 9. Rank 1's write stage fails while its prepare thread waits in the
+    barrier of mesh group 1 for rank 0, which is still preparing group 0 (a 3 s gather). The
+    barrier's wait and the failure report shared one store connection, which serves one
+    request at a time: `abort/1` was published only when rank 0 reached the barrier. It must
+    be published at once (and so reach rank 0 while it still prepares)."""
+    import time
+
+    from tests.unit._inprocess import Engine
+    from weight_transfer.control import ControlPlane
+    from weight_transfer.planner.recipes import identity
+    from weight_transfer.protocol import Failure
+
+    shape = (16, 8)
+    g = torch.Generator().manual_seed(91)
+    hf = {n: torch.randn(shape, generator=g) for n in ("a1", "a2", "b")}
+    # a1, a2 on mesh (0, 1), b on mesh (1, 0): two overlapping meshes, two mesh groups.
+    shards = {
+        "a1": [(None, (0, 1))] * 2,
+        "a2": [(None, (0, 1))] * 2,
+        "b": [(None, (1, 0))] * 2,
+    }
+    engine = Engine(
+        "e0",
+        tuple(identity(n, n, shape) for n in hf),
+        {n: torch.randn(shape, generator=g) for n in hf},
+    )
+    armed = {"on": True}
+    failed_at: list[float] = []
+
+    def wrap(s: WeightSender) -> None:
+        ex = s._executor
+        if s.rank == 0:
+            real_gather = ex.prepare.gather
+
+            def slow_gather(t):
+                if armed["on"]:
+                    armed["on"] = False
+                    time.sleep(3.0)  # rank 0 is still preparing mesh group 0
+                return real_gather(t)
+
+            ex.prepare.gather = slow_gather
+        else:
+            real_post = ex.transport.post_writes
+
+            def post_writes(peer, ops):
+                if not failed_at:
+                    time.sleep(0.3)  # meanwhile the prepare thread enters the next barrier
+                    failed_at.append(time.monotonic())
+                    raise Boom(f"injected posting to {peer}")
+                return real_post(peer, ops)
+
+            ex.transport.post_writes = post_writes  # type: ignore[method-assign]
+
+    with Cluster(
+        monkeypatch,
+        hf,
+        shards,
+        [engine],
+        world=2,
+        timeout_s=30.0,
+        update_timeout_s=30.0,
+        wrap=wrap,
+    ) as cluster:
+        schedule = cluster.controller.schedule
+        assert schedule is not None and schedule.ranks[1].num_mesh_groups == 2
+        assert any(t.mesh_group == 0 and t.writes for t in schedule.ranks[1].tasks)
+        heard: list[float] = []
+        watcher = ControlPlane(cluster.control, server=False, member="test watcher")
+
+        def watch() -> None:
+            report = watcher.get("abort/1", Failure, 30.0)
+            assert "Boom" in report.message, report.message
+            heard.append(time.monotonic())
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            out = cluster.update(1)
+            thread.join(30)
+        finally:
+            watcher.close()
+        assert failed_at and heard, (failed_at, heard)
+        late = heard[0] - failed_at[0]
+        assert late < 1.0, f"abort/1 was published {late:.1f} s after rank 1 failed"
+        for r in range(2):
+            exc = out.results[r]
+            assert isinstance(exc, UpdateFailedError), f"rank {r} returned {exc!r}"
+            assert "trainer rank 1" in str(exc) and "Boom: injected" in str(exc), str(exc)
+        assert cluster.receivers[0].version == 0
