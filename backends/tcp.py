@@ -14,6 +14,13 @@ go through a host bounce buffer). The sender gathers host sources the same way (
 refused batch writes nothing: its payload is drained and an error frame
 names the reason. Each batch is acknowledged; the sender completes its handle on the ack.
 
+Outgoing connections start from `listen_host` where that is a specific address of the same
+kind as the peer's (both loopback or both not, same IP version; see `_source_address`), so a
+member with several addresses sends from the one it was given, as it listens on it. Left to the
+kernel, a connection between two addresses of one host leaves from the destination address over
+`lo`: with two "hosts" wired inside one kernel (the Soft-RoCE VM's two ends of a veth pair), the
+bytes would never cross the wire between them.
+
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
 inside its endpoint, which members exchange sealed on the control plane. A connecting client
 must prove it holds the key before anything else is read, and every batch's header (frame and
@@ -42,6 +49,7 @@ import collections
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import queue
 import secrets
@@ -131,6 +139,20 @@ def _listen(host: str, ports: range) -> socket.socket:
             last = exc
     what = "a port the kernel picks" if ports == range(0, 1) else f"ports {ports[0]}-{ports[-1]}"
     raise TransportError(f"tcp: cannot listen on {host!r} ({what}): {last}") from last
+
+
+def _source_address(listen_host: str, peer_host: str) -> tuple[str, int] | None:
+    """Where a connection to `peer_host` starts: `(listen_host, any port)` when both are IP
+    addresses of one version, `listen_host` is not a wildcard, and either both or neither are
+    loopback (a loopback source cannot reach another host); else None, the kernel's choice."""
+    try:
+        own = ipaddress.ip_address(listen_host)
+        peer = ipaddress.ip_address(peer_host)
+    except ValueError:  # host names: the kernel chooses
+        return None
+    if own.is_unspecified or own.version != peer.version or own.is_loopback != peer.is_loopback:
+        return None
+    return listen_host, 0
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -663,7 +685,11 @@ class TcpTransport(Transport):
         address = (obj["host"], obj["port"])
         timeout_s = self.config.connect_timeout_s
         try:
-            sock = socket.create_connection(address, timeout=timeout_s)
+            sock = socket.create_connection(
+                address,
+                timeout=timeout_s,
+                source_address=_source_address(self.config.listen_host, obj["host"]),
+            )
         except TimeoutError as exc:
             raise TransportTimeoutError(
                 f"tcp: peer {peer!r} at {address} did not answer within {timeout_s:.1f} s"
