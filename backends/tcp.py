@@ -18,6 +18,13 @@ out as several wire batches under one handle, complete when all are acknowledged
 refused the handle fails naming why (the parts before it may have landed, as after any failed
 batch).
 
+Outgoing connections start from `listen_host` where that is a specific address of the same
+kind as the peer's (both loopback or both not, same IP version; see `_source_address`), so a
+member with several addresses sends from the one it was given, as it listens on it. Left to the
+kernel, a connection between two addresses of one host leaves from the destination address over
+`lo`: with two "hosts" wired inside one kernel (the Soft-RoCE VM's two ends of a veth pair), the
+bytes would never cross the wire between them.
+
 Authentication: every transport draws a random 256-bit key when it starts; it travels only
 inside its endpoint, which members exchange sealed on the control plane. The handshake is a
 mutual proof of that key over both sides' fresh nonces: the listener proves it first, so a
@@ -53,6 +60,7 @@ import collections
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import queue
 import secrets
@@ -143,6 +151,20 @@ def _listen(host: str, ports: range) -> socket.socket:
             last = exc
     what = "a port the kernel picks" if ports == range(0, 1) else f"ports {ports[0]}-{ports[-1]}"
     raise TransportError(f"tcp: cannot listen on {host!r} ({what}): {last}") from last
+
+
+def _source_address(listen_host: str, peer_host: str) -> tuple[str, int] | None:
+    """Where a connection to `peer_host` starts: `(listen_host, any port)` when both are IP
+    addresses of one version, `listen_host` is not a wildcard, and either both or neither are
+    loopback (a loopback source cannot reach another host); else None, the kernel's choice."""
+    try:
+        own = ipaddress.ip_address(listen_host)
+        peer = ipaddress.ip_address(peer_host)
+    except ValueError:  # host names: the kernel chooses
+        return None
+    if own.is_unspecified or own.version != peer.version or own.is_loopback != peer.is_loopback:
+        return None
+    return listen_host, 0
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -719,7 +741,11 @@ class TcpTransport(Transport):
         timeout_s = self.config.connect_timeout_s
         deadline = time.monotonic() + timeout_s  # connecting and the whole handshake
         try:
-            sock = socket.create_connection(address, timeout=timeout_s)
+            sock = socket.create_connection(
+                address,
+                timeout=timeout_s,
+                source_address=_source_address(self.config.listen_host, obj["host"]),
+            )
         except TimeoutError as exc:
             raise TransportTimeoutError(
                 f"tcp: peer {peer!r} at {address} did not answer within {timeout_s:.1f} s"

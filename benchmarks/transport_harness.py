@@ -9,11 +9,25 @@ event where the backend has one, spins on progress-driven backends, else polls w
 Throughput is `k * n / seconds` in GB/s (1e9 bytes per second).
 
 Baselines, measured in the same run with the same sizes, ops and sample counts:
-- `socket`: a plain TCP stream over 127.0.0.1 between two processes; a sample is `k` `sendall`
-  calls of `n` bytes, completed by a one-byte acknowledgement once the receiver holds them all.
+- `socket`: a plain TCP stream between two processes, from the sender's address to the
+  receiver's (127.0.0.1 by default); a sample is `k` `sendall` calls of `n` bytes, completed by
+  a one-byte acknowledgement once the receiver holds them all.
 - `memcpy`: `torch.Tensor.copy_` of the same ops in one process, on `memcpy_threads` threads
   (default 1: one copy engine, as in each backend's data path; recorded in the JSON).
 - `peer_copy` (`device="cuda"`): an in-process copy GPU0 -> GPU1, timed with CUDA events.
+- `ib_write_bw` (opt-in, host memory, needs `rdma_devices`): perftest's RDMA WRITE bandwidth
+  from the sender's RDMA device into the receiver's, the ceiling on an RDMA host
+  (`weight_transfer.benchmarks.perftest`). perftest times a run itself and prints one average,
+  so each sample is one run of `max(5, k)` writes of `n` bytes; it does not check the data
+  (its measurements say `verified: false`).
+
+Two hosts: the receiver and the sender each have their own address (`receiver_host`,
+`sender_host`: each side's `TransportConfig.listen_host`, the socket baseline's two ends) and
+their own backend options (`receiver_options`, `sender_options`, over the shared `options`),
+so one run can put the two sides on two NICs (or on the two ends of a wire within one kernel,
+as the Soft-RoCE VM does). What each backend moved across which device is recorded: the bytes
+every network interface and the packets every RDMA port received while it ran
+(`BenchResult.wire`), so a run shows which lane carried the data (a veth or `lo`; RDMA or TCP).
 
 Protocol per backend: the parent spawns a receiver (registers a TARGET on GPU1 or host, filled
 with seeded random bytes) and a sender (registers a SOURCE on GPU0 or host, connects). For each
@@ -48,6 +62,7 @@ from typing import Any
 
 import torch
 
+from weight_transfer.backends import availability
 from weight_transfer.backends.base import (
     BACKENDS,
     Region,
@@ -58,7 +73,8 @@ from weight_transfer.backends.base import (
     WriteOp,
     create_transport,
 )
-from weight_transfer.cli.launch import Channel, Child, Launch, describe_exit
+from weight_transfer.benchmarks import perftest
+from weight_transfer.cli.launch import Channel, Child, Launch, describe_exit, slow_host_factor
 
 __all__ = [
     "BASELINES",
@@ -97,7 +113,14 @@ DEFAULT_CUDA_SIZES: tuple[int, ...] = DEFAULT_CPU_SIZES + (256 * MiB,)
 DEFAULT_BACKENDS: tuple[str, ...] = ("loopback", "tcp", "ucx", "nixl")
 """Backends measured by default (ibverbs needs an RDMA device)."""
 BASELINES: dict[str, tuple[str, ...]] = {"cpu": ("socket", "memcpy"), "cuda": ("peer_copy",)}
-"""Baselines measured beside the backends, per device."""
+"""Baselines measured beside the backends by default, per device."""
+KNOWN_BASELINES: dict[str, tuple[str, ...]] = {
+    "cpu": ("socket", "memcpy", "ib_write_bw"),
+    "cuda": ("peer_copy",),
+}
+"""Every baseline a run on that device may measure."""
+ROLES = ("receiver", "sender")
+"""The two sides of a pair, as role-scoped settings name them."""
 
 SCHEMA = "weight-transfer/bench-transports/1"
 _SOCKET_HEADER = struct.Struct("!QQQB")  # message bytes, number of messages, seed, check flag
@@ -130,10 +153,22 @@ class BenchConfig:
     """A sample writes at least this many bytes (several messages when they are smaller)."""
     timeout_s: float = 120.0
     """Longest any single wait (a child's message, one sample) may take."""
-    baselines: bool = True
-    """Measure the raw baselines of `BASELINES[device]` in the same run."""
+    baselines: tuple[str, ...] | None = None
+    """Baselines measured in the same run, from `KNOWN_BASELINES[device]`; () for none; None:
+    `BASELINES[device]`, and `ib_write_bw` too when `rdma_devices` is set."""
     options: tuple[tuple[str, str, str], ...] = ()
-    """Backend options as (backend, key, value), passed to that backend's TransportConfig."""
+    """Backend options of both sides as (backend, key, value), passed to that backend's
+    TransportConfig."""
+    receiver_options: tuple[tuple[str, str, str], ...] = ()
+    """Options of the receiver's side only; a key given here replaces that key of `options`."""
+    sender_options: tuple[tuple[str, str, str], ...] = ()
+    """Options of the sender's side only; a key given here replaces that key of `options`."""
+    receiver_host: str = "127.0.0.1"
+    """The receiver's address: its transports' `listen_host`, the socket baseline's listener."""
+    sender_host: str = "127.0.0.1"
+    """The sender's address: its transports' `listen_host`, the socket baseline's source."""
+    rdma_devices: tuple[str, str] | None = None
+    """(receiver's, sender's) RDMA device of the `ib_write_bw` baseline."""
     memcpy_threads: int = 1
     """torch threads of the memcpy baseline (1: what one copy engine or `memcpy` does)."""
     seed: int = 20261130
@@ -142,8 +177,6 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.device not in BASELINES:
             raise ValueError(f"device must be one of {sorted(BASELINES)}, got {self.device!r}")
-        if not self.backends and not self.baselines:
-            raise ValueError("nothing to measure: no backends and no baselines")
         for name in self.backends:
             if name not in BACKENDS:
                 raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
@@ -164,13 +197,76 @@ class BenchConfig:
             raise ValueError("timeout_s must be positive")
         if self.memcpy_threads < 1:
             raise ValueError("memcpy_threads must be >= 1")
-        for backend, key, _ in self.options:
-            if backend not in BACKENDS:
-                raise ValueError(f"option {key!r} names unknown backend {backend!r}")
+        for what, options in (
+            ("option", self.options),
+            ("receiver option", self.receiver_options),
+            ("sender option", self.sender_options),
+        ):
+            for backend, key, _ in options:
+                if backend not in BACKENDS:
+                    raise ValueError(
+                        f"{what} {key!r} names unknown backend {backend!r}; choose from "
+                        f"{sorted(BACKENDS)}"
+                    )
+        for role in ROLES:
+            host = self.host(role)
+            if not host or any(c.isspace() for c in host):
+                raise ValueError(f"{role}_host must be an address or host name, got {host!r}")
+        if self.rdma_devices is not None and "ib_write_bw" not in KNOWN_BASELINES[self.device]:
+            raise ValueError(
+                f"rdma_devices are for the ib_write_bw baseline, which writes host memory; "
+                f"device {self.device!r} has none"
+            )
+        if self.rdma_devices is not None and (
+            len(self.rdma_devices) != 2 or not all(d and d.strip() == d for d in self.rdma_devices)
+        ):
+            raise ValueError(
+                f"rdma_devices must be (receiver's device, sender's device), got "
+                f"{self.rdma_devices!r}"
+            )
+        if self.baselines is not None:
+            known = KNOWN_BASELINES[self.device]
+            for name in self.baselines:
+                if name not in known:
+                    raise ValueError(
+                        f"unknown baseline {name!r} for device {self.device}; choose from "
+                        f"{list(known)}"
+                    )
+            if len(set(self.baselines)) != len(self.baselines):
+                raise ValueError(f"baselines repeat a name: {list(self.baselines)}")
+        if "ib_write_bw" in self.baseline_names and self.rdma_devices is None:
+            raise ValueError(
+                "the ib_write_bw baseline needs rdma_devices (the receiver's and the sender's "
+                "RDMA device)"
+            )
+        if not self.backends and not self.baseline_names:
+            raise ValueError("nothing to measure: no backends and no baselines")
 
-    def backend_options(self, backend: str) -> tuple[tuple[str, str], ...]:
-        """The (key, value) options for `backend`."""
-        return tuple((k, v) for b, k, v in self.options if b == backend)
+    @property
+    def baseline_names(self) -> tuple[str, ...]:
+        """The baselines this run measures, in order."""
+        if self.baselines is not None:
+            return self.baselines
+        default = BASELINES[self.device]
+        return default + ("ib_write_bw",) if self.rdma_devices is not None else default
+
+    def backend_options(self, backend: str, role: str) -> tuple[tuple[str, str], ...]:
+        """The (key, value) options of `backend` on `role`'s side (`receiver` or `sender`):
+        `options`, each key the role's own options give replaced by theirs."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        own = self.receiver_options if role == "receiver" else self.sender_options
+        mine = [(k, v) for b, k, v in own if b == backend]
+        replaced = {k for k, _ in mine}
+        return tuple((k, v) for b, k, v in self.options if b == backend and k not in replaced) + (
+            tuple(mine)
+        )
+
+    def host(self, role: str) -> str:
+        """The address of `role`'s side."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return self.receiver_host if role == "receiver" else self.sender_host
 
     @property
     def buffer_bytes(self) -> int:
@@ -194,6 +290,13 @@ class Measurement:
     """Messages per sample."""
     samples_s: tuple[float, ...]
     """Seconds per timed sample."""
+    verified: bool = True
+    """Whether the bytes were checked bit for bit before timing (not by a baseline tool)."""
+    peak_gbps: tuple[float, ...] = ()
+    """Per sample, the peak a tool reported beside its average (`ib_write_bw`); else empty."""
+    run_wall_s: tuple[float, ...] = ()
+    """Per sample, the wall time of the tool's whole run (start, connection, writes, exit),
+    where a sample is a run of a tool (`ib_write_bw`); else empty."""
 
     @property
     def sample_bytes(self) -> int:
@@ -220,9 +323,19 @@ class Measurement:
         """90th percentile of throughput, GB/s."""
         return percentile(self.gbps, 90)
 
+    @property
+    def min_gbps(self) -> float:
+        """Slowest sample's throughput, GB/s."""
+        return min(self.gbps)
+
+    @property
+    def max_gbps(self) -> float:
+        """Fastest sample's throughput, GB/s."""
+        return max(self.gbps)
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with the raw samples and the summary."""
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "kind": self.kind,
             "size_bytes": self.size_bytes,
@@ -232,8 +345,15 @@ class Measurement:
             "median_gbps": self.median_gbps,
             "p10_gbps": self.p10_gbps,
             "p90_gbps": self.p90_gbps,
-            "verified": True,
+            "min_gbps": self.min_gbps,
+            "max_gbps": self.max_gbps,
+            "verified": self.verified,
         }
+        if self.peak_gbps:
+            out["peak_gbps"] = list(self.peak_gbps)
+        if self.run_wall_s:
+            out["run_wall_s"] = list(self.run_wall_s)
+        return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -247,6 +367,9 @@ class BenchResult:
     """Backend or baseline name -> why it failed (bad data, a crash, a timeout)."""
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     """Backend or baseline name -> why it cannot run on this host."""
+    wire: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """Backend or baseline name -> what each interface received while it ran (only those that
+    received anything): `net:<interface>` bytes, `rdma:<device>/<port>` packets."""
 
     def get(self, name: str, size_bytes: int) -> Measurement | None:
         """The measurement of `name` at `size_bytes`, if any."""
@@ -262,7 +385,7 @@ class BenchResult:
             if m.kind != "backend":
                 continue
             row: dict[str, Any] = {"name": m.name, "size_bytes": m.size_bytes}
-            for base in BASELINES[self.config.device]:
+            for base in self.config.baseline_names:
                 b = self.get(base, m.size_bytes)
                 row[f"vs_{base}"] = m.median_gbps / b.median_gbps if b is not None else None
             rows.append(row)
@@ -271,7 +394,11 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         """The whole run as a JSON-ready dict."""
         cfg = dataclasses.asdict(self.config)
-        cfg["options"] = [list(o) for o in self.config.options]
+        for key in ("options", "receiver_options", "sender_options"):
+            cfg[key] = [list(o) for o in getattr(self.config, key)]
+        cfg["baselines"] = list(self.config.baseline_names)
+        if self.config.rdma_devices is not None:
+            cfg["rdma_devices"] = list(self.config.rdma_devices)
         return {
             "schema": SCHEMA,
             "config": cfg,
@@ -281,6 +408,7 @@ class BenchResult:
             "targets": check_targets(self),
             "errors": dict(self.errors),
             "skipped": dict(self.skipped),
+            "wire": {name: dict(counts) for name, counts in self.wire.items()},
         }
 
 
@@ -364,11 +492,12 @@ def _device_of(device: str, index: int) -> torch.device:
 
 
 def _transport_config(
-    backend: str, device: str, index: int, options: Sequence[tuple[str, str]]
+    backend: str, device: str, index: int, options: Sequence[tuple[str, str]], host: str
 ) -> TransportConfig:
     return TransportConfig(
         name=backend,
         device_index=index if device == "cuda" else None,
+        listen_host=host,
         options=tuple((str(k), str(v)) for k, v in options),
     )
 
@@ -392,11 +521,12 @@ class WriteSampler:
         seed: int,
         min_sample_bytes: int,
         timeout_s: float,
+        host: str = "127.0.0.1",
     ) -> None:
         self.seed = seed
         self.min_sample_bytes = min_sample_bytes
         self.timeout_s = timeout_s
-        self.transport = create_transport(_transport_config(backend, device, 0, options))
+        self.transport = create_transport(_transport_config(backend, device, 0, options, host))
         try:
             self.source = torch.empty(buffer_bytes, dtype=torch.uint8, device=_device_of(device, 0))
             self.source.copy_(seeded_bytes(buffer_bytes, seed - 1, self.source.device))
@@ -445,6 +575,7 @@ def receiver_worker(
     buffer_bytes: int,
     init_seed: int,
     timeout_s: float,
+    host: str,
     channel: Channel,
 ) -> None:
     """Register a seeded TARGET, publish it, then answer `check` commands until `stop`.
@@ -452,7 +583,7 @@ def receiver_worker(
     Runs no code while writes land: it blocks on its channel.
     """
     try:
-        transport = create_transport(_transport_config(backend, device, 1, options))
+        transport = create_transport(_transport_config(backend, device, 1, options, host))
     except TransportUnavailableError as exc:
         channel.put(("unavailable", str(exc)))
         return
@@ -486,12 +617,13 @@ def sender_worker(
     seed: int,
     min_sample_bytes: int,
     timeout_s: float,
+    host: str,
     channel: Channel,
 ) -> None:
     """Per size: write seeded bytes, let the parent verify them, then time the samples."""
     sampler = WriteSampler(
         backend, device, options, buffer_bytes, endpoint, descriptor,
-        seed=seed, min_sample_bytes=min_sample_bytes, timeout_s=timeout_s,
+        seed=seed, min_sample_bytes=min_sample_bytes, timeout_s=timeout_s, host=host,
     )  # fmt: skip
     try:
         for size in sizes_bytes:
@@ -532,6 +664,7 @@ class ReceiverProcess:
         buffer_bytes: int,
         init_seed: int,
         timeout_s: float,
+        host: str = "127.0.0.1",
     ) -> None:
         self.timeout_s = timeout_s
         self.name = f"{backend} receiver"
@@ -540,7 +673,7 @@ class ReceiverProcess:
                 Child(
                     self.name,
                     receiver_worker,
-                    (backend, device, list(options), buffer_bytes, init_seed, timeout_s),
+                    (backend, device, list(options), buffer_bytes, init_seed, timeout_s, host),
                 )
             ]
         ).start()
@@ -578,12 +711,12 @@ class ReceiverProcess:
 def _measure_backend(
     config: BenchConfig, backend: str, progress: Callable[[str], None]
 ) -> list[Measurement]:
-    options = config.backend_options(backend)
     buffer_bytes = config.buffer_bytes
     out: list[Measurement] = []
     with ReceiverProcess(
-        backend, config.device, options, buffer_bytes, config.seed + 1, config.timeout_s
-    ) as receiver:
+        backend, config.device, config.backend_options(backend, "receiver"), buffer_bytes,
+        config.seed + 1, config.timeout_s, config.receiver_host,
+    ) as receiver:  # fmt: skip
         name = f"{backend} sender"
         sender = Launch(
             [
@@ -593,7 +726,7 @@ def _measure_backend(
                     (
                         backend,
                         config.device,
-                        list(options),
+                        list(config.backend_options(backend, "sender")),
                         buffer_bytes,
                         receiver.endpoint,
                         receiver.descriptor,
@@ -603,6 +736,7 @@ def _measure_backend(
                         config.seed,
                         config.min_sample_bytes,
                         config.timeout_s,
+                        config.sender_host,
                     ),
                 )  # fmt: skip
             ]
@@ -644,8 +778,10 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def socket_receiver_worker(buffer_bytes: int, timeout_s: float, channel: Channel) -> None:
-    """Listen on 127.0.0.1; per sample receive the header, then the bytes, then acknowledge.
+def socket_receiver_worker(
+    buffer_bytes: int, timeout_s: float, host: str, channel: Channel
+) -> None:
+    """Listen on `host`; per sample receive the header, then the bytes, then acknowledge.
 
     A sample with its check flag set is verified against its seed and acknowledged with
     `_ACK_BAD` on a mismatch. A header with zero messages ends the stream.
@@ -653,7 +789,7 @@ def socket_receiver_worker(buffer_bytes: int, timeout_s: float, channel: Channel
     raw = bytearray(buffer_bytes)
     buf = torch.frombuffer(raw, dtype=torch.uint8)
     view = memoryview(raw)
-    with socket.create_server(("127.0.0.1", 0)) as server:
+    with socket.create_server((host, 0)) as server:
         server.settimeout(timeout_s)
         channel.put(("ready", server.getsockname()[1]))
         conn, _ = server.accept()
@@ -678,11 +814,12 @@ def socket_receiver_worker(buffer_bytes: int, timeout_s: float, channel: Channel
 class SocketReceiverProcess:
     """A spawned `socket_receiver_worker`; a context manager that joins it."""
 
-    def __init__(self, buffer_bytes: int, timeout_s: float) -> None:
+    def __init__(self, buffer_bytes: int, timeout_s: float, host: str = "127.0.0.1") -> None:
         self.timeout_s = timeout_s
+        self.host = host
         self.name = "socket receiver"
         self._launch = Launch(
-            [Child(self.name, socket_receiver_worker, (buffer_bytes, timeout_s))]
+            [Child(self.name, socket_receiver_worker, (buffer_bytes, timeout_s, host))]
         ).start()
         try:
             self.port: int = self._launch.recv(self.name, timeout_s)[1]
@@ -706,16 +843,28 @@ class SocketReceiverProcess:
 
 
 class SocketSender:
-    """The sending end of the socket baseline: `k` `sendall`s of `n` bytes per sample."""
+    """The sending end of the socket baseline: `k` `sendall`s of `n` bytes per sample.
+
+    It connects to `host` from `source_host` (bound, so that between two addresses of one
+    kernel the stream takes the route between them rather than `lo`).
+    """
 
     def __init__(self, port: int, buffer_bytes: int, *, seed: int, min_sample_bytes: int,
-                 timeout_s: float) -> None:  # fmt: skip
+                 timeout_s: float, host: str = "127.0.0.1",
+                 source_host: str = "127.0.0.1") -> None:  # fmt: skip
         self.seed = seed
         self.min_sample_bytes = min_sample_bytes
         raw = bytearray(buffer_bytes)
         self.buf = torch.frombuffer(raw, dtype=torch.uint8)
         self.view = memoryview(raw)
-        self.conn = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        try:
+            self.conn = socket.create_connection(
+                (host, port), timeout=timeout_s, source_address=(source_host, 0)
+            )
+        except OSError as exc:
+            raise OSError(
+                f"socket baseline: cannot connect from {source_host} to {host}:{port}: {exc}"
+            ) from exc
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.size_bytes = 0
         self.k = 0
@@ -764,11 +913,13 @@ def socket_sender_worker(
     seed: int,
     min_sample_bytes: int,
     timeout_s: float,
+    host: str,
+    source_host: str,
     channel: Channel,
 ) -> None:
     """The socket baseline's sender as a process: per size check, warm up, time."""
     sender = SocketSender(port, buffer_bytes, seed=seed, min_sample_bytes=min_sample_bytes,
-                          timeout_s=timeout_s)  # fmt: skip
+                          timeout_s=timeout_s, host=host, source_host=source_host)  # fmt: skip
     try:
         for size in sizes_bytes:
             sender.prepare(size)
@@ -783,7 +934,9 @@ def socket_sender_worker(
 
 def _measure_socket(config: BenchConfig, progress: Callable[[str], None]) -> list[Measurement]:
     out: list[Measurement] = []
-    with SocketReceiverProcess(config.buffer_bytes, config.timeout_s) as receiver:
+    with SocketReceiverProcess(
+        config.buffer_bytes, config.timeout_s, config.receiver_host
+    ) as receiver:
         name = "socket sender"
         sender = Launch(
             [
@@ -799,6 +952,8 @@ def _measure_socket(config: BenchConfig, progress: Callable[[str], None]) -> lis
                         config.seed,
                         config.min_sample_bytes,
                         config.timeout_s,
+                        config.receiver_host,
+                        config.sender_host,
                     ),
                 )  # fmt: skip
             ]
@@ -920,7 +1075,80 @@ def _measure_baseline(
             torch.empty(nbytes, dtype=torch.uint8, device="cuda:1"),
         )
         return _measure_in_process(config, name, peer_copy_sampler, gpu, progress)
+    if name == "ib_write_bw":
+        return _measure_ib_write_bw(config, progress)
     raise ValueError(f"unknown baseline {name!r}")
+
+
+def _measure_ib_write_bw(config: BenchConfig, progress: Callable[[str], None]) -> list[Measurement]:
+    """perftest's `ib_write_bw` between the two RDMA devices: per size, `warmup_rounds` runs
+    untimed, then one sample per run (its own average; see `weight_transfer.benchmarks.perftest`).
+    """
+    assert config.rdma_devices is not None  # BenchConfig requires them for this baseline
+    reason = perftest.unavailable_reason(config.rdma_devices)
+    if reason is not None:
+        raise NotRunnableHere(reason)
+    server, client = (
+        perftest.RdmaSide(
+            device=device,
+            gid_index=perftest.roce_gid_index(device, address=config.host(role)),
+            host=config.host(role),
+        )
+        for device, role in zip(config.rdma_devices, ROLES, strict=True)
+    )
+    # A process of its own per run, like the launcher's children: slow hosts get longer.
+    timeout_s = config.timeout_s * slow_host_factor()
+    out: list[Measurement] = []
+    for size in config.sizes_bytes:
+        iterations = perftest.ib_write_bw_iterations(size, config.min_sample_bytes)
+        runs = [
+            perftest.run_ib_write_bw(
+                server=server,
+                client=client,
+                size_bytes=size,
+                iterations=iterations,
+                timeout_s=timeout_s,
+            )
+            for _ in range(config.warmup_rounds + config.rounds)
+        ][config.warmup_rounds :]
+        m = Measurement(
+            "ib_write_bw",
+            "baseline",
+            size,
+            iterations,
+            tuple(size * iterations / r.report.average_bytes_per_s for r in runs),
+            verified=False,
+            peak_gbps=tuple(r.report.peak_bytes_per_s / 1e9 for r in runs),
+            run_wall_s=tuple(r.wall_s for r in runs),
+        )
+        progress(_progress_line(config, m))
+        out.append(m)
+    return out
+
+
+def wire_counters(
+    net: Path = Path("/sys/class/net"), rdma: Path = perftest.RDMA_SYSFS
+) -> dict[str, int]:
+    """What every network interface (`net:<name>`, bytes) and every RDMA port
+    (`rdma:<device>/<port>`, packets; ports that count them, as rxe does) received so far."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for dev in net.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                counts[f"net:{dev.name}"] = int((dev / "statistics" / "rx_bytes").read_text())
+    with contextlib.suppress(OSError):
+        for dev in rdma.iterdir():
+            with contextlib.suppress(OSError):
+                for port in (dev / "ports").iterdir():
+                    with contextlib.suppress(OSError, ValueError):
+                        packets = (port / "hw_counters" / "rcvd_pkts").read_text()
+                        counts[f"rdma:{dev.name}/{port.name}"] = int(packets)
+    return counts
+
+
+def wire_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that grew from `before` to `after`, by how much."""
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -960,6 +1188,7 @@ def host_info() -> dict[str, Any]:
         if cuda
         else [],
         "packages": {d: _package_version(d) for d in ("libucx-cu13", "nixl-cu13", "msgpack")},
+        "rdma_devices": availability.rdma_devices(),
         "loadavg": list(os.getloadavg()),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -981,9 +1210,12 @@ def run_benchmarks(
         progress: called with one line per finished measurement (and per failure).
     """
     result = BenchResult(config=config, host=host_info())
-    names = [(b, True) for b in BASELINES[config.device] if config.baselines]
+    if "ib_write_bw" in config.baseline_names:
+        result.host["perftest"] = perftest.version()
+    names = [(b, True) for b in config.baseline_names]
     names += [(b, False) for b in config.backends]
     for name, is_baseline in names:
+        before = wire_counters()
         try:
             if is_baseline:
                 result.measurements += _measure_baseline(config, name, progress)
@@ -996,6 +1228,9 @@ def run_benchmarks(
             # One backend failing (not installed, no GPU, bad data) must not hide the others.
             result.errors[name] = str(exc).strip()
             progress(f"[{config.device}] {name}: FAILED: {str(exc).strip().splitlines()[-1]}")
+        received = wire_delta(before, wire_counters())
+        if received:
+            result.wire[name] = received
     result.host["loadavg_end"] = list(os.getloadavg())
     return result
 
@@ -1038,8 +1273,8 @@ def check_targets(result: BenchResult) -> list[dict[str, Any]]:
 
 def format_table(result: BenchResult) -> str:
     """A fixed-width table: every measurement, its spread and its ratios to the baselines."""
-    bases = BASELINES[result.config.device]
-    head = ["name", "size", "ops/sample", "median GB/s", "p10-p90 GB/s"]
+    bases = result.config.baseline_names
+    head = ["name", "size", "ops/sample", "median GB/s", "p10-p90 GB/s", "min-max GB/s"]
     head += [f"vs {b}" for b in bases]
     rows = [head]
     for m in sorted(
@@ -1051,6 +1286,7 @@ def format_table(result: BenchResult) -> str:
             str(m.ops_per_sample),
             f"{m.median_gbps:.3f}",
             f"{m.p10_gbps:.3f}-{m.p90_gbps:.3f}",
+            f"{m.min_gbps:.3f}-{m.max_gbps:.3f}",
         ]
         for base in bases:
             b = result.get(base, m.size_bytes)
@@ -1070,11 +1306,33 @@ def format_table(result: BenchResult) -> str:
                 f"  {t['backend']:<9} at {format_size(t['size_bytes'])}: >= {t['minimum_ratio']}x "
                 f"{t['baseline']}: {got} ({verdict})"
             )
+    if any(not m.verified for m in result.measurements):
+        unchecked = sorted({m.name for m in result.measurements if not m.verified})
+        lines.append("")
+        lines.append(
+            f"not checked bit for bit (a tool's own figures, one run per sample): "
+            f"{', '.join(unchecked)}"
+        )
+    if result.wire:
+        lines.append("")
+        lines.append("received while each ran (bytes per interface, packets per RDMA port):")
+        for name, counts in result.wire.items():
+            got = ", ".join(f"{k} {_count(k, v)}" for k, v in counts.items())
+            lines.append(f"  {name:<11} {got}")
     for name, why in result.skipped.items():
         lines.append(f"{name}: cannot run here: {why}")
     for name, why in result.errors.items():
         lines.append(f"{name}: FAILED: {why.splitlines()[-1] if why else ''}")
     return "\n".join(lines)
+
+
+def _count(key: str, value: int) -> str:
+    if key.startswith("rdma:"):
+        return f"{value} pkts"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value} B"
 
 
 def write_json(result: BenchResult, path: str | Path) -> None:
@@ -1111,7 +1369,13 @@ def plot_result(result: BenchResult, path: str | Path) -> None:
         ax.set_xticks(sizes, [format_size(s) for s in sizes])
     ax.set_xlabel("message size")
     ax.set_ylabel("throughput, GB/s (median; band p10-p90)")
-    where = "GPU0 -> GPU1" if result.config.device == "cuda" else "host, loopback"
+    cfg = result.config
+    if cfg.device == "cuda":
+        where = "GPU0 -> GPU1"
+    elif cfg.sender_host == cfg.receiver_host:
+        where = f"host, {cfg.receiver_host}"
+    else:
+        where = f"host, {cfg.sender_host} -> {cfg.receiver_host}"
     ax.set_title(f"one-sided write throughput ({where}, {result.host.get('hostname', '')})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -1125,14 +1389,15 @@ def backend_pair(
     config: BenchConfig, backend: str
 ) -> Iterator[tuple[ReceiverProcess, WriteSampler]]:
     """A receiver process and an in-process sender of `backend` (for pytest-benchmark)."""
-    options = config.backend_options(backend)
     with ReceiverProcess(
-        backend, config.device, options, config.buffer_bytes, config.seed + 1, config.timeout_s
-    ) as receiver:
+        backend, config.device, config.backend_options(backend, "receiver"), config.buffer_bytes,
+        config.seed + 1, config.timeout_s, config.receiver_host,
+    ) as receiver:  # fmt: skip
         sampler = WriteSampler(
-            backend, config.device, options, config.buffer_bytes, receiver.endpoint,
-            receiver.descriptor, seed=config.seed, min_sample_bytes=config.min_sample_bytes,
-            timeout_s=config.timeout_s,
+            backend, config.device, config.backend_options(backend, "sender"),
+            config.buffer_bytes, receiver.endpoint, receiver.descriptor, seed=config.seed,
+            min_sample_bytes=config.min_sample_bytes, timeout_s=config.timeout_s,
+            host=config.sender_host,
         )  # fmt: skip
         try:
             yield receiver, sampler

@@ -77,7 +77,42 @@ def _transports_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="BACKEND:KEY=VALUE",
-        help="a backend option (repeatable), e.g. ucx:TLS=cma or nixl:segment_bytes=33554432",
+        help="a backend option of both sides (repeatable), e.g. ucx:TLS=cma or "
+        "nixl:segment_bytes=33554432",
+    )
+    for role in ("receiver", "sender"):
+        p.add_argument(
+            f"--{role}-option",
+            action="append",
+            default=[],
+            metavar="BACKEND:KEY=VALUE",
+            help=f"a backend option of the {role}'s side only (repeatable; replaces that key of "
+            f"--option), e.g. ibverbs:device={'rxe0' if role == 'receiver' else 'rxe1'}",
+        )
+        p.add_argument(
+            f"--{role}-host",
+            default="127.0.0.1",
+            metavar="ADDRESS",
+            help=f"the {role}'s address: its transports listen on it"
+            + (
+                " and the socket baseline listens on it"
+                if role == "receiver"
+                else "; the socket baseline connects from it"
+            ),
+        )
+    p.add_argument(
+        "--baselines",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated baselines (cpu: socket,memcpy,ib_write_bw; cuda: peer_copy); "
+        "default: socket,memcpy on cpu (and ib_write_bw with --rdma-devices), peer_copy on cuda",
+    )
+    p.add_argument(
+        "--rdma-devices",
+        default=None,
+        metavar="RECV_DEV,SEND_DEV",
+        help="RDMA devices of the receiver and the sender, e.g. rxe0,rxe1: adds the ib_write_bw "
+        "baseline (perftest) between them, the ceiling of an RDMA run",
     )
     p.add_argument("--no-baselines", action="store_true", help="skip the raw baselines")
     p.add_argument("--timeout-s", type=float, default=120.0, help="limit of any single wait")
@@ -87,12 +122,35 @@ def _transports_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse_option(text: str) -> tuple[str, str, str]:
+def _parse_option(text: str, flag: str = "--option") -> tuple[str, str, str]:
     backend, sep, rest = text.partition(":")
     key, eq, value = rest.partition("=")
     if not sep or not eq or not backend or not key:
-        raise ValueError(f"--option {text!r}: expected BACKEND:KEY=VALUE")
+        raise ValueError(f"{flag} {text!r}: expected BACKEND:KEY=VALUE")
     return backend, key, value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _parse_baselines(ns: argparse.Namespace) -> tuple[str, ...] | None:
+    if ns.no_baselines and ns.baselines is not None:
+        raise ValueError("--no-baselines and --baselines contradict each other: give one")
+    if ns.no_baselines:
+        return ()
+    return None if ns.baselines is None else _names(ns.baselines)
+
+
+def _parse_rdma_devices(text: str | None) -> tuple[str, str] | None:
+    if text is None:
+        return None
+    names = text.split(",")
+    if len(names) != 2 or not all(n.strip() for n in names):
+        raise ValueError(
+            f"--rdma-devices {text!r}: expected RECV_DEV,SEND_DEV (two RDMA device names)"
+        )
+    return names[0].strip(), names[1].strip()
 
 
 def _progress(line: str) -> None:
@@ -120,15 +178,28 @@ def _transports(ns: argparse.Namespace) -> int:
             rounds=ns.rounds,
             min_sample_bytes=harness.parse_size(ns.min_sample_bytes),
             timeout_s=ns.timeout_s,
-            baselines=not ns.no_baselines,
+            baselines=_parse_baselines(ns),
             memcpy_threads=ns.memcpy_threads,
             options=tuple(_parse_option(o) for o in ns.option),
+            receiver_options=tuple(
+                _parse_option(o, "--receiver-option") for o in ns.receiver_option
+            ),
+            sender_options=tuple(_parse_option(o, "--sender-option") for o in ns.sender_option),
+            receiver_host=ns.receiver_host,
+            sender_host=ns.sender_host,
+            rdma_devices=_parse_rdma_devices(ns.rdma_devices),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    where = (
+        f"{config.sender_host} -> {config.receiver_host}"
+        if config.sender_host != config.receiver_host
+        else config.receiver_host
+    )
     _progress(
-        f"bench transports: {', '.join(config.backends)} on {config.device}, sizes "
+        f"bench transports: {', '.join(config.backends)} on {config.device} ({where}), "
+        f"baselines {', '.join(config.baseline_names) or 'none'}, sizes "
         f"{', '.join(harness.format_size(s) for s in config.sizes_bytes)}, "
         f"{config.rounds} rounds after {config.warmup_rounds} warm-up"
     )
