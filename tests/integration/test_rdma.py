@@ -36,9 +36,15 @@ def transport_options(backend: str, host: SoftRoceHost) -> tuple[tuple[str, str]
     if backend == "ibverbs":
         return (("device", host.device),)
     if backend == "ucx":
-        return (("library", "system"), ("TLS", "rc_verbs"), ("NET_DEVICES", f"{host.device}:1"))
+        # rc needs ud beside it: UCP sends rc's wireup over ud (docs/ucx.md).
+        return (
+            ("library", "system"),
+            ("TLS", "rc_verbs,ud_verbs"),
+            ("NET_DEVICES", f"{host.device}:1"),
+        )
     if backend == "nixl":
-        return (("UCX_TLS", "rc_verbs"), ("ucx_devices", f"{host.device}:1"))
+        # NIXL also connects its agent to itself: the self lane.
+        return (("UCX_TLS", "rc_verbs,ud_verbs,self"), ("ucx_devices", f"{host.device}:1"))
     raise ValueError(backend)
 
 
