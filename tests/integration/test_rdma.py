@@ -36,11 +36,13 @@ def transport_options(backend: str, host: SoftRoceHost) -> tuple[tuple[str, str]
     if backend == "ibverbs":
         return (("device", host.device),)
     if backend == "ucx":
-        # rc needs ud beside it: UCP sends rc's wireup over ud (docs/ucx.md).
+        # rc needs ud beside it: UCP sends rc's wireup over ud; and Debian's UCX (1.13) takes
+        # ud from rxe only over an IPv6 GID, index 0 on rxe (docs/ucx.md).
         return (
             ("library", "system"),
             ("TLS", "rc_verbs,ud_verbs"),
             ("NET_DEVICES", f"{host.device}:1"),
+            ("IB_GID_INDEX", "0"),
         )
     if backend == "nixl":
         # NIXL also connects its agent to itself: the self lane.
