@@ -350,6 +350,36 @@ def _decode_payload(payload: bytes) -> tuple[bytes, int, int, bytes]:
     return obj[0], obj[1], obj[2], obj[3]
 
 
+def _roce_ports() -> dict[str, ucx_tls.RocePort]:
+    """The kernel's RDMA ports (link layer, GID table), by UCX's device name (`rxe0:1`)."""
+    out: dict[str, ucx_tls.RocePort] = {}
+    for device in availability.rdma_devices():
+        ports_dir = os.path.join(availability.RDMA_SYSFS, device, "ports")
+        try:
+            ports = sorted(p for p in os.listdir(ports_dir) if p.isdigit())
+        except OSError:
+            continue
+        for port in ports:
+            base = os.path.join(ports_dir, port)
+            try:
+                with open(os.path.join(base, "link_layer")) as fh:
+                    link_layer = fh.read().strip()
+                gid_names = sorted(
+                    (g for g in os.listdir(os.path.join(base, "gids")) if g.isdigit()), key=int
+                )
+            except OSError:
+                continue
+            gids = []
+            for g in gid_names:
+                try:
+                    with open(os.path.join(base, "gids", g)) as fh:
+                        gids.append(fh.read().strip())
+                except OSError:  # an unused entry reads as an error on some kernels
+                    gids.append("")
+            out[f"{device}:{port}"] = ucx_tls.RocePort(device, int(port), link_layer, tuple(gids))
+    return out
+
+
 def _load_library(library: str, *, cuda: bool) -> ucx_native.LibUcp:
     """The UCX build the `library` option names, loaded (one build per process: the second,
     different one raises `UcxBuildConflictError`, a `ConfigurationError`)."""
@@ -425,9 +455,20 @@ class UcxTransport(Transport):
                 rdma_devices=availability.rdma_devices(),
                 allow_tcp_only=allow_tcp_only == "yes",
             )
+            lanes = ucx_tls.enabled(resources, values)
+            if refusal is None:
+                refusal = ucx_tls.ud_gid_refusal(
+                    lanes,
+                    values,
+                    version=lib.version(),
+                    ports=_roce_ports(),
+                    # UCX reads this transport option from the environment itself; looked at
+                    # only to judge what UCX will do, never to configure anything.
+                    gid_index=os.environ.get("UCX_IB_GID_INDEX"),
+                    build=lib.describe(),
+                )
             if refusal is not None:
                 raise ConfigurationError(refusal)
-            lanes = ucx_tls.enabled(resources, values)
             self._one_sided = ucx_tls.is_one_sided(lanes, values, lib.version())
             self._wait_wireup = ucx_tls.needs_wireup_reply(lanes)
 

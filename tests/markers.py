@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from pathlib import Path
 
 import pytest
 
@@ -83,22 +82,6 @@ class SoftRoceHost:
     device: str
     address: str
     netdev: str
-
-    def ipv4_gid_index(self) -> int:
-        """The index of the device's RoCE v2 GID that carries `address` (::ffff:a.b.c.d).
-
-        UCX's own choice (UCX_IB_GID_INDEX=auto) can be the default GID derived from the MAC
-        (fe80::, index 0 on rxe), whose packets between two devices of one kernel go through
-        lo: an update then verifies without a byte on the wire (seen with ucx and nixl).
-        """
-        port = Path("/sys/class/infiniband") / self.device / "ports" / "1"
-        a, b, c, d = (int(x) for x in self.address.split("."))
-        want = f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
-        for gid in sorted((port / "gids").iterdir(), key=lambda p: int(p.name)):
-            kind = (port / "gid_attrs" / "types" / gid.name).read_text().strip()
-            if gid.read_text().strip() == want and "v2" in kind.lower():
-                return int(gid.name)
-        raise LookupError(f"{self.device}: no RoCE v2 GID for {self.address}")
 
 
 def softroce_hosts() -> tuple[SoftRoceHost, SoftRoceHost] | None:

@@ -27,20 +27,30 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
+from typing import Any
 
 from weight_transfer.backends.base import EXTRAS
+from weight_transfer.backends.ucx_native import _tls, _uct
 from weight_transfer.backends.ucx_native._uct import BuildFiles, library_files, module_names
-from weight_transfer.errors import ConfigurationError, TransportUnavailableError
+from weight_transfer.errors import (
+    ConfigurationError,
+    TransportUnavailableError,
+    WeightTransferError,
+)
 
 __all__ = [
     "LIBRARY_CHOICES",
     "UCX_MODULES_DEFAULT",
     "UcxBuild",
+    "describe",
+    "doctor_info",
     "find_build",
     "keep_efa_module_out",
     "resolve",
@@ -274,3 +284,60 @@ def _auto(*, rdma: bool, cuda: bool) -> UcxBuild:
     raise TransportUnavailableError(
         "ucx: library=auto found no UCX build: " + "; ".join(_MISSING.values())
     )
+
+
+_DESCRIBE_TIMEOUT_S = 120.0
+
+
+def describe(build: UcxBuild) -> dict[str, Any]:
+    """Version, transports and the RDMA ports of `build`, asked in a child process (`_uct.py`
+    as a script: stdlib only), so that this process loads no second build. Never raises.
+
+    The child's environment is this process's, with `UCX_MODULES` kept as the backends keep
+    it for a build that ships the efa module (`keep_efa_module_out`), so the child sees what a
+    transport on that build would see.
+    """
+    env = dict(os.environ)
+    if build.has_efa_module:
+        env.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)
+    info: dict[str, Any] = {"library": build.library, "libucp": build.libucp}
+    try:
+        run = subprocess.run(
+            [sys.executable, _uct.__file__, build.files.folder],
+            capture_output=True,
+            text=True,
+            timeout=_DESCRIBE_TIMEOUT_S,
+            env=env,
+            check=False,
+        )
+        info.update(json.loads(run.stdout.strip().splitlines()[-1]))
+        resources = [_uct.Resource(**r) for r in info.get("resources", [])]
+        info["transports"] = _tls.summary(resources)
+        if run.returncode != 0:
+            info["error"] = f"the describing process exited with {run.returncode}"
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError) as exc:
+        info["error"] = f"could not describe it: {exc}"
+    return info
+
+
+def doctor_info(*, rdma: list[str]) -> dict[str, Any]:
+    """What `weight-transfer doctor` reports about UCX builds: each build found here (version,
+    transports, the RDMA ports it sees with their state), which one the ucx backend's default
+    `library=auto` takes and why, and which one the nixl backend runs on. Never raises."""
+    builds = [b for name in ("wheel", "system", "nixl") if (b := find_build(name)) is not None]
+    out: dict[str, Any] = {"builds": [describe(b) for b in builds], "rdma_devices": rdma}
+    try:
+        auto = resolve("auto", rdma=bool(rdma))
+        why = (
+            "the kernel lists RDMA devices and it ships UCX's InfiniBand module"
+            if rdma and auto.has_verbs_module
+            else "no RDMA device here"
+            if not rdma
+            else "no installed build ships UCX's InfiniBand module"
+        )
+        out["ucx_auto"] = {"library": auto.library, "libucp": auto.libucp, "why": why}
+    except WeightTransferError as exc:
+        out["ucx_auto"] = {"library": None, "libucp": None, "why": str(exc)}
+    nixl = find_build("nixl")
+    out["nixl_ucx"] = nixl.libucp if nixl is not None else None
+    return out

@@ -389,9 +389,11 @@ class LibUcp:
         return self._resources
 
     def config_values(self, config: c_void_p) -> dict[str, str]:
-        """Every `UCX_*` value of a `ucp_config_t` as UCX will use it (the environment, UCX's
-        config files and `ucp_config_modify` applied), by name: what `ucp_config_print`
-        writes, read back through a `open_memstream` buffer."""
+        """Every UCP value of a `ucp_config_t` as UCX will use it (the environment, UCX's
+        config files and `ucp_config_modify` applied), by name without `UCX_`, and the
+        transport options given through `ucp_config_modify`: what `ucp_config_print` writes,
+        read back through an `open_memstream` buffer. (Transport options set only in the
+        environment are not in it: the transports read those themselves.)"""
         libc = ctypes.CDLL(None)
         libc.open_memstream.restype = c_void_p
         libc.open_memstream.argtypes = [POINTER(c_void_p), POINTER(c_size_t)]
@@ -412,8 +414,10 @@ class LibUcp:
         values: dict[str, str] = {}
         for line in text.splitlines():
             key, sep, value = line.partition("=")
-            if sep and key.startswith("UCX_"):
-                values[key[4:]] = value
+            if sep and not key.startswith("#"):
+                # UCP's own variables print with the prefix; transport options given through
+                # ucp_config_modify (kept for the transports, e.g. IB_GID_INDEX) without it.
+                values[key.removeprefix("UCX_")] = value
         return values
 
     def status_string(self, status: int) -> str:

@@ -15,8 +15,8 @@ UCP's wireup messages only), or an alias (`ALIASES`: `rc`, `ud`, `dc`, `ib`, `sm
 - a lane of an allow list that enables nothing in this build ("not available"), or nothing on
   the configured devices;
 - a list that enables nothing at all;
-- rc lanes (which UCP connects endpoint to endpoint) with no lane that UCP can send its wireup
-  messages over (ud, dc, tcp): such an endpoint never connects ("Destination is unreachable");
+- rc lanes (which UCP connects endpoint to endpoint) without ud, the lane UCP sends their
+  wireup messages over: such an endpoint never connects ("Destination is unreachable");
 - where the kernel lists an RDMA device, network lanes that are tcp only, unless the caller
   allows it: data between hosts would silently run over TCP.
 
@@ -86,8 +86,10 @@ _DEVICE_LISTS = {
 }
 _P2P_LANES = frozenset({"rc_verbs", "rc_mlx5", "rc_gda"})
 """Lanes UCP connects endpoint to endpoint: the peer answers a wireup message first."""
-_WIREUP_LANES = frozenset({"ud_verbs", "ud_mlx5", "dc_mlx5", "tcp", "srd"})
-"""Network lanes UCP can send wireup messages over to a peer it has no connection with yet."""
+_WIREUP_LANES = frozenset({"ud_verbs", "ud_mlx5"})
+"""Lanes UCP takes as the auxiliary lane of an rc connection: its wireup criteria want a
+transport that connects to an interface and runs its callbacks asynchronously, which ud has and
+tcp has not (1.13 in the Soft-RoCE VM, `UCX_TLS=rc_verbs,tcp`: "no auxiliary transport")."""
 _VERBS_COMPONENTS = frozenset({"ib", "gga"})
 _RDMA_ONE_SIDED = frozenset({"rc_verbs", "rc_mlx5", "dc_mlx5", "gga_mlx5", "srd", "cuda_ipc"})
 """Lanes whose puts run without the target's CPU in every UCX this binding supports."""
@@ -256,7 +258,7 @@ def check(
         return (
             f"ucx: UCX_TLS={tls} leaves UCP no lane for its wireup messages: "
             f"{', '.join(sorted(lanes & _P2P_LANES))} connects endpoint to endpoint, after the "
-            "peers exchanged addresses over ud, dc or tcp; add ud_verbs "
+            "peers exchanged addresses over ud; add ud_verbs "
             "(UCX_TLS=rc_verbs,ud_verbs) or write the alias rc, which brings ud as an "
             "auxiliary lane"
         )
@@ -310,3 +312,81 @@ def is_one_sided(
         return True
     new_protocols = values.get("PROTO_ENABLE", "n").lower() in ("y", "yes", "on", "1")
     return "cma" in tls and new_protocols and version[:2] >= _CMA_ONE_SIDED_SINCE
+
+
+UD_GRH_FIX_SINCE = (1, 19)
+"""UCX before 1.19 tells IPv4 from IPv6 RoCE packets on a ud_verbs receive by the work
+completion's service level, which only Mellanox devices fill: on any other RoCE device
+(Soft-RoCE's rxe among them) a ud packet whose GID is IPv4 is never matched, every wireup over
+ud times out, and UCX aborts the process ("UD endpoint ... unhandled timeout error"). Fixed in
+1.19 (openucx/ucx 7de57ad9, "Use GRH to detect address family on non-Mellanox hardware").
+Measured with Debian's 1.13.1 in the Soft-RoCE VM: its own `ucx_perftest` over
+`rc_verbs,ud_verbs` fails with the default GID (IPv4, index 1) and runs with
+`UCX_IB_GID_INDEX=0` (the port's IPv6 link-local GID), on one device and across the veth."""
+
+_IPV4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RocePort:
+    """What the kernel says about an RDMA port (`/sys/class/infiniband/<dev>/ports/<n>`)."""
+
+    device: str
+    port: int
+    link_layer: str
+    """`Ethernet` (RoCE) or `InfiniBand`."""
+    gids: tuple[str, ...]
+    """The GID table by index, as sysfs prints it (`fe80:0000:...`); all-zero entries kept."""
+
+
+def ud_gid_refusal(
+    on: Sequence[Enabled],
+    values: Mapping[str, str],
+    *,
+    version: tuple[int, int, int],
+    ports: Mapping[str, RocePort],
+    gid_index: str | None,
+    build: str,
+) -> str | None:
+    """Why ud_verbs cannot work here with this build and GID choice (`UD_GRH_FIX_SINCE`), or
+    None.
+
+    Args:
+        on: The enabled resources.
+        values: The effective configuration (an `IB_GID_INDEX` given as an option is in it).
+        version: The build's version.
+        ports: The kernel's RDMA ports by UCX device name (`rxe0:1`).
+        gid_index: `UCX_IB_GID_INDEX` of the process environment, if set (UCX reads it there
+            itself; an option wins over it).
+        build: How to name the build.
+    """
+    if version[:2] >= UD_GRH_FIX_SINCE:
+        return None
+    chosen = values.get("IB_GID_INDEX") or gid_index or "auto"
+    for e in on:
+        r = e.resource
+        port = ports.get(r.device)
+        if r.tl != "ud_verbs" or port is None or port.link_layer != "Ethernet":
+            continue
+        if port.device.startswith(("mlx4", "mlx5")):
+            continue  # Mellanox devices fill the service level: unaffected
+        ipv6 = [
+            i
+            for i, gid in enumerate(port.gids)
+            if gid.strip("0:") and not gid.startswith(_IPV4_MAPPED)
+        ]
+        if chosen.isdigit() and int(chosen) in ipv6:
+            continue
+        hint = (
+            f"set IB_GID_INDEX={ipv6[0]} (an IPv6 GID of {r.device}: {port.gids[ipv6[0]]})"
+            if ipv6
+            else f"{r.device} has no IPv6 GID: use UCX 1.19 or later (library=nixl, or a folder)"
+        )
+        what = "UCX's own choice of GID" if chosen == "auto" else f"IB_GID_INDEX={chosen}"
+        return (
+            f"ucx: ud_verbs on {r.device} cannot work with {build}: before UCX 1.19 ud receives "
+            f"RoCE packets from IPv4 GIDs only on Mellanox devices, and {what} is not an IPv6 "
+            f"GID of this port (every wireup over ud would time out and UCX abort the process); "
+            f"{hint}"
+        )
+    return None

@@ -41,24 +41,19 @@ def transport_options(backend: str, host: SoftRoceHost) -> tuple[tuple[str, str]
     """The options that put `backend` on `host`'s RDMA device, and on verbs only."""
     if backend == "ibverbs":
         return (("device", host.device),)
-    # UCX's rc lane connects through an auxiliary one (ud_verbs here): rc_verbs alone cannot
-    # create an endpoint ("Destination is unreachable"). NIXL's agent also connects to itself
-    # when its UCX plugin starts, through `self`.
-    # And UCX is given the GID of the host's address (see `SoftRoceHost.ipv4_gid_index`).
-    gid = str(host.ipv4_gid_index())
     if backend == "ucx":
+        # rc needs ud beside it: UCP sends rc's wireup over ud; and Debian's UCX (1.13) takes
+        # ud from rxe only over an IPv6 GID, index 0 on rxe (docs/ucx.md).
         return (
             ("library", "system"),
             ("TLS", "rc_verbs,ud_verbs"),
             ("NET_DEVICES", f"{host.device}:1"),
-            ("IB_GID_INDEX", gid),
+            ("IB_GID_INDEX", "0"),
         )
     if backend == "nixl":
-        return (
-            ("UCX_TLS", "rc_verbs,ud_verbs,self"),
-            ("ucx_devices", f"{host.device}:1"),
-            ("UCX_IB_GID_INDEX", gid),
-        )
+        # NIXL also connects its agent to itself: the self lane. Its devices go in UCX's own
+        # variable: NIXL 1.5.1 ignores the plugin's ucx_devices parameter.
+        return (("UCX_TLS", "rc_verbs,ud_verbs,self"), ("UCX_NET_DEVICES", f"{host.device}:1"))
     raise ValueError(backend)
 
 
@@ -109,13 +104,6 @@ def test_fsdp2_trainers_update_bf16_and_fp8_engines_on_another_host(backend: str
     packets1, bytes1 = wire_counters(engines)
     payload = sum(u.nbytes for u in result.updates)
     assert payload > 0
-    if backend != "ibverbs":
-        # ucx and nixl ran on verbs lanes only (rc_verbs, ud_verbs; a lane the build lacks is
-        # refused, never replaced by tcp or shared memory), and every update verified; but
-        # their bytes do not cross the VM's bridge: 70 bytes on the engines' veth for a
-        # 12.6 MB update (two runs). Between two rxe devices of one kernel their UCX takes
-        # another path than ibverbs's (rxe's loopback is one candidate); not yet explained.
-        return
     assert bytes1 - bytes0 >= payload, (bytes1 - bytes0, payload)
     assert packets1 - packets0 >= payload // PATH_MTU_BYTES, (packets1 - packets0, payload)
 

@@ -29,10 +29,6 @@ ip link add wtveth1 type veth peer name wtsw1 || fail "veth"
 ip link set wtsw0 master wtsw; ip link set wtsw1 master wtsw
 ip addr add 10.99.0.1/24 dev wtveth0
 ip addr add 10.99.0.2/24 dev wtveth1
-# No IPv6 on the two hosts' links: their only GIDs are then the IPv4-mapped RoCE v2 ones, which
-# the policy routing below sends over the bridge. With link-local IPv6 GIDs present, an update
-# over NIXL verified with no byte on the wire: its UCX's traffic did not take the IPv4 routes.
-for dev in wtveth0 wtveth1; do sysctl -qw net.ipv6.conf.$dev.disable_ipv6=1; done
 for dev in all default lo wtveth0 wtveth1; do
     sysctl -qw net.ipv4.conf.$dev.rp_filter=0 2>/dev/null
     sysctl -qw net.ipv4.conf.$dev.accept_local=1 2>/dev/null

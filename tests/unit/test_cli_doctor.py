@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -78,3 +79,52 @@ def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["torch"] == torch.__version__
     assert {b["name"] for b in data["backends"]} == set(BACKENDS)
     assert "num_devices" in data["ibverbs"]
+
+
+def test_ucx_builds_are_reported_with_version_transports_and_rdma_ports(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """For ucx and nixl: each UCX build found here, its version and transports (asked in a
+    child process, as `ucx_info -d` would list them), which one each backend runs on."""
+    from weight_transfer.backends.ucx_native import _builds
+
+    assert main(["doctor", "--json"]) == 0
+    ucx = json.loads(capsys.readouterr().out)["ucx"]
+    found = {name: _builds.find_build(name) for name in ("wheel", "system", "nixl")}
+    assert [b["library"] for b in ucx["builds"]] == [n for n, b in found.items() if b is not None]
+    for b in ucx["builds"]:
+        assert "error" not in b, b
+        assert b["version"].startswith("1.") and "tcp (" in b["transports"]
+        assert b["libucp"] == found[b["library"]].libucp  # type: ignore[union-attr]
+        assert {"tl", "device", "device_type"} <= set(b["resources"][0])
+    assert ucx["ucx_auto"]["library"] in found and ucx["ucx_auto"]["why"]
+    if found["nixl"] is not None:
+        assert ucx["nixl_ucx"] == found["nixl"].libucp
+
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "UCX builds (ucx: option `library`; its default auto takes" in text
+    for b in ucx["builds"]:
+        assert f"UCX {b['version']} {b['libucp']}" in text
+        assert f"transports: {b['transports']}" in text
+
+
+def test_rdma_devices_a_build_does_not_see_are_named(tmp_path: Any) -> None:
+    """Where the kernel lists RDMA devices, a build that sees none of them says so; auto
+    says why it chose; a build that cannot load is an error line, not a crash."""
+    from weight_transfer.backends.ucx_native import _builds
+
+    info = _builds.doctor_info(rdma=["rxe0"])
+    verbs = [b for b in info["builds"] if "ib" in b.get("modules", [])]
+    if verbs:
+        assert "InfiniBand module" in info["ucx_auto"]["why"]
+    lines = "\n".join(cli_doctor._format_ucx(info))
+    if not availability.rdma_devices():
+        assert "RDMA ports: none of rxe0 (no verbs module, or its libibverbs" in lines
+    for name in ("ucm", "ucs", "uct", "ucp"):
+        (tmp_path / f"lib{name}.so.0").write_bytes(b"not a library")
+    broken = _builds.describe(_builds._build("path", str(tmp_path)))
+    assert "error" in broken and "OSError" in broken["error"]
+    assert "error: OSError" in "\n".join(
+        cli_doctor._format_ucx({"builds": [broken], "ucx_auto": {}, "rdma_devices": []})
+    )

@@ -5,8 +5,11 @@ For every backend of `BACKENDS` the doctor first asks `weight_transfer.backends.
 finds nothing missing it loads the backend's class and constructs (then closes) one transport
 with a default `TransportConfig`, once for host memory and, where CUDA is available, once with
 `device_index=0` for GPU memory. It prints the verdict with the reason of each failure, torch and
-CUDA facts, the versions of the optional packages, the ibverbs backend's own device report, and
-which kernels delta mode would run (`docs/delta.md`). It always exits 0.
+CUDA facts, the versions of the optional packages, the ibverbs backend's own device report, the
+UCX builds found here (for `ucx` and `nixl`: each build's path, version, transports and the RDMA
+ports it sees with their state, which build `ucx`'s default `library=auto` takes and why, and
+which one NIXL runs on; `docs/ucx.md`), and which kernels delta mode would run
+(`docs/delta.md`). It always exits 0; `--json` prints the same report as JSON.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class DoctorReport:
     rdma_devices: list[str]
     backends: list[BackendStatus]
     ibverbs: dict[str, Any]
+    ucx: dict[str, Any]
+    """UCX builds here (`backends.ucx_native._builds.doctor_info`)."""
     delta_kernels: str
     """Which count / encode / apply kernels delta mode runs here, and why."""
 
@@ -106,6 +111,15 @@ def _ibverbs_info() -> dict[str, Any]:
     return info
 
 
+def _ucx_info(rdma: list[str]) -> dict[str, Any]:
+    try:
+        from weight_transfer.backends.ucx_native import _builds
+    except ImportError as exc:
+        return {"error": f"backends.ucx_native does not import: {exc}"}
+    info: dict[str, Any] = _builds.doctor_info(rdma=rdma)
+    return info
+
+
 def _status(name: str, num_gpus: int) -> BackendStatus:
     packages = {d: _version(d) for d in _PACKAGES.get(name, ())}
     # What is missing (the test markers skip for exactly this), else whether it constructs.
@@ -130,14 +144,16 @@ def _status(name: str, num_gpus: int) -> BackendStatus:
 def collect_report() -> DoctorReport:
     """Probe every backend on this host. Never raises for a backend that cannot run."""
     num_gpus = availability.num_cuda_gpus()
+    rdma = availability.rdma_devices()
     return DoctorReport(
         python=platform.python_version(),
         torch=torch.__version__,
         cuda_available=num_gpus > 0,
         cuda_devices=[torch.cuda.get_device_name(i) for i in range(num_gpus)],
-        rdma_devices=availability.rdma_devices(),
+        rdma_devices=rdma,
         backends=[_status(name, num_gpus) for name in BACKENDS],
         ibverbs=_ibverbs_info(),
+        ucx=_ucx_info(rdma),
         delta_kernels=delta.kernels_report(0)
         if num_gpus
         else "torch ops on the CPU (no CUDA GPU; the GPU kernels are Triton and CUDA C)",
@@ -180,6 +196,7 @@ def format_report(report: DoctorReport) -> str:
         )
         lines.append(f"  {dev.get('name')}: {ports or 'no ports'}")
     lines.append(f"  {IBVERBS_TESTED}")
+    lines.extend(_format_ucx(report.ucx))
     lines.append(f"delta kernels: {report.delta_kernels}")
     return "\n".join(lines)
 
@@ -189,6 +206,48 @@ IBVERBS_TESTED = (
     "RDMA NIC, with GPU memory, multi-rail or InfiniBand (docs/ibverbs.md)"
 )
 """What the ibverbs backend has run on, printed under its devices."""
+
+
+def _format_ucx(ucx: dict[str, Any]) -> list[str]:
+    if ucx.get("error"):
+        return [f"UCX builds: {ucx['error']}"]
+    auto = ucx.get("ucx_auto", {})
+    lines = [
+        f"UCX builds (ucx: option `library`; its default auto takes "
+        f"{auto.get('library') or 'none'}: {auto.get('why')}):"
+    ]
+    for b in ucx.get("builds", []):
+        users = [
+            name
+            for name, used in (
+                ("ucx auto", b.get("libucp") == auto.get("libucp")),
+                ("nixl", b.get("libucp") == ucx.get("nixl_ucx")),
+            )
+            if used
+        ]
+        lines.append(
+            f"  {b.get('library'):<7} UCX {b.get('version', '?')} {b.get('libucp')}"
+            + (f" (used by: {', '.join(users)})" if users else "")
+        )
+        if b.get("error"):
+            lines.append(f"          error: {b['error']}")
+            continue
+        lines.append(f"          transports: {b.get('transports') or 'none'}")
+        lines.append(f"          modules:    {', '.join(b.get('modules', [])) or 'none'}")
+        ports = "; ".join(
+            f"{p['device']}:{p['port']} {p.get('state') or '?'} ({', '.join(p['transports'])})"
+            for p in b.get("rdma_ports", [])
+        )
+        if ports:
+            lines.append(f"          RDMA ports: {ports}")
+        elif ucx.get("rdma_devices"):
+            lines.append(
+                f"          RDMA ports: none of {', '.join(ucx['rdma_devices'])} "
+                "(no verbs module, or its libibverbs finds no provider for them)"
+            )
+        else:
+            lines.append("          RDMA ports: none (no RDMA device here)")
+    return lines
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
