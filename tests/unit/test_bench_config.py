@@ -17,17 +17,17 @@ MiB = 1 << 20
 def test_role_options_replace_shared_keys_per_side() -> None:
     cfg = h.BenchConfig(
         backends=("nixl", "ibverbs"),
-        options=(("nixl", "UCX_TLS", "rc_verbs,ud_verbs,self"), ("nixl", "ucx_devices", "all")),
-        receiver_options=(("nixl", "ucx_devices", "rxe0:1"), ("ibverbs", "device", "rxe0")),
-        sender_options=(("nixl", "ucx_devices", "rxe1:1"), ("ibverbs", "device", "rxe1")),
+        options=(("nixl", "UCX_TLS", "rc_verbs,ud_verbs,self"), ("nixl", "UCX_NET_DEVICES", "all")),
+        receiver_options=(("nixl", "UCX_NET_DEVICES", "rxe0:1"), ("ibverbs", "device", "rxe0")),
+        sender_options=(("nixl", "UCX_NET_DEVICES", "rxe1:1"), ("ibverbs", "device", "rxe1")),
     )
     assert cfg.backend_options("nixl", "receiver") == (
         ("UCX_TLS", "rc_verbs,ud_verbs,self"),
-        ("ucx_devices", "rxe0:1"),
+        ("UCX_NET_DEVICES", "rxe0:1"),
     )
     assert cfg.backend_options("nixl", "sender") == (
         ("UCX_TLS", "rc_verbs,ud_verbs,self"),
-        ("ucx_devices", "rxe1:1"),
+        ("UCX_NET_DEVICES", "rxe1:1"),
     )
     assert cfg.backend_options("ibverbs", "receiver") == (("device", "rxe0"),)
     assert cfg.backend_options("ibverbs", "sender") == (("device", "rxe1"),)
@@ -193,8 +193,8 @@ def test_cli_fills_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
             "bench", "transports", "--backends", "ibverbs,nixl", "--sizes", "1MiB",
             "--receiver-host", "10.99.0.1", "--sender-host", "10.99.0.2",
             "--option", "nixl:UCX_TLS=rc_verbs,ud_verbs,self",
-            "--receiver-option", "nixl:ucx_devices=rxe0:1",
-            "--sender-option", "nixl:ucx_devices=rxe1:1",
+            "--receiver-option", "nixl:UCX_NET_DEVICES=rxe0:1",
+            "--sender-option", "nixl:UCX_NET_DEVICES=rxe1:1",
             "--receiver-option", "ibverbs:device=rxe0", "--sender-option", "ibverbs:device=rxe1",
             "--rdma-devices", "rxe0,rxe1",
         ]
@@ -206,6 +206,6 @@ def test_cli_fills_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.baseline_names == ("socket", "memcpy", "ib_write_bw")
     assert cfg.backend_options("nixl", "receiver") == (
         ("UCX_TLS", "rc_verbs,ud_verbs,self"),
-        ("ucx_devices", "rxe0:1"),
+        ("UCX_NET_DEVICES", "rxe0:1"),
     )
     assert cfg.backend_options("ibverbs", "sender") == (("device", "rxe1"),)
