@@ -115,7 +115,10 @@ def test_demo_missing_transformers_names_the_extra(
         ('transport = "tcp"\n[transport_options]\nfooo = 1\n', "tcp: unknown option(s) 'fooo'"),
         ('transport = "loopback"\n[transport_options]\nx = 1\n', "loopback: unknown option(s)"),
         ('transport = "ucx"\n[transport_options]\nNO_SUCH_VAR = 1\n', "NO_SUCH_VAR"),
-        ('transport = "ucx"\n[transport_options]\nTLS = "no_tl"\n', "options given: TLS='no_tl'"),
+        (
+            'transport = "ucx"\n[transport_options]\nTLS = "no_tl"\n',
+            "UCX_TLS lane 'no_tl' is not available",
+        ),
     ],
 )
 def test_demo_bad_config_file(
