@@ -1,6 +1,6 @@
 """Raw ibverbs backend: reliable-connected queue pairs and RDMA WRITE through pyverbs.
 
-Has run on Soft-RoCE (rdma_rxe, in CI's VM), never on an RDMA NIC or with GPU memory (see
+Has run on Soft-RoCE (rdma_rxe, in the project's VM), never on an RDMA NIC or with GPU memory (see
 docs/ibverbs.md). The device-independent logic lives in
 `backends._ibverbs_plan` and is unit-tested; this module converts its plain values into pyverbs
 objects (rdma-core's Python binding, pyverbs/*.pyx, cited as "pyverbs qp.pyx" etc. below).

@@ -9,11 +9,11 @@ as two real hosts would be: FSDP2 trainer ranks (gloo) take AdamW steps and upda
 vLLM-layout engines (a BF16 and an FP8 replica) over each backend that speaks verbs
 (`ibverbs` through pyverbs, `ucx` on a UCX build with `rc_verbs`, `nixl` with its UCX plugin
 on `rc_verbs`). Every update is verified bit for bit against the reference materialization.
-For ibverbs the run must also have moved its bytes across the bridge as RDMA: the engines' rxe
-device received at least one packet per path MTU of payload and their veth at least the
-payload's bytes (a transport that fell back to TCP or to a same-host copy would fail that).
-ucx and nixl run on verbs lanes only, but their bytes were not seen on the bridge (see the
-test); what path their UCX takes between two rxe devices of one kernel is still open."""
+The run must also have moved its bytes across the bridge as RDMA: the engines' rxe device
+received at least one packet per path MTU of payload and their veth at least the payload's
+bytes (a transport that fell back to TCP or to a same-host copy would fail that). Seen in the
+VM on 2026-12-07: ibverbs and nixl pass; ucx fails (its wireup to the engines does not complete
+within 30 s over IB_GID_INDEX=0), which is why CI does not run this suite yet."""
 
 from __future__ import annotations
 
