@@ -93,21 +93,19 @@ use them where no peer dies mid-transfer, or where a crash on teardown is accept
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import ipaddress
 import logging
 import os
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgpack
 import torch
 
+from weight_transfer.backends._environment import process_environment
 from weight_transfer.backends._memory import cut_at
 from weight_transfer.backends.base import (
     EXTRAS,
@@ -204,31 +202,8 @@ def _positive_int_option(config: TransportConfig, key: str, default: int) -> int
     return value
 
 
-_ENVIRONMENT_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _process_environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set `values` in the process environment while NIXL creates an agent and its UCX context
-    (when UCX reads its configuration), then put back what was there before.
-
-    Only for `UCX_*` options whose value has a comma, which NIXL's `engine_config` cannot carry
-    (see the module docstring). The environment is read here only to be restored.
-    """
-    if not values:
-        yield
-        return
-    with _ENVIRONMENT_LOCK:
-        before = {key: os.environ.get(key) for key in values}
-        os.environ.update(values)
-        try:
-            yield
-        finally:
-            for key, value in before.items():
-                if value is None:
-                    del os.environ[key]
-                else:
-                    os.environ[key] = value
+# Shared with the ucx backend: one lock for every temporary change of the environment.
+_process_environment = process_environment
 
 
 def _has_cuda(config: TransportConfig) -> bool:

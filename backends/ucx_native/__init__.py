@@ -16,6 +16,7 @@ import ctypes
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from weight_transfer.backends._environment import process_environment
 from weight_transfer.backends.base import TransportError
 
 from . import _libucp as L
@@ -102,24 +103,21 @@ class UcxWorker:
         self._worker = L.ucp_worker_h()
         self._name = name.encode()
         self._owns_context = True
-        config = L.ucp_config_p()
-        self._check("ucp_config_read", self.lib.ucp_config_read(None, None, ctypes.byref(config)))
+        self._environment: dict[str, str] = {}
+        """Transport options this UCX takes only from the environment (`_apply_options`), set
+        there while it creates its transports (context and workers)."""
+        config = self._read_config(defaults, options, skip=())
         try:
-            for key, value in defaults:
-                status = self.lib.ucp_config_modify(config, key.encode(), value.encode())
-                if status != L.UCS_OK:
-                    logger.debug("ucx: default %s=%s not applied: %s", key, value,
-                                 self.lib.status_string(status))  # fmt: skip
-            for key, value in options:
-                ucx_key = key[4:] if key.startswith("UCX_") else key
-                self._check(
-                    f"ucp_config_modify({ucx_key}={value})",
-                    self.lib.ucp_config_modify(config, ucx_key.encode(), value.encode()),
-                )
             self.config = self.lib.config_values(config)
             """The effective UCX configuration of this worker's context, names without `UCX_`."""
             if validate is not None:
                 validate(self.config)
+            if self.lib.version()[:2] < L.PREFIXED_TRANSPORT_OPTIONS_SINCE:
+                transport = self.lib.transport_options(config)
+                if transport:
+                    self.lib.ucp_config_release(config)
+                    config = self._read_config(defaults, options, skip=transport)
+                    self._environment = {f"UCX_{k}": v for k, v in transport.items()}
             params = L.ucp_params_t()
             params.field_mask = L.UCP_PARAM_FIELD_FEATURES | L.UCP_PARAM_FIELD_NAME
             params.features = L.UCP_FEATURE_RMA | (L.UCP_FEATURE_WAKEUP if wakeup else 0)
@@ -128,16 +126,17 @@ class UcxWorker:
                 params.field_mask |= L.UCP_PARAM_FIELD_MT_WORKERS_SHARED
                 params.mt_workers_shared = 1
             api_major, api_minor = self.lib.api_version()
-            self._check(
-                "ucp_init",
-                self.lib.ucp_init_version(
-                    api_major,
-                    api_minor,
-                    ctypes.byref(params),
-                    config,
-                    ctypes.byref(self._context),
-                ),
-            )
+            with process_environment(self._environment):
+                self._check(
+                    "ucp_init",
+                    self.lib.ucp_init_version(
+                        api_major,
+                        api_minor,
+                        ctypes.byref(params),
+                        config,
+                        ctypes.byref(self._context),
+                    ),
+                )
         finally:
             self.lib.ucp_config_release(config)
         status = self._create_worker(threaded)
@@ -146,15 +145,48 @@ class UcxWorker:
             self._context = L.ucp_context_h()
             self._check("ucp_worker_create", status)
 
+    def _read_config(
+        self,
+        defaults: Iterable[tuple[str, str]],
+        options: Iterable[tuple[str, str]],
+        skip: Iterable[str],
+    ) -> L.ucp_config_p:
+        """A `ucp_config_t` read from the environment with `defaults` then `options` applied
+        (except the names in `skip`); the caller releases it."""
+        config = L.ucp_config_p()
+        self._check("ucp_config_read", self.lib.ucp_config_read(None, None, ctypes.byref(config)))
+        left_out = set(skip)
+        try:
+            for key, value in defaults:
+                if key in left_out:
+                    continue
+                status = self.lib.ucp_config_modify(config, key.encode(), value.encode())
+                if status != L.UCS_OK:
+                    logger.debug("ucx: default %s=%s not applied: %s", key, value,
+                                 self.lib.status_string(status))  # fmt: skip
+            for key, value in options:
+                ucx_key = key[4:] if key.startswith("UCX_") else key
+                if ucx_key in left_out:
+                    continue
+                self._check(
+                    f"ucp_config_modify({ucx_key}={value})",
+                    self.lib.ucp_config_modify(config, ucx_key.encode(), value.encode()),
+                )
+        except BaseException:
+            self.lib.ucp_config_release(config)
+            raise
+        return config
+
     def _create_worker(self, threaded: bool) -> int:
         wparams = L.ucp_worker_params_t()
         wparams.field_mask = L.UCP_WORKER_PARAM_FIELD_THREAD_MODE
         wparams.thread_mode = L.UCS_THREAD_MODE_SERIALIZED if threaded else L.UCS_THREAD_MODE_SINGLE
-        return int(
-            self.lib.ucp_worker_create(
-                self._context, ctypes.byref(wparams), ctypes.byref(self._worker)
+        with process_environment(self._environment):  # the worker opens the transports
+            return int(
+                self.lib.ucp_worker_create(
+                    self._context, ctypes.byref(wparams), ctypes.byref(self._worker)
+                )
             )
-        )
 
     def sibling(self, threaded: bool = False) -> UcxWorker:
         """Another worker on this worker's context (its registrations are valid there too).
@@ -168,6 +200,7 @@ class UcxWorker:
         other = UcxWorker.__new__(UcxWorker)
         other.lib = self.lib
         other.config = self.config
+        other._environment = self._environment
         other._context = self._context
         other._worker = L.ucp_worker_h()
         other._name = self._name

@@ -57,6 +57,12 @@ FIELDS_AFTER_1_13: dict[str, tuple[str, ...]] = {
 """Fields of the structs below that UCX 1.13's headers lack (all at the structs' ends). The
 binding never sets them (nor their field-mask bits), so the 1.22 layouts serve 1.13 too."""
 
+PREFIXED_TRANSPORT_OPTIONS_SINCE = (1, 17)
+"""UCX before 1.17 keeps a transport option given to `ucp_config_modify` (`IB_GID_INDEX`,
+`CMA_SEG_SIZE`) but cannot apply it: its `uct_config_modify` ignores the transport's prefix, and
+UCP warns "invalid configuration" and drops it. Such options then go to UCX through the
+environment while it creates its transports (`UcxWorker`), where UCX reads them itself."""
+
 # -- ucs_config_print_flags_t (ucs/config/types.h) ------------------------------------------------
 UCS_CONFIG_PRINT_CONFIG = 1 << 0
 
@@ -394,6 +400,28 @@ class LibUcp:
         transport options given through `ucp_config_modify`: what `ucp_config_print` writes,
         read back through an `open_memstream` buffer. (Transport options set only in the
         environment are not in it: the transports read those themselves.)"""
+        text = self._print(config)
+        values: dict[str, str] = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not key.startswith("#"):
+                # UCP's own variables print with the prefix; transport options given through
+                # ucp_config_modify (kept for the transports, e.g. IB_GID_INDEX) without it.
+                values[key.removeprefix("UCX_")] = value
+        return values
+
+    def transport_options(self, config: c_void_p) -> dict[str, str]:
+        """The transport options given to a `ucp_config_t` through `ucp_config_modify` (UCP
+        keeps them for the transports; `ucp_config_print` prints them without `UCX_`)."""
+        out: dict[str, str] = {}
+        for line in self._print(config).splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not key.startswith(("UCX_", "#")):
+                out[key] = value
+        return out
+
+    def _print(self, config: c_void_p) -> str:
+        """What `ucp_config_print` writes for `config` (its `UCS_CONFIG_PRINT_CONFIG` lines)."""
         libc = ctypes.CDLL(None)
         libc.open_memstream.restype = c_void_p
         libc.open_memstream.argtypes = [POINTER(c_void_p), POINTER(c_size_t)]
@@ -411,14 +439,7 @@ class LibUcp:
             text = ctypes.string_at(buf, size.value).decode(errors="replace")
         finally:
             libc.free(buf)
-        values: dict[str, str] = {}
-        for line in text.splitlines():
-            key, sep, value = line.partition("=")
-            if sep and not key.startswith("#"):
-                # UCP's own variables print with the prefix; transport options given through
-                # ucp_config_modify (kept for the transports, e.g. IB_GID_INDEX) without it.
-                values[key.removeprefix("UCX_")] = value
-        return values
+        return text
 
     def status_string(self, status: int) -> str:
         """UCX's text for a status code."""

@@ -290,13 +290,28 @@ def test_bad_allow_tcp_only_is_refused() -> None:
 
 
 _ONE_BUILD = """
-import json, sys
+import json, os, sys
 from weight_transfer.backends.base import TransportConfig, create_transport
 from weight_transfer.backends.ucx_native import UcxBuildConflictError
 out = {}
-def make(library):
-    return create_transport(TransportConfig(name="ucx", options=(("library", library),)))
-first = make(sys.argv[1])
+def make(library, *options):
+    return create_transport(TransportConfig(name="ucx", options=(("library", library),) + options))
+def listening_ports():
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        link = os.readlink(f"/proc/self/fd/{fd}") if os.path.islink(f"/proc/self/fd/{fd}") else ""
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.append(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+first = make(sys.argv[1], ("TLS", "tcp"), ("TCP_PORT_RANGE", "29871-29880"))
+out["ports"] = listening_ports()
+out["env_after"] = os.environ.get("UCX_TCP_PORT_RANGE")
 out["first"] = first._worker.lib.describe()
 out["again"] = make(sys.argv[1])._worker.lib.describe()
 out["auto"] = make("auto")._worker.lib.describe()
@@ -315,6 +330,8 @@ print(json.dumps(out))
     reason="needs two UCX builds: the libucx wheel and the system's libucp (libucx0)",
 )
 def test_a_second_build_in_one_process_is_refused_in_one_line() -> None:
+    """One subprocess: the system's UCX first (with a transport option it can take only from
+    the environment), then the same build again, auto, and the wheel (refused)."""
     run = subprocess.run(
         [sys.executable, "-c", _ONE_BUILD, "system", "wheel"],
         capture_output=True,
@@ -329,6 +346,11 @@ def test_a_second_build_in_one_process_is_refused_in_one_line() -> None:
     second = out["second"]
     assert "\n" not in second
     assert "library=wheel" in second and "refused" in second and out["first"] in second
+    # A transport option (prefixed: TCP_PORT_RANGE) reaches UCX 1.13, which cannot take it
+    # through ucp_config_modify, by the environment while UCX creates its transports only.
+    assert out["ports"] and all(29871 <= p <= 29880 for p in out["ports"]), out["ports"]
+    assert out["env_after"] is None
+    assert "invalid configuration" not in run.stderr
 
 
 # -- the script the doctor runs for builds it must not load -------------------------------------
