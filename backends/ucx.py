@@ -1,7 +1,9 @@
 """UCX backend: one-sided `ucp_put_nbx` into peers' memory with packed remote keys.
 
-libucp comes from the `libucx-cu13` wheel through a small ctypes binding
-(`backends.ucx_native`); ucx-py is no longer installable and ucxx exposes no RMA to Python.
+libucp is loaded through a small ctypes binding (`backends.ucx_native`; UCX 1.13 to 1.23) from
+the build the option `library` names; ucx-py is no longer installable and ucxx exposes no RMA to
+Python. Which build can do what (the `libucx-cu13` wheel has no RDMA lane at all) and what to
+write for each: docs/ucx.md.
 
 How a write travels: the target registers its memory with `ucp_mem_map` (host memory, or
 `UCS_MEMORY_TYPE_CUDA` for GPU memory) and publishes the packed rkey plus the address in the
@@ -11,19 +13,37 @@ completes, which UCX guarantees only after every earlier put on that endpoint is
 complete. On one host UCX moves host memory with `cma` (process_vm_writev) and GPU memory with
 `cuda_ipc`, across hosts with RDMA where present: true one-sided lanes, the target runs no code.
 Over UCX's `tcp` lane (two hosts without RDMA; `TLS=tcp`) and other lanes without a put of
-their own, UCX emulates puts with messages that the target's worker must progress; see
-`target_progress` below.
+their own (shared memory and cma before UCX 1.16), UCX emulates puts with messages that the
+target's worker must progress; see `target_progress` below. `capabilities.one_sided` says which
+of the two the configured lanes are (`ucx_native._tls.is_one_sided`).
 
-Options (`TransportConfig.options`): `target_progress` is this backend's own; every other key
-is a UCX configuration variable, with or without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`,
-`("NET_DEVICES", "lo")`), applied with
-`ucp_config_modify`; the library never reads the environment itself (UCX still honours `UCX_*`
-variables that the process already has, as `ucp_config_read` always does). If
+Options (`TransportConfig.options`): `target_progress`, `lanes`, `library` and
+`allow_tcp_only` are this backend's own; every other key is a UCX configuration variable, with
+or without the `UCX_` prefix (`("TLS", "sm,cma,tcp")`, `("NET_DEVICES", "lo")`), applied with
+`ucp_config_modify` (a transport's own option on UCX before 1.17: through the environment while
+UCX creates its transports, `ucx_native.UcxWorker`); the library never reads the environment
+for its own configuration (UCX still honours `UCX_*` variables that the process already has,
+as `ucp_config_read` always does). If
 `NET_DEVICES` is not given and `config.listen_host` is a loopback address (the default), the
 backend sets `NET_DEVICES=lo`, so a default transport never sends a packet off this host.
-Unless given, `CMA_SEG_SIZE=4M` and `CMA_TX_QUOTA=16` are set (these override `UCX_*`
-environment variables of the same names): one progress call then copies up to 4 MiB per put and
-up to 16 queued puts, instead of 512 KiB and one.
+Unless given, `CMA_SEG_SIZE=4M` and `CMA_TX_QUOTA=16` are set on UCX 1.17 and later (these
+override `UCX_*` environment variables of the same names): one progress call then copies up to
+4 MiB per put and up to 16 queued puts, instead of 512 KiB and one.
+
+`library` = `auto` (default) | `wheel` | `system` | `nixl` | a folder holding libucp.so*: the
+UCX build (`ucx_native._builds`). One build per process: a transport asking for another build
+than the one this process loaded is refused in one line naming both (`auto` takes the loaded
+one).
+
+Lanes are checked before UCX starts, on the configuration UCX will use (options, environment,
+config files; `ucx_native._tls.check`): a `TLS` lane the build lacks, or none of whose devices
+`NET_DEVICES` allows, is refused naming the lane, the build (path, version) and what it has;
+so are rc lanes without ud (UCP wires rc up over ud: `rc_verbs` alone never connects), ud over
+an IPv4 GID on a non-Mellanox RoCE device before UCX 1.19 (it never receives there), and, where
+the kernel lists an RDMA device, network lanes that would carry data between hosts over TCP
+only, unless `allow_tcp_only` = `yes` (default `no`). Over rc lanes `connect` waits, up to
+`connect_timeout_s`, until UCP has wired the endpoints (the target answers from its progress
+thread), so the writes that follow need no CPU on the target.
 
 `target_progress` = `auto` (default) | `on` | `off`: a daemon thread that progresses the
 worker of a process holding TARGET regions, so emulated puts land. `auto` starts it when the
