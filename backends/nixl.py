@@ -25,13 +25,17 @@ UCX: the class is `progress_driven`, `Transport.wait` polls without sleeping). A
 back to the cache once it reports DONE.
 
 Options (`TransportConfig.options`):
-- `ucx_error_handling_mode` (default `none`), `ucx_devices`, `num_workers`: passed to NIXL's
-  UCX plugin. Mode `none` keeps UCX's one-sided lanes (cma on one host, cuda_ipc for GPUs,
-  RDMA); with `peer` UCX emulates puts with messages that the target must progress, and this
-  backend runs no progress on targets. The consequence of `none`: a dead peer is not reported
-  by UCX; its transfers never complete and `Transport.wait`'s timeout names the peer.
-- `ucx_devices` defaults to `lo` when `config.listen_host` is a loopback address (the
-  default), so a default transport never leaves this host.
+- `ucx_error_handling_mode` (default `none`), `num_workers`: passed to NIXL's UCX plugin.
+  Mode `none` keeps UCX's one-sided lanes (cma on one host, cuda_ipc for GPUs, RDMA); with
+  `peer` UCX emulates puts with messages that the target must progress, and this backend runs
+  no progress on targets. The consequence of `none`: a dead peer is not reported by UCX; its
+  transfers never complete and `Transport.wait`'s timeout names the peer.
+- `ucx_devices` (for example `mlx5_0:1`, or `rxe0:1`): the devices UCX may use, set as UCX's
+  `NET_DEVICES` (NIXL 1.5.1's UCX plugin ignores its own `ucx_devices` parameter). Giving both
+  it and `UCX_NET_DEVICES` is refused.
+- The devices default to `lo` when `config.listen_host` is a loopback address (the default)
+  and neither option nor the process environment's `UCX_NET_DEVICES` names any, so a default
+  transport opens no interface but `lo` (and UCX's shared-memory lanes).
 - `lanes` (default 1): how many copy streams move one host segment at once. See Lanes below,
   including why more than one is not the default.
 - `segment_bytes` (default: 64 MiB for host sources, none for GPU sources; given, it applies to
@@ -131,7 +135,7 @@ logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = EXTRAS["nixl"]
 _ENDPOINT_TAG = "nixl"
-_PLUGIN_OPTIONS = ("ucx_error_handling_mode", "ucx_devices", "num_workers")
+_PLUGIN_OPTIONS = ("ucx_error_handling_mode", "num_workers")
 _OWN_OPTIONS = ("segment_bytes", "window", "lanes")
 _DEFAULT_SEGMENT_BYTES = {"DRAM": 64 << 20, "VRAM": 0}
 """Segment size by source memory type when the option is not given; 0: one transfer per group."""
@@ -333,11 +337,24 @@ class NixlTransport(Transport):
         nixl = _import_nixl()
         self._lanes = _lanes_option(config)
         init: dict[str, str] = {"ucx_error_handling_mode": "none"}
-        if _is_loopback(config.listen_host):
-            init["ucx_devices"] = "lo"
+        options = list(config.options)
+        # NIXL 1.5.1's UCX plugin ignores its own `ucx_devices` parameter (it reads
+        # `device_list`, appending ":1" to each name, which no tcp device matches), so the
+        # devices reach UCX as its NET_DEVICES: checked by the UCX interfaces it opens.
+        devices = config.option("ucx_devices")
+        if devices is not None:
+            if config.option("UCX_NET_DEVICES") is not None:
+                raise ConfigurationError(
+                    "nixl: options 'ucx_devices' and 'UCX_NET_DEVICES' both name UCX's devices; "
+                    "give one"
+                )
+            options = [(k, v) for k, v in options if k != "ucx_devices"]
+            options.append(("UCX_NET_DEVICES", devices))
+        elif _is_loopback(config.listen_host) and config.option("UCX_NET_DEVICES") is None:
+            options.append(("UCX_NET_DEVICES", "lo"))
         engine_config: list[str] = []
         ucx_environment: dict[str, str] = {}
-        for key, value in config.options:
+        for key, value in options:
             if key.startswith("UCX_"):
                 if "," in value:  # engine_config cuts at commas: see the module docstring
                     ucx_environment[key] = value
@@ -349,7 +366,8 @@ class NixlTransport(Transport):
                 continue
             else:
                 raise ConfigurationError(
-                    f"nixl: unknown option {key!r}; expected UCX_* or one of {_PLUGIN_OPTIONS}"
+                    f"nixl: unknown option {key!r}; expected UCX_* or one of "
+                    f"{(*_PLUGIN_OPTIONS, 'ucx_devices', *_OWN_OPTIONS)}"
                 )
         if self._lanes > 1:
             init["num_threads"] = str(self._lanes)

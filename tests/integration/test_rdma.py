@@ -51,9 +51,9 @@ def transport_options(backend: str, host: SoftRoceHost) -> tuple[tuple[str, str]
             ("IB_GID_INDEX", "0"),
         )
     if backend == "nixl":
-        # NIXL also connects its agent to itself: the self lane. Its devices go in UCX's own
-        # variable: NIXL 1.5.1 ignores the plugin's ucx_devices parameter.
-        return (("UCX_TLS", "rc_verbs,ud_verbs,self"), ("UCX_NET_DEVICES", f"{host.device}:1"))
+        # NIXL also connects its agent to itself: the self lane. `ucx_devices` reaches UCX as
+        # NET_DEVICES (NIXL 1.5.1 ignores its plugin's own parameter of that name).
+        return (("UCX_TLS", "rc_verbs,ud_verbs,self"), ("ucx_devices", f"{host.device}:1"))
     raise ValueError(backend)
 
 

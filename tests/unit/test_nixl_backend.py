@@ -256,7 +256,7 @@ def test_ucx_options_configure_this_agent_not_the_process(monkeypatch: pytest.Mo
     rx = NixlTransport(TransportConfig(name="nixl", options=opts))
     tx = NixlTransport(TransportConfig(name="nixl", options=opts))
     try:
-        assert tx._agent.get_backend_params("UCX")["engine_config"] == "TLS=sm"
+        assert tx._agent.get_backend_params("UCX")["engine_config"] == "TLS=sm,NET_DEVICES=lo"
         assert "UCX_TLS" not in os.environ
         assert _write_once(tx, rx)
     finally:
@@ -279,7 +279,7 @@ def test_ucx_list_options_are_set_only_while_the_agent_starts(
     tx = NixlTransport(TransportConfig(name="nixl", options=opts))
     try:
         assert os.environ["UCX_TLS"] == "no_such_tl"
-        assert "engine_config" not in tx._agent.get_backend_params("UCX")
+        assert tx._agent.get_backend_params("UCX")["engine_config"] == "NET_DEVICES=lo"
         assert _write_once(tx, rx)
     finally:
         tx.close()
@@ -370,3 +370,40 @@ def test_a_process_that_made_an_agent_exits_cleanly_beside_rdma_core(
     )
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert run.stdout.strip() == (ucx_modules or "^efa")
+
+
+def _netifs_opened(options: str, listen_host: str = "127.0.0.1") -> set[str]:
+    """The network interfaces a NIXL agent's UCX listens on (UCX's debug log), in a child."""
+    import re
+    import subprocess
+
+    code = (
+        "from weight_transfer.backends.base import TransportConfig, create_transport\n"
+        f"t = create_transport(TransportConfig(name='nixl', listen_host={listen_host!r}, "
+        f"options={options}))\n"
+        "t.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["UCX_LOG_LEVEL"] = "debug"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    return set(re.findall(r"listening for connections .* netif (\S+)", run.stdout + run.stderr))
+
+
+@requires_module("nixl_cu13")
+def test_devices_reach_ucx_and_a_default_transport_stays_on_lo() -> None:
+    """NIXL 1.5.1 ignores its UCX plugin's `ucx_devices` parameter: a default transport (which
+    documents "never leaves this host") listened on every interface, and `ucx_devices` chose
+    nothing (in the Soft-RoCE VM an update's bytes went over TCP beside the rxe device it
+    named). The devices now reach UCX as NET_DEVICES: only `lo` is opened."""
+    assert _netifs_opened("()") == {"lo"}
+    # A listen host that is not loopback leaves the devices to the option alone.
+    assert _netifs_opened("(('ucx_devices', 'lo'),)", listen_host="0.0.0.0") == {"lo"}
+    with pytest.raises(ConfigurationError, match="ucx_devices.*UCX_NET_DEVICES"):
+        NixlTransport(
+            TransportConfig(
+                name="nixl", options=(("ucx_devices", "lo"), ("UCX_NET_DEVICES", "lo"))
+            )
+        )
