@@ -255,6 +255,13 @@ def preflight(cfg: DemoConfig) -> str | None:
                 vllm_recipes(shape, r, cfg.engine_ranks, fp8=fp8)
     except (ValueError, WeightTransferError) as exc:
         return f"--engine-ranks {cfg.engine_ranks}: cannot shard {cfg.model!r}: {exc}"
+    if cfg.control_port:
+        busy = _port_in_use(cfg.control_host, cfg.control_port)
+        if busy is not None:
+            return (
+                f"control port {cfg.control_port} on {cfg.control_host} is in use ({busy}): "
+                "give another ([control] port) or leave it out for a free one"
+            )
     try:
         token = cfg.control_token or secrets.token_hex(16)
         for role in ("trainer", "engine"):
@@ -262,6 +269,26 @@ def preflight(cfg: DemoConfig) -> str | None:
             create_transport(config.transport_config()).close()
     except (ValueError, WeightTransferError, OSError) as exc:
         return f"--backend {cfg.backend}: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why trainer rank 0 could not host the control plane at host:port, or None.
+
+    A test bind, as the store's own listen would (without SO_REUSEPORT): the demo refuses a busy
+    port before it starts any process, rather than failing rank 0 once every process started.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
     return None
 
 
@@ -337,8 +364,11 @@ def engine_main(engine: int, cfg: DemoConfig, port: int, token: str, out: Any) -
                     logits = module(input_ids=probe_tokens(cfg)).logits
                 out.put(("logits", "engine", step, _pack({"x": logits})))
             receiver.publish_digests(step)
-        # Stay registered until the trainers have verified the last update.
+        # Stay registered until the trainers have verified the last update, then say so: the
+        # trainers' rank 0 closes the store (its controller) only after every engine has, or an
+        # engine still on its way to reading "finished" would lose the controller instead.
         receiver._control.get(f"finished/{cfg.steps}", _Finished, cfg.timeout_s)
+        receiver._control.put(f"finished/{cfg.steps}/engine{engine}", _Finished(step=cfg.steps))
     finally:
         receiver.close()
 
@@ -433,6 +463,9 @@ def trainer_main(
                     )
         if rank == 0:
             sender._control.put(f"finished/{cfg.steps}", _Finished(step=cfg.steps))
+            seen = [f"finished/{cfg.steps}/engine{e}" for e in range(cfg.num_engines)]
+            if not sender._control.ready(seen, cfg.timeout_s):
+                log.warning("demo: closing before every engine read the last verdict")
             trace = sender.trace_events()
             out.put(("trace", len(trace)))
         dist.barrier()
