@@ -41,6 +41,7 @@ from weight_transfer.config import (
 )
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
+from weight_transfer.errors import UpdateFailedError
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
 from weight_transfer.protocol import Go
@@ -229,6 +230,201 @@ def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() 
         assert client.receivers[0].version == 0
     finally:
         updater.close()
+        client.close()
+
+
+class _TwoWorkers:
+    """vLLM at tp=2 over in-process receivers: each phase runs on both workers, as vLLM's
+    `collective_rpc` does (`update_weights` returns once both returned, raising the first
+    error). A worker still in a forward pass (`busy_s`, per update) announces it is ready only
+    after it. Records every pair of client calls that overlapped (a call made while another
+    runs on another thread)."""
+
+    def __init__(self, busy_s: dict[int, tuple[float, float]]) -> None:
+        self.busy_s = busy_s
+        self.fail_start: str = ""
+        self.fail_update: str = ""
+        self.receivers: list[WeightReceiver] = []
+        self.signals: list[ControlPlane] = []
+        self.worker_outcomes: dict[int, list[Any]] = {}
+        self.overlaps: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, float]] = []
+        self._lock = threading.Lock()
+        self._running = ""
+
+    def _call(self, name: str, body: Callable[[], None]) -> None:
+        with self._lock:
+            if self._running:
+                self.overlaps.append((self._running, name))
+            self._running = name
+        try:
+            body()
+        finally:
+            with self._lock:
+                self._running = ""
+                self.calls.append((name, time.monotonic()))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from weight_transfer.engines.vllm import EngineInitInfo
+
+        config = EngineInitInfo(**init_info).transfer_config()
+        for r in range(2):
+            name = f"{config.vllm.engine_prefix}/rank{r}"
+            self.receivers.append(_engine(name, config.control, seed=20 + r))
+            self.signals.append(ControlPlane(config.control, server=False, member=name))
+
+    def start_weight_update(self) -> None:
+        def body() -> None:
+            if self.fail_start:
+                why, self.fail_start = self.fail_start, ""
+                raise RuntimeError(why)
+
+        self._call("start_weight_update", body)
+
+    def _worker(self, r: int, k: int, timeout_s: float) -> int:
+        from weight_transfer.engines.vllm.trainer import Ready, ready_key
+
+        time.sleep(self.busy_s.get(k, (0.0, 0.0))[r])  # the forward pass in progress ends
+        rx = self.receivers[r]
+        self.signals[r].put(ready_key(k, rx.engine), Ready(step=k, engine=rx.engine))
+        return rx.wait_for_version(k, timeout_s)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        def body() -> None:
+            if self.fail_update:
+                why, self.fail_update = self.fail_update, ""
+                raise RuntimeError(why)
+            k, t = int(update_info["version"]), float(update_info["timeout_s"])
+            out = _on_threads([lambda r=r: self._worker(r, k, t) for r in range(2)], 60)
+            self.worker_outcomes[k] = out
+            for o in out:
+                if isinstance(o, BaseException):
+                    raise o
+
+        self._call("update_weights", body)
+
+    def abort_weight_update(self) -> None:
+        self._call("abort_weight_update", lambda: None)
+
+    def fail_weight_update(self, reason: str) -> None:
+        self._call("fail_weight_update", lambda: None)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", lambda: None)
+
+    def close(self) -> None:
+        for rx in self.receivers:
+            rx.close()
+        for cp in self.signals:
+            cp.close()
+
+
+def _two_trainer_ranks(client: _TwoWorkers, update_timeout_s: float) -> list[Any]:
+    """Two trainer ranks (threads) of one transfer into `client`'s two workers, same weights."""
+    from weight_transfer.engines.vllm import OneSidedUpdater, TrainerInitInfo
+
+    config = TransferConfig(
+        num_engines=2,
+        control=ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=15),
+        sender=SenderConfig(update_timeout_s=update_timeout_s),
+        planner=PLANNER,
+    )
+    made = _on_threads(
+        [
+            lambda r=r: OneSidedUpdater(
+                TrainerInitInfo(config=config, rank=r, world_size=2),
+                _source(6),
+                client if r == 0 else None,
+            )
+            for r in range(2)
+        ],
+        60,
+    )
+    for m in made:
+        assert not isinstance(m, BaseException), m
+    return made
+
+
+def _timed_updates(updaters: list[Any], step: int) -> list[tuple[Any, float]]:
+    """`update(step)` on every rank at once: (what each returned or raised, when it ended)."""
+
+    def one(u: Any) -> tuple[Any, float]:
+        try:
+            out: Any = u.update(step)
+        except Exception as exc:
+            out = exc
+        return out, time.monotonic()
+
+    return _on_threads([lambda u=u: one(u) for u in updaters], 60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "phase", ["start_weight_update", "update_weights"], ids=["start", "update_weights"]
+)
+def test_a_vllm_update_that_cannot_start_fails_every_trainer_rank_at_once(phase: str) -> None:
+    """Issue 40, finding 8: vLLM refuses the update before any byte is written (its
+    `start_weight_update` raises, or `update_weights` fails before every worker is ready).
+    Trainer rank 1 used to wait for a "go" that never came and end after `update_timeout_s`
+    plus the control plane's timeout with a bare `TransportTimeoutError`; now every rank fails
+    within seconds, rank 1 naming vLLM's error. The next update lands bit for bit."""
+    client = _TwoWorkers(busy_s={})
+    updaters = _two_trainer_ranks(client, update_timeout_s=8)
+    why = f"injected: vLLM refused {phase}"
+    setattr(client, "fail_start" if phase == "start_weight_update" else "fail_update", why)
+    try:
+        t0 = time.monotonic()
+        (r0, t_r0), (r1, t_r1) = _timed_updates(updaters, 1)
+        print(f"\nrank 0 raised after {t_r0 - t0:.2f} s, rank 1 after {t_r1 - t0:.2f} s")
+        assert isinstance(r0, Exception) and why in str(r0), r0
+        assert isinstance(r1, UpdateFailedError), repr(r1)
+        assert "update 1 not started, nothing was written" in str(r1) and why in str(r1), r1
+        assert t_r1 - t0 < 3.0 and t_r0 - t0 < 3.0
+        assert client.overlaps == []
+        assert [rx.version for rx in client.receivers] == [0, 0]
+        outcomes = _timed_updates(updaters, 2)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        for rx in client.receivers:
+            assert rx.version == 2 and torch.equal(rx.tensor("w"), _source(6)["w"])
+    finally:
+        for u in updaters:
+            u.close()
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_vllm_worker_not_ready_in_time_fails_every_rank_and_no_client_call_overlaps() -> None:
+    """Issue 40, finding 8: worker 1 is still in a forward pass when rank 0's wait for "ready"
+    (`update_timeout_s`, 3 s) ends. Rank 0 used to raise alone: rank 1 waited 15 s more for a
+    "go" and raised a bare `TransportTimeoutError`, worker 1 then waited its own timeout, and
+    rank 0 called `abort_weight_update` while `update_weights` still ran on another thread.
+    Now rank 1 fails within 2 s of rank 0's wait, naming the worker; worker 1, once ready,
+    hears that verdict at once; `abort_weight_update` runs only after `update_weights`
+    returned. The next update lands bit for bit."""
+    client = _TwoWorkers(busy_s={1: (0.0, 6.0)})
+    updaters = _two_trainer_ranks(client, update_timeout_s=3)
+    try:
+        t0 = time.monotonic()
+        (r0, t_r0), (r1, t_r1) = _timed_updates(updaters, 1)
+        print(f"\nrank 0 raised after {t_r0 - t0:.2f} s, rank 1 after {t_r1 - t0:.2f} s")
+        not_ready = "engine(s) ['vllm/rank1'] not ready within 3 s"
+        assert isinstance(r0, TransportTimeoutError) and not_ready in str(r0), r0
+        assert isinstance(r1, UpdateFailedError) and not_ready in str(r1), repr(r1)
+        assert t_r1 - t0 < 3.0 + 2.0
+        assert client.overlaps == [], client.overlaps
+        calls = [name for name, _ in client.calls]
+        assert calls == ["start_weight_update", "update_weights", "abort_weight_update"], calls
+        late = client.worker_outcomes[1][1]  # worker 1, ready only after its forward pass
+        assert isinstance(late, UpdateFailedError) and not_ready in str(late), repr(late)
+        assert [rx.version for rx in client.receivers] == [0, 0]
+        outcomes = _timed_updates(updaters, 2)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        for rx in client.receivers:
+            assert rx.version == 2 and torch.equal(rx.tensor("w"), _source(6)["w"])
+        assert client.overlaps == []
+    finally:
+        for u in updaters:
+            u.close()
         client.close()
 
 
