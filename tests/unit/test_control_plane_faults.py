@@ -428,6 +428,49 @@ def test_a_vllm_worker_not_ready_in_time_fails_every_rank_and_no_client_call_ove
         client.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_vllm_update_weights_call_past_its_deadline_is_never_overlapped() -> None:
+    """vLLM's `update_weights` of update 1 does not return by its deadline (`update_timeout_s`
+    plus the control plane's `timeout_s`, 16 s here): rank 0 calls neither
+    `abort_weight_update` nor `fail_weight_update` (vLLM stays paused) and says so; update 2
+    is refused on both ranks at once without a client call, naming the call that runs; once
+    it returned, update 3 lands."""
+    client = _TwoWorkers(busy_s={1: (0.0, 20.0)})
+    updaters = _two_trainer_ranks(client, update_timeout_s=1)
+    try:
+        t0 = time.monotonic()
+        (r0, _), (r1, _) = _timed_updates(updaters, 1)
+        assert isinstance(r0, TransportTimeoutError), repr(r0)
+        assert any("neither abort_weight_update" in n for n in r0.__notes__), r0.__notes__
+        assert isinstance(r1, UpdateFailedError) and "not ready within 1 s" in str(r1), r1
+        assert 15.0 < time.monotonic() - t0 < 20.0  # rank 0 waited for the call until then
+        (r0, _), (r1, _) = _timed_updates(updaters, 2)
+        running = "vLLM's update_weights of update 1 has not returned"
+        assert isinstance(r0, WeightTransferError) and running in str(r0), repr(r0)
+        assert isinstance(r1, UpdateFailedError) and running in str(r1), repr(r1)
+        assert [c for c, _ in client.calls] == ["start_weight_update"]  # update_weights runs
+        while "update_weights" not in [c for c, _ in client.calls]:
+            assert time.monotonic() - t0 < 40, "update_weights of update 1 never returned"
+            time.sleep(0.1)
+        time.sleep(0.5)  # its thread ends right after the call
+        outcomes = _timed_updates(updaters, 3)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        assert [c for c, _ in client.calls] == [
+            "start_weight_update",
+            "update_weights",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
+        assert client.overlaps == []
+        for rx in client.receivers:
+            assert rx.version == 3 and torch.equal(rx.tensor("w"), _source(6)["w"])
+    finally:
+        for u in updaters:
+            u.close()
+        client.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_planted_join_slot_claim_does_not_stall_replan() -> None:
     cp = _control(timeout_s=4)

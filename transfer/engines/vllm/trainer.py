@@ -535,6 +535,7 @@ class OneSidedUpdater:
         return stats
 
     def _control_timeout_s(self) -> float:
+        """The control plane's timeout (added to `update_timeout_s` for vLLM's RPC)."""
         return self.init_info.config.control.timeout_s
 
     def _client_idle(self) -> bool:
@@ -579,7 +580,7 @@ class OneSidedUpdater:
             exc.add_note(
                 "vLLM's update_weights call has not returned, so neither abort_weight_update "
                 "nor fail_weight_update was called (no client call overlaps another): vLLM stays "
-                "paused, and the next update waits for that call"
+                "paused, and updates are refused on every rank while that call runs"
             )
             return
         if not self._writing:  # "go" was never posted: not a byte was written
