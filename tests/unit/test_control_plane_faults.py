@@ -7,7 +7,10 @@ Each test names the fault and failed before the change it guards:
 - per-update keys were deleted only for `step - 8`, so a cadence of 3 leaked every key (c);
 - non-controller ranks timed out at start-up while rank 0 succeeded (d);
 - `replan` released the old plan before the new one was built (e);
-- a timed-out connect left its thread behind (f).
+- a timed-out connect left its thread behind (f);
+- on the vLLM path an update rank 0 could not start (vLLM refused it, or a worker was not ready)
+  left the other trainer ranks waiting for "go" until their timeout, and rank 0 called
+  `abort_weight_update` while `update_weights` still ran (issue 40, finding 8).
 Everything runs in this process (threads for ranks) over the real runtime.
 """
 
