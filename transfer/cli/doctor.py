@@ -202,8 +202,8 @@ def format_report(report: DoctorReport) -> str:
 
 
 IBVERBS_TESTED = (
-    "tested: on Soft-RoCE (rxe) in the project's VM (conformance, whole updates, faults); "
-    "never on an RDMA NIC, with GPU memory, multi-rail or InfiniBand (docs/ibverbs.md)"
+    "tested: on Soft-RoCE (rxe) in the project's VM, CI's step 7 (conformance, whole updates, "
+    "faults); never on an RDMA NIC, with GPU memory, multi-rail or InfiniBand (docs/ibverbs.md)"
 )
 """What the ibverbs backend has run on, printed under its devices."""
 
