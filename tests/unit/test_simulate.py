@@ -543,6 +543,26 @@ def test_cli_simulate_delta_prints_both_and_refuses_bad_density(
     assert "--delta-density: DeltaDensity.other must be in [0, 1]" in capsys.readouterr().err
 
 
+def test_cli_simulate_says_it_predicts_and_names_host_costs_it_leaves_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`simulate --preset kimi-k2` printed 0.758 s with nothing saying it is the model's
+    prediction, nor that the preset's per-write and per-task host costs are 0."""
+    from weight_transfer.cli import main
+
+    assert main(["simulate", "--preset", "kimi-k2-mini"]) == 0
+    out = capsys.readouterr().out
+    assert "a prediction of the simulator's model" in out
+    assert "counts no host cost per write and per task (0 in these rates)" in out
+    rates = '{"write_overhead_s": 1e-5, "task_overhead_s": 0}'
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--rates", rates]) == 0
+    out = capsys.readouterr().out
+    assert "counts no host cost per task (0 in these rates)" in out
+    rates = '{"write_overhead_s": 1e-5, "task_overhead_s": 7e-5}'
+    assert main(["simulate", "--preset", "kimi-k2-mini", "--rates", rates]) == 0
+    assert "counts no host cost" not in capsys.readouterr().out
+
+
 def test_replicas_of_one_unit_are_prepared_once_per_task() -> None:
     """The executor stages and quantizes each distinct unit of a task once however many engine
     replicas it goes to (`pipeline.prepare`); the model charges the same: a task's preparation

@@ -283,6 +283,23 @@ def _simulate(ns: argparse.Namespace) -> int:
     print(f"{'  control plane':<30}{r.control_plane_s:>11.3f}s")
     print(f"{'lower bound (data plane)':<30}{r.lower_bound_s:>11.3f}s")
     print(f"{'efficiency (bound/data plane)':<30}{r.efficiency:>12.1%}")
+    print(
+        "(a prediction of the simulator's model from the rates above, not a measurement: "
+        "docs/simulator.md compares it with measured updates)"
+    )
+    free = [
+        name
+        for name, value in (
+            ("per write", rates.write_overhead_s),
+            ("per task", rates.task_overhead_s),
+        )
+        if value == 0
+    ]
+    if free:
+        print(
+            f"note: this prediction counts no host cost {' and '.join(free)} (0 in these rates); "
+            "real updates pay them: give measured ones with --rates"
+        )
     print()
     print("stage bounds:")
     for k, v in r.stage_bound_s.items():
