@@ -1340,8 +1340,22 @@ def write_json(result: BenchResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(result.to_json(), indent=2) + "\n")
 
 
+LOG_AXIS_SPAN = 10.0
+"""Plot throughput on a log axis once its values span more than this factor: on a linear one
+the slower lines (a transport beside a memcpy baseline 50x faster) lie flat at the bottom."""
+
+
+def throughput_axis_scale(values: Sequence[float]) -> str:
+    """ "log" when the positive `values` span more than `LOG_AXIS_SPAN`, else "linear"."""
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) > LOG_AXIS_SPAN * min(positive):
+        return "log"
+    return "linear"
+
+
 def plot_result(result: BenchResult, path: str | Path) -> None:
-    """Throughput against message size (log2 x axis): a line per backend, dashed baselines."""
+    """Throughput against message size (log2 x axis): a line per backend, dashed baselines; the
+    y axis is logarithmic when the lines span more than `LOG_AXIS_SPAN`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1365,10 +1379,16 @@ def plot_result(result: BenchResult, path: str | Path) -> None:
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
     sizes = sorted({m.size_bytes for m in result.measurements})
     ax.set_xscale("log", base=2)
+    scale = throughput_axis_scale(
+        [v for m in result.measurements for v in (m.median_gbps, m.p10_gbps, m.p90_gbps)]
+    )
+    ax.set_yscale(scale)
     if sizes:
         ax.set_xticks(sizes, [format_size(s) for s in sizes])
     ax.set_xlabel("message size")
-    ax.set_ylabel("throughput, GB/s (median; band p10-p90)")
+    ax.set_ylabel(
+        f"throughput, GB/s (median; band p10-p90){', log scale' if scale == 'log' else ''}"
+    )
     cfg = result.config
     if cfg.device == "cuda":
         where = "GPU0 -> GPU1"

@@ -114,6 +114,15 @@ def test_run_loopback_and_tcp(tmp_path: Path) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_throughput_axis_turns_logarithmic_when_lines_span_more_than_ten_times() -> None:
+    """The plot's linear y axis squashed tcp (~0.1 GB/s) flat against a memcpy baseline
+    (~10 GB/s); values that span more than 10x now get a log axis."""
+    assert h.throughput_axis_scale([0.1, 0.5, 10.0]) == "log"
+    assert h.throughput_axis_scale([2.0, 5.0, 19.0]) == "linear"
+    assert h.throughput_axis_scale([0.0, 3.0]) == "linear"
+    assert h.throughput_axis_scale([]) == "linear"
+
+
 def test_cli_bench_transports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path, png_path = tmp_path / "b.json", tmp_path / "b.png"
     code = main(
