@@ -11,15 +11,13 @@ from weight_transfer import (
     WeightReceiver,
     allocate_engine_tensors,
     get_model_shape,
+    load_toml,
     vllm_recipes,
     vllm_tensor_specs,
 )
-from weight_transfer.config import config_from_mapping, merge, read_toml
 
 tp_rank, tp_size = int(sys.argv[2]), int(sys.argv[3])
-cfg = config_from_mapping(
-    merge(read_toml(sys.argv[1]), {"control": {"token": os.environ["WT_TOKEN"]}})
-)
+cfg = load_toml(sys.argv[1], token=os.environ["WT_TOKEN"])
 own = cfg.transport_config()
 print(f"engine tp{tp_rank}: binds {own.listen_host}, advertises {own.advertise_host}", flush=True)
 

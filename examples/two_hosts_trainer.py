@@ -9,16 +9,18 @@ import sys
 
 import torch
 
-from weight_transfer import WeightSender, get_model_shape
-from weight_transfer.config import config_from_mapping, merge, read_toml
-from weight_transfer.planner.presets.models import hf_parameter_shapes
-from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
-from weight_transfer.planner.reference import materialize
+from weight_transfer import (
+    WeightSender,
+    get_model_shape,
+    hf_parameter_shapes,
+    load_toml,
+    materialize,
+    vllm_recipes,
+    vllm_tensor_specs,
+)
 
 # This host's file, plus the token from the environment (never in a file others may read).
-cfg = config_from_mapping(
-    merge(read_toml(sys.argv[1]), {"control": {"token": os.environ["WT_TOKEN"]}})
-)
+cfg = load_toml(sys.argv[1], token=os.environ["WT_TOKEN"])
 NUM_ENGINES = cfg.num_engines  # host B's tensor-parallel ranks (num_engines in the file)
 own = cfg.transport_config()
 print(

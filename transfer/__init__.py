@@ -56,8 +56,10 @@ from weight_transfer.planner.presets.models import (
     ModelShape,
     from_hf_config,
     get_model_shape,
+    hf_parameter_shapes,
 )
 from weight_transfer.planner.presets.vllm import vllm_recipes, vllm_tensor_specs
+from weight_transfer.planner.reference import materialize
 from weight_transfer.receiver import WeightReceiver
 from weight_transfer.sender import WeightSender
 from weight_transfer.serving import ServingGate, ServingState, ServingStatus
@@ -99,7 +101,9 @@ __all__ = [
     "allocate_engine_tensors",
     "from_hf_config",
     "get_model_shape",
+    "hf_parameter_shapes",
     "load_toml",
+    "materialize",
     "vllm_recipes",
     "vllm_tensor_specs",
 ]

@@ -501,14 +501,22 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             raise ConfigurationError(f"{path}: not valid TOML: {exc}") from exc
 
 
-def load_toml(path: str | Path) -> TransferConfig:
+def load_toml(path: str | Path, *, token: str | None = None) -> TransferConfig:
     """Read a TOML configuration file (every table and key maps onto `TransferConfig`).
+
+    Args:
+        path: the file.
+        token: the control plane's token, over the file's `[control] token` (keep the token
+            out of files others may read: pass it from the environment or a secret store).
 
     Raises:
         ConfigurationError: not TOML, an unknown table or key, or a bad value (one line naming
             it).
     """
-    return config_from_mapping(read_toml(path))
+    data = read_toml(path)
+    if token is not None:
+        data = merge(data, {"control": {"token": token}})
+    return config_from_mapping(data)
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

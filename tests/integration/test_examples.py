@@ -31,6 +31,31 @@ def test_readme_blocks_are_the_example_files() -> None:
     assert _readme_block("<!-- examples/trainer.py -->") == (EXAMPLES / "trainer.py").read_text()
 
 
+def test_examples_import_only_the_public_api() -> None:
+    """The examples are what users copy: they import `weight_transfer` (and
+    `weight_transfer.engines.vllm`, the plug-in's public module) only, never the internal
+    modules the README calls unstable (two_hosts_* once imported `weight_transfer.config` and
+    `weight_transfer.planner.*`). Every imported name is one the package exports."""
+    import ast
+
+    import weight_transfer
+
+    public = {"weight_transfer", "weight_transfer.engines.vllm"}
+    for path in sorted(EXAMPLES.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for module in modules:
+                if module.split(".")[0] == "weight_transfer":
+                    assert module in public, f"{path.name} imports {module}"
+            if isinstance(node, ast.ImportFrom) and node.module == "weight_transfer":
+                for alias in node.names:
+                    assert alias.name in weight_transfer.__all__, (path.name, alias.name)
+
+
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         # As the control plane binds it: a connection in TIME_WAIT does not make it taken.

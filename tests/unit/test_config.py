@@ -66,6 +66,20 @@ UCX_TLS = "rc,cuda_ipc"
 """
 
 
+def test_load_toml_takes_the_token_from_the_caller_over_the_file(tmp_path):
+    """A file without a token (the way to keep it out of files others read) plus the token
+    from the caller; a bad token is refused as from the file."""
+    path = tmp_path / "wt.toml"
+    path.write_text('transport = "tcp"\n[control]\nport = 29811\n')
+    other = secrets.token_hex(16)
+    assert load_toml(path, token=other).control.token == other
+    path.write_text(TOML)
+    assert load_toml(path, token=other).control.token == other
+    assert load_toml(path).control.token == TOKEN
+    with pytest.raises(ConfigurationError, match="token"):
+        load_toml(path, token="short")
+
+
 def test_toml_maps_onto_the_dataclasses(tmp_path):
     path = tmp_path / "wt.toml"
     path.write_text(TOML)
