@@ -232,6 +232,95 @@ def test_a_vllm_update_that_fails_before_ready_ends_the_blocking_wait_at_once() 
         client.close()
 
 
+def _vllm_info(timeout_s: float = 60) -> Any:
+    from weight_transfer.engines.vllm import TrainerInitInfo
+
+    return TrainerInitInfo(
+        config=TransferConfig(
+            num_engines=1,
+            control=ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=10),
+            sender=SenderConfig(update_timeout_s=timeout_s),
+            planner=PLANNER,
+        ),
+        rank=0,
+        world_size=1,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_vllm_update_records_every_phase_on_one_clock() -> None:
+    """The whole update's phases (vLLM's calls, the ready wait, the sender's go / writes /
+    verdicts) are spans on the host's monotonic clock, nested in the whole update's, for a
+    Perfetto trace beside the workers' spans."""
+    from weight_transfer.engines.vllm import OneSidedUpdater
+
+    client = _FakeVllm(busy_s=0.0)
+    updater = OneSidedUpdater(_vllm_info(), _source(6), client)
+    try:
+        before = time.monotonic_ns()
+        updater.update(1)
+        after = time.monotonic_ns()
+        spans = {s.name: s for s in updater.spans.spans(1)}
+        whole = spans.pop("update (whole)")
+        assert before <= whole.start_ns <= whole.end_ns <= after
+        assert set(spans) >= {
+            "start_weight_update",
+            "update_weights (vLLM RPC)",
+            "wait for engines ready",
+            "sender.update",
+            "go",
+            "writes (executor)",
+            "done verdict",
+            "version words",
+            "commit verdict",
+            "wait for update_weights to return",
+            "finish_weight_update",
+        }, sorted(spans)
+        for s in spans.values():
+            assert whole.start_ns <= s.start_ns <= s.end_ns <= whole.end_ns, s
+        events = updater.trace_events()
+        assert events[0]["name"] == "process_name"
+        assert {e["name"] for e in events if e["ph"] == "X"} >= set(spans)
+    finally:
+        updater.close()
+        client.close()
+
+
+class _StartFails(_FakeVllm):
+    def __init__(self) -> None:
+        super().__init__(busy_s=0.0)
+        self.updates = 0
+
+    def start_weight_update(self) -> None:
+        raise RuntimeError("injected: vLLM refused start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.updates += 1
+
+
+@pytest.mark.timeout(90)
+def test_a_refused_start_never_calls_update_weights() -> None:
+    """`update_weights` runs on a thread started before `start_weight_update` (its start-up
+    overlaps that RPC); when the start is refused, that thread ends at once and never calls."""
+    from weight_transfer.engines.vllm import OneSidedUpdater
+
+    client = _StartFails()
+    updater = OneSidedUpdater(_vllm_info(timeout_s=60), _source(6), client)
+    try:
+        with pytest.raises(RuntimeError, match="refused start_weight_update"):
+            updater.update(1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(
+            t.name == "wt-vllm-update" for t in threading.enumerate()
+        ):
+            time.sleep(0.01)
+        assert not [t for t in threading.enumerate() if t.name == "wt-vllm-update"]
+        assert client.updates == 0
+    finally:
+        updater.close()
+        client.close()
+
+
 @pytest.mark.timeout(90)
 def test_a_planted_join_slot_claim_does_not_stall_replan() -> None:
     cp = _control(timeout_s=4)

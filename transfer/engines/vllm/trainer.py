@@ -47,7 +47,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -71,6 +71,7 @@ from weight_transfer.errors import (
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
 from weight_transfer.serving import ServingGate, ServingStatus
+from weight_transfer.spans import SpanLog, now_ns
 
 __all__ = [
     "BACKEND",
@@ -255,6 +256,8 @@ class LLMWeightSyncClient:
         self._version = "0"
         self._gate = ServingGate()
         self._step = 0
+        self.spans = SpanLog("trainer (vLLM client)")
+        """Each vLLM call's span (`OneSidedUpdater` records its own phases here too)."""
 
     @property
     def serving(self) -> ServingStatus:
@@ -276,9 +279,13 @@ class LLMWeightSyncClient:
 
     def start_weight_update(self) -> None:
         """Pause scheduling (requests kept), then every worker starts an update session."""
-        self.llm.sleep(level=0, mode="keep")
+        # The client learns the update's number in update_weights: these spans have none (the
+        # updater's enclosing "start_weight_update" span has it).
+        with self.spans.span("LLM.sleep(level=0) (pause)"):
+            self.llm.sleep(level=0, mode="keep")
         try:
-            self.llm.collective_rpc("start_weight_update")
+            with self.spans.span("start_weight_update RPC"):
+                self.llm.collective_rpc("start_weight_update")
         except BaseException:
             if self._gate.serving:  # paused only for this update, which never began
                 self.llm.wake_up(tags=["scheduling"])
@@ -298,9 +305,12 @@ class LLMWeightSyncClient:
         `fail_weight_update`, scheduling stays paused and `serving` reads FAILED until a later
         update finishes.
         """
+        step = self._step
         try:
-            self.llm.collective_rpc("finish_weight_update")
-            self.llm.reset_prefix_cache()
+            with self.spans.span("finish_weight_update RPC", step):
+                self.llm.collective_rpc("finish_weight_update")
+            with self.spans.span("reset_prefix_cache", step):
+                self.llm.reset_prefix_cache()
             if weight_version is not None:
                 set_version = getattr(self.llm.llm_engine, "set_weight_version", None)
                 if set_version is not None:  # vLLM 0.27 and later
@@ -311,7 +321,8 @@ class LLMWeightSyncClient:
             raise
         # The workers' refresh ran inside update_weights, which returned: complete.
         self._gate.commit(self._step)
-        self.llm.wake_up(tags=["scheduling"])
+        with self.spans.span("LLM.wake_up (resume)", step):
+            self.llm.wake_up(tags=["scheduling"])
 
     def abort_weight_update(self) -> None:
         """The update failed before any byte was written ("go" never posted): resume
@@ -354,6 +365,36 @@ def _workers_can_shut_down_transfer() -> bool:
 
     worker = importlib.import_module("vllm.v1.worker.gpu_worker").Worker
     return hasattr(worker, "shutdown_weight_transfer_engine")
+
+
+class _UpdateCall:
+    """A call of vLLM's `update_weights` on a thread of its own, started before
+    `start_weight_update` so that the thread's start overlaps that RPC (measured on a loaded
+    2-core host: about 1 ms from a thread's creation to its first line). It calls `fn` once
+    `release()`d, never after `cancel()`, and gives up unreleased after `timeout_s`."""
+
+    def __init__(self, fn: Callable[[], None], waiting: threading.Event, timeout_s: float):
+        self.waiting = waiting
+        """Set while the trainer waits for the engines' ready announcements."""
+        self._fn = fn
+        self._released = threading.Event()
+        self._cancelled = False
+        self._timeout_s = timeout_s
+        self.thread = threading.Thread(target=self._run, name="wt-vllm-update", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self._released.wait(self._timeout_s) and not self._cancelled:
+            self._fn()
+
+    def release(self) -> None:
+        """Call `update_weights` now."""
+        self._released.set()
+
+    def cancel(self) -> None:
+        """Never call it (`start_weight_update` failed); the thread ends."""
+        self._cancelled = True
+        self._released.set()
 
 
 class OneSidedUpdater:
@@ -418,6 +459,14 @@ class OneSidedUpdater:
             raise
         self.last_step = 0
         self._writing = False
+        shared = getattr(client, "spans", None)
+        self.spans = (
+            shared if isinstance(shared, SpanLog) else SpanLog(f"trainer rank {init_info.rank}")
+        )
+        """The phases of recent updates on the host's shared clock (`weight_transfer.spans`;
+        the client's own `SpanLog` where it has one, so its vLLM calls are in it too):
+        `trace_events` puts them on a Perfetto timeline beside the vLLM workers' spans."""
+        self.sender.spans = self.spans
 
     @property
     def engines(self) -> list[str]:
@@ -452,10 +501,18 @@ class OneSidedUpdater:
         assert self.client is not None
         client = self.client
         timeout = self.init_info.config.sender.update_timeout_s
-        client.start_weight_update()
+        t_update = now_ns()
+        errors: list[BaseException] = []
+        call = self._update_call(step, client, timeout, errors)
+        try:
+            with self.spans.span("start_weight_update", step):
+                client.start_weight_update()
+        except BaseException:
+            call.cancel()
+            raise
         self._writing = False
         try:
-            stats = self._transfer(step, client, timeout)
+            stats = self._transfer(step, call, errors, timeout)
         except BaseException as exc:
             if not self._writing:  # "go" was never posted: not a byte was written
                 abort = getattr(client, "abort_weight_update", None)
@@ -470,35 +527,57 @@ class OneSidedUpdater:
                 )
             raise
         t0 = time.perf_counter()
-        client.finish_weight_update(str(step))
+        with self.spans.span("finish_weight_update", step):
+            client.finish_weight_update(str(step))
+        self.spans.add("update (whole)", t_update, now_ns(), step)
         log.info("update %d: vLLM finish_weight_update took %.3f s", step, time.perf_counter() - t0)
         return stats
 
-    def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
-        errors: list[BaseException] = []
+    def trace_events(self) -> list[dict[str, Any]]:
+        """This process's spans of the recent updates as Chrome trace events (merge them with
+        the vLLM workers' `OneSidedWeightTransferEngine.trace_events` in one file:
+        `weight_transfer.spans.write_trace`)."""
+        return self.spans.events()
+
+    def _update_call(
+        self, step: int, client: WeightSyncClient, timeout: float, errors: list[BaseException]
+    ) -> _UpdateCall:
+        """vLLM's `update_weights` for `step` on a thread of its own (errors appended to
+        `errors`); if it returns before every engine was ready, it ends `_wait_ready`."""
+        engines = self.engines
         waiting = threading.Event()
         waiting.set()
-        engines = self.engines
 
         def receive() -> None:
+            t0 = now_ns()
             try:
                 client.update_weights({"version": step, "timeout_s": timeout})
             except BaseException as exc:  # reported by the caller's thread
                 errors.append(exc)
+            self.spans.add("update_weights (vLLM RPC)", t0, now_ns(), step)
             if waiting.is_set():
                 self._end_ready_wait(step, engines)
 
-        th = threading.Thread(target=receive, name=f"wt-vllm-update-{step}", daemon=True)
-        th.start()
+        return _UpdateCall(receive, waiting, timeout)
+
+    def _transfer(
+        self, step: int, call: _UpdateCall, errors: list[BaseException], timeout: float
+    ) -> UpdateStats:
+        engines = self.engines
+        th = call.thread
+        call.release()
         try:
-            self._wait_ready(step, engines, errors, timeout)
+            with self.spans.span("wait for engines ready", step):
+                self._wait_ready(step, engines, errors, timeout)
         finally:
-            waiting.clear()
+            call.waiting.clear()
         self._writing = True  # from here on, bytes of this update may be in the engines
         try:
-            stats = self.sender.update(step)
+            with self.spans.span("sender.update", step):
+                stats = self.sender.update(step)
         finally:
-            th.join(timeout)
+            with self.spans.span("wait for update_weights to return", step):
+                th.join(timeout)
         if th.is_alive():
             raise TransportTimeoutError(
                 f"update {step}: vLLM's update_weights did not return within {timeout:.0f} s"
