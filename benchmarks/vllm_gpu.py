@@ -878,8 +878,10 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         client,
     )
 
+    ipc_client = _TimedClient(theirs) if theirs is not None else None
+
     def ipc_update() -> dict[str, float] | None:
-        if theirs is None:
+        if ipc_client is None:
             return None
         # vLLM 0.26's trainer API of its ipc backend (0.27 and later moved it to a trainer
         # engine), through the same client as ours (the same pause around the update, the same
@@ -900,7 +902,6 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         ipc_client.finish_weight_update()
         return {**ipc_client.last, "whole": time.perf_counter() - t0}
 
-    ipc_client = _TimedClient(theirs) if theirs is not None else None
     rows: list[dict[str, Any]] = []
     for i in range(cfg.timed_updates + 1):
         for t in params.values():

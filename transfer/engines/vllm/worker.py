@@ -734,7 +734,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """Nothing to prepare: targets are registered once (writes land in `receive_weights`)."""
         if self.receiver is None:
             raise WeightTransferError("weight_transfer: start_weight_update before init")
-        self.spans.add("start_weight_update", *(2 * [time.monotonic_ns()]))
+        now = time.monotonic_ns()  # when the RPC arrived (a mark on the timeline)
+        self.spans.add("start_weight_update", now, now)
 
     def receive_weights(self, update_info: EngineUpdateInfo) -> None:
         """Announce readiness, wait (bounded) until update `version` is complete, refresh.
@@ -948,7 +949,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     def finish_weight_update(self) -> None:
         """Record the version of the update `receive_weights` completed."""
         self.weight_version = self._pending
-        self.spans.add("finish_weight_update", *(2 * [time.monotonic_ns()]), self._pending)
+        now = time.monotonic_ns()  # when the RPC arrived (a mark on the timeline)
+        self.spans.add("finish_weight_update", now, now, self._pending)
         log.info(
             "weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
             self.weight_version,
