@@ -804,11 +804,30 @@ def _phases(
     announcement's way to the trainer, and the commit's way to the waiting worker (these two
     from the start of the sending span: the reader may wake before the writer's call returns)."""
 
+    whole = next(
+        (
+            (e["ts"], e["ts"] + e["dur"])
+            for e in trainer
+            if e.get("name") == "update (whole)" and e.get("args", {}).get("step") == step
+        ),
+        None,
+    )
+
+    def mine(e: dict[str, Any]) -> bool:
+        # Spans of the update's number, and those without one inside its whole span (vLLM's
+        # pause and start RPC: the client learns the number later).
+        if e.get("ph") != "X":
+            return False
+        got = e.get("args", {}).get("step")
+        if got is None and whole is not None:
+            return bool(whole[0] <= e["ts"] <= whole[1])
+        return bool(got == step)
+
     def of(events: list[dict[str, Any]], prefix: str) -> dict[str, tuple[float, float]]:
         return {
             f"{prefix}{e['name']}": (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
             for e in events
-            if e.get("ph") == "X" and e.get("args", {}).get("step") == step
+            if mine(e)
         }
 
     t = of(trainer, "trainer: ")
