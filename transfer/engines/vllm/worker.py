@@ -108,9 +108,10 @@ MOE_WEIGHTS = ("w13_weight", "w2_weight")
 NOOP_OFF_CPU_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 """vLLM quant methods whose `process_weights_after_loading` does something only on vLLM's CPU
 backend (it dispatches the CPU GEMM there: new attributes, a removed weight) and never depends on
-the weights' values (vLLM 0.26 to 0.33). A layer of theirs whose first refresh is seen to change
-nothing (`_layer_state`) is not re-processed again: on a GPU that is every unquantized linear,
-about 3.5 ms of Python per update of a Llama-3.1-8B."""
+the weights' values (read in vLLM 0.26 and 0.32). A layer of theirs whose first refresh is seen
+to change nothing (`_layer_state`) is not re-processed again: on a GPU that is every unquantized
+linear (the whole refresh of a BF16 Llama-3.1-8B, these layers and the embeddings, took 3.9 ms per
+update on an H200: benchmarks/results/vllm_h200_202612.md)."""
 
 IN_PLACE = "in-place"
 IN_PLACE_REPROCESS = "in-place+reprocess"
