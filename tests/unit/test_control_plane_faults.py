@@ -471,6 +471,99 @@ def test_a_vllm_update_weights_call_past_its_deadline_is_never_overlapped() -> N
     finally:
         for u in updaters:
             u.close()
+
+
+def _vllm_info(timeout_s: float = 60) -> Any:
+    from weight_transfer.engines.vllm import TrainerInitInfo
+
+    return TrainerInitInfo(
+        config=TransferConfig(
+            num_engines=1,
+            control=ControlPlaneConfig(port=free_port(), token=secrets.token_hex(16), timeout_s=10),
+            sender=SenderConfig(update_timeout_s=timeout_s),
+            planner=PLANNER,
+        ),
+        rank=0,
+        world_size=1,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_vllm_update_records_every_phase_on_one_clock() -> None:
+    """The whole update's phases (vLLM's calls, the ready wait, the sender's go / writes /
+    verdicts) are spans on the host's monotonic clock, nested in the whole update's, for a
+    Perfetto trace beside the workers' spans."""
+    from weight_transfer.engines.vllm import OneSidedUpdater
+
+    client = _FakeVllm(busy_s=0.0)
+    updater = OneSidedUpdater(_vllm_info(), _source(6), client)
+    try:
+        before = time.monotonic_ns()
+        updater.update(1)
+        after = time.monotonic_ns()
+        spans = {s.name: s for s in updater.spans.spans(1)}
+        whole = spans.pop("update (whole)")
+        assert before <= whole.start_ns <= whole.end_ns <= after
+        assert set(spans) >= {
+            "start_weight_update",
+            "update_weights (vLLM RPC)",
+            "wait for engines ready",
+            "sender.update",
+            "go",
+            "writes (executor)",
+            "done verdict",
+            "version words",
+            "commit verdict",
+            "wait for update_weights to return",
+            "finish_weight_update",
+        }, sorted(spans)
+        for s in spans.values():
+            assert whole.start_ns <= s.start_ns <= s.end_ns <= whole.end_ns, s
+        events = updater.trace_events()
+        assert events[0]["name"] == "process_name"
+        assert {e["name"] for e in events if e["ph"] == "X"} >= set(spans)
+    finally:
+        updater.close()
+        client.close()
+
+
+class _StartFails(_FakeVllm):
+    def __init__(self) -> None:
+        super().__init__(busy_s=0.0)
+        self.fail_start = True
+        self.threads: list[threading.Thread] = []
+
+    def start_weight_update(self) -> None:
+        if self.fail_start:
+            raise RuntimeError("injected: vLLM refused start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.threads.append(threading.current_thread())
+        super().update_weights(update_info)
+
+
+@pytest.mark.timeout(90)
+def test_update_weights_runs_on_one_thread_kept_for_the_updater() -> None:
+    """vLLM's `update_weights` runs beside the writes on a thread made once per updater: a
+    thread made per update cost its start-up (`Thread.start` waits for it to run) on every
+    update's path. A refused `start_weight_update` never calls it."""
+    from weight_transfer.engines.vllm import OneSidedUpdater
+
+    client = _StartFails()
+    src = _source(6)
+    updater = OneSidedUpdater(_vllm_info(timeout_s=60), src, client)
+    try:
+        with pytest.raises(RuntimeError, match="refused start_weight_update"):
+            updater.update(1)
+        time.sleep(0.2)
+        assert client.threads == []
+        client.fail_start = False
+        updater.update(2)
+        updater.update(3)
+        assert len(client.threads) == 2 and client.threads[0] is client.threads[1]
+        assert torch.equal(client.receivers[0].tensor("w"), src["w"])
+    finally:
+        updater.close()
         client.close()
 
 

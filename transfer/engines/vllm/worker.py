@@ -81,6 +81,7 @@ from weight_transfer.manifest import dtype_name, torch_dtype
 from weight_transfer.planner.presets.models import from_hf_config
 from weight_transfer.planner.presets.vllm import DEFAULT_MOE_PREFIX, vllm_layout
 from weight_transfer.receiver import WeightReceiver
+from weight_transfer.spans import SpanLog
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,14 @@ DERIVED_MLA = ("W_UK_T", "W_UV", "W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T
 
 MOE_WEIGHTS = ("w13_weight", "w2_weight")
 """The routed experts' stacked weights (vLLM's `UnquantizedFusedMoEMethod.create_weights`)."""
+
+NOOP_OFF_CPU_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+"""vLLM quant methods whose `process_weights_after_loading` does something only on vLLM's CPU
+backend (it dispatches the CPU GEMM there: new attributes, a removed weight) and never depends on
+the weights' values (read in vLLM 0.26 and 0.32). A layer of theirs whose first refresh is seen
+to change nothing (`_layer_state`) is not re-processed again: on a GPU that is every unquantized
+linear (the whole refresh of a BF16 Llama-3.1-8B, these layers and the embeddings, took 3.9 ms per
+update on an H200: benchmarks/results/vllm_h200_202612.md)."""
 
 IN_PLACE = "in-place"
 IN_PLACE_REPROCESS = "in-place+reprocess"
@@ -385,6 +394,22 @@ def _deep_gemm_e8m0() -> bool:
     return bool(is_deep_gemm_e8m0_used())
 
 
+def _layer_state(module: nn.Module) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """What a layer's processing could change without touching values: its attributes (by
+    identity) and its parameters and buffers (by identity and address)."""
+    tensors = {
+        n: (id(t), t.data_ptr())
+        for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    }
+    return {k: id(v) for k, v in vars(module).items()}, tensors
+
+
+def _may_be_noop(module: nn.Module) -> bool:
+    """Whether vLLM's processing of `module` may do nothing here: its quant method is one of
+    `NOOP_OFF_CPU_METHODS` (the first refresh then checks that it did nothing)."""
+    return type(getattr(module, "quant_method", None)).__name__ in NOOP_OFF_CPU_METHODS
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, for an exact comparison (FP8 and NaN alike)."""
     return t.detach().contiguous().view(torch.uint8)
@@ -415,6 +440,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     """Delta updates on (a patch region registered): derived values must not overwrite targets."""
     _target_ptrs: frozenset[int] = frozenset()
     """Addresses of the registered targets (for that check)."""
+    _noop_candidates: frozenset[str] = frozenset()
+    """Re-processed layers whose processing may be a no-op here (`_may_be_noop`): the first
+    refresh checks them."""
+    _skip_reprocess: frozenset[str] = frozenset()
+    """Candidates the first refresh saw unchanged by vLLM's processing: not re-processed."""
+    _noop_checked = False
+    _refreshing = 0
+    """The update whose refresh runs (for the spans)."""
 
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: nn.Module
@@ -484,6 +517,14 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             | self._tied_holders(params)
         )
         self._rederive = sorted({d.module for d in self.derived.values()})
+        tied = self._tied_holders(params)
+        self._noop_candidates = frozenset(
+            m
+            for m in self._reprocess
+            if m not in tied
+            and _may_be_noop(self.model.get_submodule(m))
+            and all(p.path == IN_PLACE_REPROCESS for p in self.paths.values() if p.module == m)
+        )
         # The parameter objects of every re-processed layer as loaded: their storage is what
         # vLLM's kernels (and captured CUDA graphs) read, so a refresh writes its results back
         # into them (`_restore_captured`).
@@ -521,6 +562,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         self.last_receive_s = 0.0
         self.last_apply: ApplyStats | None = None
         self._pending = 0
+        self.spans = SpanLog(f"vLLM worker rank {self.global_rank}")
+        """This worker's phases of recent updates on the host's shared clock (`trace_events`)."""
 
     def _tied_holders(self, params: dict[str, torch.Tensor]) -> set[str]:
         """Other modules that hold a registered parameter and derive kernel state from it.
@@ -729,6 +772,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         """Nothing to prepare: targets are registered once (writes land in `receive_weights`)."""
         if self.receiver is None:
             raise WeightTransferError("weight_transfer: start_weight_update before init")
+        now = time.monotonic_ns()  # when the RPC arrived (a mark on the timeline)
+        self.spans.add("start_weight_update", now, now)
 
     def receive_weights(self, update_info: EngineUpdateInfo) -> None:
         """Announce readiness, wait (bounded) until update `version` is complete, refresh.
@@ -754,18 +799,22 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         rx = self.receiver
         rx.begin_update(k)
         try:
-            self._signal.put(
-                ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name)
-            )
+            with self.spans.span("announce ready", k):
+                self._signal.put(
+                    ready_key(k, self._engine_name), Ready(step=k, engine=self._engine_name)
+                )
             t0 = time.perf_counter()
             # Waits until update k committed, then applies the patches of a delta update in
             # place (nothing in a full one): the one piece of per-update work delta mode asks
             # of the engine, here inside vLLM's update window.
-            applied = rx.apply_delta(k, update_info.timeout_s, serve=False)
+            with self.spans.span("wait for commit (writes land)", k):
+                applied = rx.apply_delta(k, update_info.timeout_s, serve=False)
             self.last_receive_s = time.perf_counter() - t0
             self.last_apply = applied
             # Still inside vLLM's RPC: no forward pass runs until the derived state is refreshed.
-            self._refresh()
+            with self.spans.span("refresh (vLLM processing)", k):
+                self._refreshing = k
+                self._refresh()
         except BaseException as exc:
             rx.fail_update(k, f"{type(exc).__name__}: {exc}")
             log.error(
@@ -783,9 +832,12 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's entry point; skips the base class's device synchronize on CPU."""
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        info = self.parse_update_info(update_info)
+        with self.spans.span("update_weights (worker)", info.version):
+            self.receive_weights(info)
+            if self.device.type == "cuda":
+                with self.spans.span("cuda synchronize", info.version):
+                    torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def _refresh(self) -> None:
@@ -800,8 +852,13 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
         # since the next patch applies to them (`_delta_config` turns delta off where it is
         # known not to; this catches any other processing that rewrites them in place).
         check = self._delta and not self._rewrite_checked
+        probe = not self._noop_checked
+        unchanged: list[str] = []
         for mod_name in self._reprocess:
+            if mod_name in self._skip_reprocess:
+                continue
             module: Any = self.model.get_submodule(mod_name)
+            before = _layer_state(module) if probe and mod_name in self._noop_candidates else None
             written = {
                 n: self._targets[n].detach().clone()
                 for n, p in self.paths.items()
@@ -826,15 +883,34 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                 # builds a new packed copy from the buffers and leaves them unchanged.
                 module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
             self._restore_captured(mod_name, module)
-            for n, before in written.items():
-                if not torch.equal(_raw(self._targets[n]), _raw(before)):
+            if before is not None and _layer_state(module) == before:
+                unchanged.append(mod_name)
+            for n, sent in written.items():
+                if not torch.equal(_raw(self._targets[n]), _raw(sent)):
                     raise WeightTransferError(
                         f"weight_transfer: vLLM's processing of {mod_name!r} rewrote the "
                         f"registered {n!r} in place; delta updates cannot patch it (run this "
                         "model with full updates: patch_region_bytes=0)"
                     )
         self._rewrite_checked = self._rewrite_checked or check
-        self._rederive_mla()
+        if probe:
+            self._skip_reprocess = frozenset(unchanged)
+            self._noop_checked = True
+            log.info(
+                "weight_transfer: rank %d: vLLM's processing of %d of %d re-processed layers "
+                "changed nothing (%s); they are not re-processed from the next update on",
+                self.global_rank,
+                len(unchanged),
+                len(self._reprocess),
+                ", ".join(sorted({type(self.model.get_submodule(m)).__name__ for m in unchanged}))
+                or "none",
+            )
+        t_layers = time.monotonic_ns()
+        self.spans.add("reprocess layers", round(t0 * 1e9), t_layers, self._refreshing)
+        if self._rederive:
+            with self.spans.span("MLA re-derive", self._refreshing):
+                self._rederive_mla()
+        t_check = time.monotonic_ns()
         live = dict(self.model.named_parameters())
         for name, p in self.paths.items():
             if p.path == BUFFER_REPROCESS:
@@ -844,6 +920,7 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
                     f"weight_transfer: vLLM's processing moved {name!r}; its registration is stale"
                 )
         self.last_refresh_s = time.perf_counter() - t0
+        self.spans.add("address check", t_check, time.monotonic_ns(), self._refreshing)
 
     def _rederive_mla(self) -> None:
         """Re-run vLLM's MLA derivation (`W_UK_T`/`W_UV` from `kv_b_proj`), as at load: after
@@ -910,6 +987,8 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
     def finish_weight_update(self) -> None:
         """Record the version of the update `receive_weights` completed."""
         self.weight_version = self._pending
+        now = time.monotonic_ns()  # when the RPC arrived (a mark on the timeline)
+        self.spans.add("finish_weight_update", now, now, self._pending)
         log.info(
             "weight_transfer: update %d finished (%d modules re-processed in %.4f s)",
             self.weight_version,
@@ -955,11 +1034,17 @@ class OneSidedWeightTransferEngine(WeightTransferEngine[EngineInitInfo, EngineUp
             "reason": status.reason,
         }
 
+    def trace_events(self) -> list[dict[str, Any]]:
+        """This worker's spans of the recent updates as Chrome trace events (merge them with the
+        trainer's `OneSidedUpdater.trace_events`: `weight_transfer.spans.write_trace`)."""
+        return self.spans.events()
+
     def stats(self) -> dict[str, Any]:
         """Paths, extra memory and the last update's engine-side times (for tests and docs)."""
         return {
             "paths": {n: p.path for n, p in self.paths.items()},
             "reprocessed": list(self._reprocess),
+            "reprocess_skipped": sorted(self._skip_reprocess),
             "derived": {n: d.source for n, d in self.derived.items()},
             "extra_bytes": self.extra_bytes,
             "last_refresh_s": self.last_refresh_s,
