@@ -485,6 +485,39 @@ def _report_mismatches(
         )
 
 
+def _check_placement(d: DestManifest, problems: list[str]) -> dict[str, DestTensor]:
+    """Check where an engine's tensors sit (regions, the version word, each tensor inside its
+    region); returns its tensors by name."""
+    regions = {r.index: r for r in d.regions}
+    if len(regions) != len(d.regions):
+        problems.append(f"engine {d.engine!r}: duplicate region indices")
+    vr = regions.get(d.version_region)
+    if vr is None or vr.nbytes < 8:
+        problems.append(
+            f"engine {d.engine!r}: version region {d.version_region} missing or < 8 bytes"
+        )
+    tensors: dict[str, DestTensor] = {}
+    for t in d.tensors:
+        if t.name in tensors:
+            problems.append(f"engine {d.engine!r}: duplicate tensor name {t.name!r}")
+            continue
+        tensors[t.name] = t
+        try:
+            size = numel(t.shape) * dtype_size(t.dtype)
+        except ValueError:
+            problems.append(
+                f"engine {d.engine!r}: tensor {t.name!r} has unsupported dtype {t.dtype!r}"
+            )
+            continue
+        r = regions.get(t.region)
+        if r is None or t.offset_bytes < 0 or t.offset_bytes + size > r.nbytes:
+            problems.append(
+                f"engine {d.engine!r}: tensor {t.name!r} ({size} bytes at {t.offset_bytes}) "
+                f"lies outside region {t.region}"
+            )
+    return tensors
+
+
 def _validate_dests(
     dests: Sequence[DestManifest],
     sources: dict[str, _Source],
@@ -512,33 +545,7 @@ def _validate_dests(
             continue
         num_problems = len(problems)
         mismatched = False
-        regions = {r.index: r for r in d.regions}
-        if len(regions) != len(d.regions):
-            problems.append(f"engine {d.engine!r}: duplicate region indices")
-        vr = regions.get(d.version_region)
-        if vr is None or vr.nbytes < 8:
-            problems.append(
-                f"engine {d.engine!r}: version region {d.version_region} missing or < 8 bytes"
-            )
-        tensors: dict[str, DestTensor] = {}
-        for t in d.tensors:
-            if t.name in tensors:
-                problems.append(f"engine {d.engine!r}: duplicate tensor name {t.name!r}")
-                continue
-            tensors[t.name] = t
-            try:
-                size = numel(t.shape) * dtype_size(t.dtype)
-            except ValueError:
-                problems.append(
-                    f"engine {d.engine!r}: tensor {t.name!r} has unsupported dtype {t.dtype!r}"
-                )
-                continue
-            r = regions.get(t.region)
-            if r is None or t.offset_bytes < 0 or t.offset_bytes + size > r.nbytes:
-                problems.append(
-                    f"engine {d.engine!r}: tensor {t.name!r} ({size} bytes at {t.offset_bytes}) "
-                    f"lies outside region {t.region}"
-                )
+        tensors = _check_placement(d, problems)
         recipes: dict[str, Recipe] = {}
         written: set[str] = set()
         for rc in d.recipes:
@@ -893,9 +900,16 @@ def plan(
 
 
 def _plan(
-    sources: Sequence[SourceManifest], dests: Sequence[DestManifest], config: PlannerConfig
+    sources: Sequence[SourceManifest],
+    dests: Sequence[DestManifest],
+    config: PlannerConfig,
+    source_hash: hashlib._Hash | None = None,
+    fingerprint_memo: dict[int, tuple[object, bytes]] | None = None,
 ) -> Schedule:
-    """The planning steps, in order; each raises `PlanMismatchError` with every problem found."""
+    """The planning steps, in order; each raises `PlanMismatchError` with every problem found.
+
+    `source_hash` (the `_hash_sources` state of `sources`, copied here) and `fingerprint_memo`
+    let a caller that plans repeatedly for the same trainers skip re-hashing what it hashed."""
     table, resolved = _validate(sources, dests, config)
     p = _Planning(sources[0].world_size, sorted(d.engine for d in dests), table, config)
     p.compile_engines(resolved)
@@ -906,7 +920,8 @@ def _plan(
     p.gather_tasks()
     p.direct_tasks()
     p.interleave()
-    return p.schedule(sources, dests)
+    h = _hash_sources(sources) if source_hash is None else source_hash.copy()
+    return p.schedule(_finish_fingerprint(h, dests, config, fingerprint_memo or {}))
 
 
 def _validate(
@@ -1397,9 +1412,7 @@ class _Planning:
                 merged = direct
             self.per_rank[rank] = merged
 
-    def schedule(
-        self, sources: Sequence[SourceManifest], dests: Sequence[DestManifest]
-    ) -> Schedule:
+    def schedule(self, fingerprint: str) -> Schedule:
         """The frozen schedule, with each engine's version word given to the rank that sends
         least among those writing to it."""
         world, engines = self.world, self.engines
@@ -1440,7 +1453,7 @@ class _Planning:
         ]
         return Schedule(
             format_version=FORMAT_VERSION,
-            fingerprint=fingerprint(sources, dests, self.config),
+            fingerprint=fingerprint,
             num_ranks=world,
             engines=tuple(engines),
             num_mesh_groups=num_groups,
@@ -1690,6 +1703,12 @@ def fingerprint(
     engine and the config, each dataclass as the array of its fields in declaration order.
     Engine replicas share their tensor and recipe tuples, whose encodings are packed once.
     """
+    return _finish_fingerprint(_hash_sources(sources), dests, config, {})
+
+
+def _hash_sources(sources: Sequence[SourceManifest]) -> hashlib._Hash:
+    """The fingerprint's hash state after its tag and the source manifests (the costly part at
+    trainer scale: 10^6 entries), which a re-plan for other engines continues from a copy of."""
     h = hashlib.sha256()
     packer = msgpack.Packer(use_bin_type=True)
     h.update(packer.pack(_FINGERPRINT_TAG))
@@ -1699,13 +1718,27 @@ def fingerprint(
     )
     for m in sorted(sources, key=lambda m: m.rank):
         h.update(packer.pack((m.rank, m.world_size, m.host, list(map(fields, m.tensors)))))
-    memo: dict[int, bytes] = {}
+    return h
+
+
+def _finish_fingerprint(
+    h: hashlib._Hash,
+    dests: Sequence[DestManifest],
+    config: PlannerConfig,
+    memo: dict[int, tuple[object, bytes]],
+) -> str:
+    """Hash the destination manifests and the config into `h` (after `_hash_sources`).
+
+    `memo` maps the id of a tensor or recipe tuple to (the tuple, its packed bytes); it keeps
+    the tuple alive, so an id cannot be reused while the entry exists, and a caller may pass
+    the same memo to later fingerprints of manifests that share those tuples."""
+    packer = msgpack.Packer(use_bin_type=True)
 
     def once(key: object, make: Callable[[], object]) -> bytes:
         got = memo.get(id(key))
         if got is None:
-            got = memo[id(key)] = packer.pack(make())
-        return got
+            got = memo[id(key)] = (key, packer.pack(make()))
+        return got[1]
 
     h.update(packer.pack_array_header(len(dests)))
     for d in sorted(dests, key=lambda d: d.engine):
