@@ -126,6 +126,62 @@ MESH: Final = 2
 OFFLOADED: Final = 3
 
 
+_new = object.__new__
+_QW = tuple(getattr(QuantWrite, f.name).__set__ for f in dataclasses.fields(QuantWrite))
+_SW = tuple(getattr(SliceWrite, f.name).__set__ for f in dataclasses.fields(SliceWrite))
+
+
+def _quant_write(
+    engine: str,
+    dest: str,
+    scale_dest: str,
+    block: tuple[int, int],
+    parts: tuple[Part, ...],
+    dest_box: Box,
+    scale_box: Box,
+    weight_runs: tuple[WriteRun, ...],
+    scale_runs: tuple[WriteRun, ...],
+    _s: tuple[Callable[[object, object], None], ...] = _QW,
+) -> QuantWrite:
+    """`QuantWrite(...)`, built through its slots: the generated frozen `__init__` costs 2.5x
+    more, and Kimi-K2's plan makes 2.2 M of them. The result is an ordinary `QuantWrite`."""
+    w = _new(QuantWrite)
+    _s[0](w, engine)
+    _s[1](w, dest)
+    _s[2](w, scale_dest)
+    _s[3](w, block)
+    _s[4](w, parts)
+    _s[5](w, dest_box)
+    _s[6](w, scale_box)
+    _s[7](w, weight_runs)
+    _s[8](w, scale_runs)
+    return w
+
+
+def _slice_write(
+    engine: str,
+    dest: str,
+    source: str,
+    source_box: Box,
+    dest_box: Box,
+    dtype: str,
+    runs: tuple[WriteRun, ...],
+    zero_copy: bool,
+    _s: tuple[Callable[[object, object], None], ...] = _SW,
+) -> SliceWrite:
+    """`SliceWrite(...)` built through its slots, as `_quant_write`."""
+    w = _new(SliceWrite)
+    _s[0](w, engine)
+    _s[1](w, dest)
+    _s[2](w, source)
+    _s[3](w, source_box)
+    _s[4](w, dest_box)
+    _s[5](w, dtype)
+    _s[6](w, runs)
+    _s[7](w, zero_copy)
+    return w
+
+
 @dataclasses.dataclass(slots=True)
 class _Source:
     name: str
@@ -135,6 +191,18 @@ class _Source:
     # Holders grouped by local box (replicas share a box): lookups scan distinct boxes only.
     _by_box: dict[Box, tuple[_Holder, ...]] | None = None
     _max_shard: int = -1
+    _sig: int = -1
+
+    def sig(self, interned: dict[tuple[object, ...], int]) -> int:
+        """A small int naming how this tensor is sharded (each local box and the ranks holding
+        it): tensors with equal signatures are cut into equal pieces and bands, so geometry
+        computed for one (an expert of one layer) serves all (the same expert of every layer)."""
+        if self._sig < 0:
+            shape = tuple(
+                sorted((b, tuple(sorted(h[RANK] for h in hs))) for b, hs in self.by_box().items())
+            )
+            self._sig = interned.setdefault(shape, len(interned))
+        return self._sig
 
     def max_shard_numel(self) -> int:
         """Elements of the largest local shard (0 when no shard is a box)."""
@@ -721,6 +789,40 @@ class _Gather:
 
 
 @dataclasses.dataclass(slots=True)
+class _LocalGather:
+    """Units one rank quantizes from its own shards, for one source set: no collective.
+
+    Kimi-K2's plan has about 600k of these (a rank's band of each expert weight), so they
+    carry plain fields rather than a `_Gather`'s per-rank dicts."""
+
+    rank: int
+    mesh: tuple[int, ...]  # (rank,)
+    sources: tuple[str, ...]
+    scratch_bytes: int
+    writes: list[SliceWrite | QuantWrite]
+    staging: int  # each distinct staged unit once (engine replicas' copies share it)
+    wire: int
+    seq: int
+
+
+def _distinct_staging(units: Sequence[_Unit]) -> int:
+    """Bytes of the distinct `staging_key`s among `units` (each key counted once).
+
+    Quant writes that share their `parts` tuple object are engine replicas' copies of one unit
+    (same parts, boxes and block, so equal keys): their key is computed once, not per copy."""
+    seen: set[int] = set()
+    reps: list[tuple[SliceWrite | QuantWrite, int]] = []
+    for w, nb, _ in units:
+        if type(w) is QuantWrite:
+            k = id(w.parts)
+            if k in seen:
+                continue
+            seen.add(k)
+        reps.append((w, nb))
+    return sum({staging_key(w): nb for w, nb in reps}.values())
+
+
+@dataclasses.dataclass(slots=True)
 class _LocalBatch:
     """Local quantization units of one rank being batched into one task."""
 
@@ -810,7 +912,9 @@ class _Layout:
 
     directs: list[tuple[_Piece, str, str]]  # (piece, dest, dtype)
     copies: list[tuple[_GatherKey, Part, tuple[WriteRun, ...], int, str, str]]
-    quants: list[tuple[_QuantUnit, str, str, tuple[int, int], int, tuple[str, ...] | None]]
+    quants: list[
+        tuple[_QuantUnit, str, str, tuple[int, int], int, tuple[str, ...] | None, _GatherKey | None]
+    ]
     gather_seq: dict[_GatherKey, int]  # first recipe index using each copy gather
     pending_seq: dict[tuple[str, ...], int]
 
@@ -825,6 +929,8 @@ def _compile_layout(
     quant_by_id: dict[tuple[object, ...], list[_QuantUnit]],
     quant_by_value: dict[tuple[object, ...], list[_QuantUnit]],
     cands_of: dict[tuple[str, ...], list[tuple[int, ...]]],
+    shard_memo: _ShardMemo,
+    single_keys: dict[_GatherKey, _GatherKey],
 ) -> _Layout:
     """Write templates of one engine layout; a quant unit that is not local and whose sources
     share no mesh has no source set (the caller reports it per engine)."""
@@ -856,13 +962,18 @@ def _compile_layout(
             units = quant_by_value.get((rc, *place))
             if units is None:
                 units = quant_by_value[(rc, *place)] = _quant_units(
-                    rc, dt, st, table, bands=config.quantize_in_shards
+                    rc, dt, st, table, bands=config.quantize_in_shards, memo=shard_memo
                 )
             quant_by_id[(id(rc), *place)] = units
         for u in units:
             names: tuple[str, ...] | None = None
+            single: _GatherKey | None = None
             if u.local:
                 names = u.sources
+                if len(u.local) == 1:
+                    # Only this rank can quantize it: its task key is known now.
+                    key = (u.local, names)
+                    single = single_keys.setdefault(key, key)
             else:
                 cands = cands_of.get(u.sources)
                 if cands is None:
@@ -872,7 +983,7 @@ def _compile_layout(
                 if cands:
                     names = u.sources
                     lay.pending_seq.setdefault(names, seq)
-            lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names))
+            lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names, single))
     return lay
 
 
@@ -1003,7 +1114,8 @@ class _Planning:
         self.load = [0] * world  # bytes each rank sends so far
         self.assigned: list[int] = []  # rank of each direct piece
         self.gather_local: set[_GatherKey] = set()
-        self.gathers: dict[_GatherKey, _Gather] = {}
+        self.gathers: dict[_GatherKey, _Gather] = {}  # those that need a collective
+        self.local_gathers: dict[_GatherKey, _LocalGather] = {}
         self.groups: list[list[tuple[int, ...]]] = []
         self.mesh_group: dict[tuple[int, ...], int] = {}
         self.per_rank: list[list[Task]] = [[] for _ in range(world)]
@@ -1028,6 +1140,14 @@ class _Planning:
         quant_by_id: dict[tuple[object, ...], list[_QuantUnit]] = {}
         quant_by_value: dict[tuple[object, ...], list[_QuantUnit]] = {}
         layouts: dict[tuple[int, int], _Layout] = {}
+        shard_memo = _ShardMemo()
+        single_keys: dict[_GatherKey, _GatherKey] = {}
+        gather_units, gather_seq, gather_local = (
+            self.gather_units,
+            self.gather_seq,
+            self.gather_local,
+        )
+        load = self.load
         table, problems = self.table, self.problems
         for d in sorted(dests, key=lambda d: d.engine):
             engine = d.engine
@@ -1043,6 +1163,8 @@ class _Planning:
                     quant_by_id,
                     quant_by_value,
                     self.cands_of,
+                    shard_memo,
+                    single_keys,
                 )
                 for key, sq in lay.gather_seq.items():
                     self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
@@ -1059,8 +1181,8 @@ class _Planning:
                         numel(box_shape(p.dest_box)),
                     )
                 )
-            for u, dest, sdest, block, sq, quant_names in lay.quants:
-                qw = QuantWrite(
+            for u, dest, sdest, block, sq, quant_names, single in lay.quants:
+                qw = _quant_write(
                     engine,
                     dest,
                     sdest,
@@ -1071,7 +1193,21 @@ class _Planning:
                     u.weight_runs,
                     u.scale_runs,
                 )
-                if u.local:
+                if single is not None:
+                    # A unit one rank alone holds (a band of an FSDP shard) goes to it whatever
+                    # the balance: counted now, before any choice is made.
+                    units_k = gather_units.get(single)
+                    if units_k is None:
+                        gather_units[single] = [(qw, u.nbytes, u.numel)]
+                        gather_local.add(single)
+                        gather_seq[single] = min(sq, gather_seq.get(single, sq))
+                    else:
+                        units_k.append((qw, u.nbytes, u.numel))
+                        gather_local.add(single)  # (a copy gather may have made the list)
+                        if sq < gather_seq[single]:
+                            gather_seq[single] = sq
+                    load[single[0][0]] += u.nbytes
+                elif u.local:
                     self.local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
                 elif quant_names is not None:
                     self.pending[quant_names].append((qw, u.nbytes, u.numel))
@@ -1095,18 +1231,8 @@ class _Planning:
         # (bytes, kind, index): kind 0 a direct piece, 1 a local unit; reverse=True keeps equal
         # sizes in generation order (Python's sort is stable both ways).
         work = [(it[0].nbytes, 0, i) for i, it in enumerate(directs)]
-        # Units one rank alone holds (a band of an FSDP shard) go to it whatever the order:
-        # counted first, so the choices below see them.
-        for i, lu in enumerate(local_units):
-            if len(lu[1]) == 1:
-                unit, cands, names, sq = lu
-                key = (cands, names)
-                self.gather_local.add(key)
-                self.gather_units[key].append(unit)
-                self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
-                load[cands[0]] += unit[1]
-            else:
-                work.append((lu[0][1], 1, i))
+        # Units one rank alone holds went to it in `compile_engines`.
+        work.extend((lu[0][1], 1, i) for i, lu in enumerate(local_units))
         work.sort(key=operator.itemgetter(0), reverse=True)
         for nbytes, kind, i in work:
             if kind == 0:
@@ -1152,60 +1278,66 @@ class _Planning:
 
     def build_gathers(self) -> None:
         """One gather per (mesh, source set): its units spread over the mesh's ranks by load,
-        and its temporary memory checked against the budget."""
+        and its temporary memory checked against the budget. Units a rank quantizes from its
+        own shards (a one-rank key) need no collective: a light `_LocalGather` each."""
         table, load = self.table, self.load
+        budget = self.config.memory_budget_bytes
         for key in sorted(self.gather_units):
             mesh, names = key
             units_k = self.gather_units[key]
             local = key in self.gather_local
-            scratch = (
-                0
-                if local
-                else sum(numel(table[n].shape) * dtype_size(table[n].dtype) for n in names)
-            )
-            scratch += max(u[2] for u in units_k) * 4  # assembly in float32
+            scratch = max([u[2] for u in units_k]) * 4  # assembly in float32
+            if local:
+                staging = _distinct_staging(units_k)
+                self.local_gathers[key] = _LocalGather(
+                    mesh[0],
+                    mesh,
+                    names,
+                    scratch,
+                    [u[0] for u in units_k],
+                    staging,
+                    sum([u[1] for u in units_k]),
+                    self.gather_seq[key],
+                )
+                if scratch + staging > budget:
+                    self._over_budget(names, scratch + staging)
+                continue
+            scratch += sum(numel(table[n].shape) * dtype_size(table[n].dtype) for n in names)
             ranks_sorted = sorted(mesh)
             by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
             rank_staging = dict.fromkeys(ranks_sorted, 0)
             rank_wire = dict.fromkeys(ranks_sorted, 0)
             # The executor stages each distinct unit of a task once: engine replicas' copies of
             # one unit (equal `staging_key`) on one rank count once in its staging.
-            if not local:
-                units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
-                staged: set[tuple[int, tuple[object, ...] | None]] = set()
-                for w, nb, _ in units_k:
-                    # min over the sorted mesh returns the lowest rank among equally loaded ones.
-                    r = min(ranks_sorted, key=load.__getitem__)
-                    load[r] += nb
-                    by_rank[r].append(w)
-                    rank_wire[r] += nb
-                    skey = (r, staging_key(w))
-                    if skey not in staged:
-                        staged.add(skey)
-                        rank_staging[r] += nb
-            else:
-                by_rank[mesh[0]] = [u[0] for u in units_k]
-                rank_wire[mesh[0]] = sum(u[1] for u in units_k)
-                distinct = {staging_key(w): nb for w, nb, _ in units_k}
-                rank_staging[mesh[0]] = sum(distinct.values())
-            self.gathers[key] = _Gather(
-                mesh, names, scratch, by_rank, rank_staging, rank_wire, local, self.gather_seq[key]
+            units_k.sort(key=lambda u: -u[1])  # stable: generation order among equal sizes
+            staged: set[tuple[int, tuple[object, ...] | None]] = set()
+            for w, nb, _ in units_k:
+                # min over the sorted mesh returns the lowest rank among equally loaded ones.
+                r = min(ranks_sorted, key=load.__getitem__)
+                load[r] += nb
+                by_rank[r].append(w)
+                rank_wire[r] += nb
+                skey = (r, staging_key(w))
+                if skey not in staged:
+                    staged.add(skey)
+                    rank_staging[r] += nb
+            g = self.gathers[key] = _Gather(
+                mesh, names, scratch, by_rank, rank_staging, rank_wire, False, self.gather_seq[key]
             )
-        budget = self.config.memory_budget_bytes
-        for g in self.gathers.values():
             need = g.scratch_bytes + max(g.staging.values(), default=0)
             if need > budget:
-                self.problems.append(
-                    f"gathering {list(g.sources)} needs {need} bytes of temporary memory, more "
-                    f"than memory_budget_bytes={budget}"
-                )
+                self._over_budget(names, need)
         self._check()
+
+    def _over_budget(self, names: tuple[str, ...], need: int) -> None:
+        self.problems.append(
+            f"gathering {list(names)} needs {need} bytes of temporary memory, more "
+            f"than memory_budget_bytes={self.config.memory_budget_bytes}"
+        )
 
     def colour_mesh_groups(self) -> None:
         """Mesh groups: greedy colouring of meshes so that meshes of one group share no rank."""
-        mesh_list = sorted(
-            {g.mesh for g in self.gathers.values() if not g.local}, key=lambda m: (-len(m), m)
-        )
+        mesh_list = sorted({g.mesh for g in self.gathers.values()}, key=lambda m: (-len(m), m))
         group_ranks: list[set[int]] = []
         for m in mesh_list:
             ms = set(m)
@@ -1230,8 +1362,7 @@ class _Planning:
         """
         by_mesh: dict[tuple[int, ...], list[_Gather]] = defaultdict(list)
         for g in self.gathers.values():
-            if not g.local:
-                by_mesh[g.mesh].append(g)
+            by_mesh[g.mesh].append(g)
         ordered: list[tuple[int, int, int, _Gather]] = []
         for gi, members in enumerate(self.groups):
             for mi, m in enumerate(sorted(members)):
@@ -1240,22 +1371,19 @@ class _Planning:
                 for pos, g in enumerate(gs[shift:] + gs[:shift]):
                     ordered.append((gi, pos, mi, g))
         local_gathers = sorted(
-            (g for g in self.gathers.values() if g.local), key=lambda g: (g.seq, g.mesh, g.sources)
+            self.local_gathers.values(), key=lambda g: (g.seq, g.mesh, g.sources)
         )
         ordered.sort(key=lambda x: (x[0], x[1], x[2]))
         for g in [x[3] for x in ordered]:
             group = self.mesh_group.get(g.mesh, 0)
-            task_kind: Literal["direct", "gather"] = "direct" if g.local else "gather"
             for rank in g.mesh:
                 mine = g.by_rank[rank]
-                if g.local and not mine:
-                    continue
                 nbytes = g.staging[rank]
                 self.rank_bytes[rank] += g.wire[rank]
                 self.per_rank[rank].append(
                     Task(
                         self.next_id,
-                        task_kind,
+                        "gather",
                         group,
                         g.mesh,
                         g.sources,
@@ -1268,7 +1396,7 @@ class _Planning:
             self.next_id += 1
         self._local_quant_tasks(local_gathers)
 
-    def _local_quant_tasks(self, local_gathers: list[_Gather]) -> None:
+    def _local_quant_tasks(self, local_gathers: list[_LocalGather]) -> None:
         """Local quantization units as tasks of about `task_target_bytes` each.
 
         A rank's units that need no collective (whole units in its shards, and the bands of
@@ -1298,27 +1426,29 @@ class _Planning:
             )
             self.next_id += 1
 
+        mesh_group = self.mesh_group
         for g in local_gathers:
-            rank = g.mesh[0]
-            mine = g.by_rank[rank]
+            rank = g.rank
+            mine = g.writes
             if not mine:
                 continue
-            group = self.mesh_group.get(g.mesh, 0)
-            nbytes = g.staging[rank]
+            group = mesh_group.get(g.mesh, 0)
+            nbytes = g.staging
             b = batches.get(rank)
             if b is not None and (b.group != group or b.staging + nbytes > limit):
                 close(rank)
                 b = None
             if b is None:
                 batches[rank] = _LocalBatch(
-                    group, list(g.sources), list(mine), nbytes, g.wire[rank], g.scratch_bytes
+                    group, list(g.sources), list(mine), nbytes, g.wire, g.scratch_bytes
                 )
             else:
                 b.names.extend(g.sources)
                 b.writes.extend(mine)
                 b.staging += nbytes
-                b.wire += g.wire[rank]
-                b.scratch = max(b.scratch, g.scratch_bytes)
+                b.wire += g.wire
+                if g.scratch_bytes > b.scratch:
+                    b.scratch = g.scratch_bytes
         for rank in sorted(batches):
             close(rank)
 
@@ -1419,12 +1549,15 @@ class _Planning:
         senders_of: dict[str, set[int]] = defaultdict(set)
         bytes_per_engine = dict.fromkeys(engines, 0)
         peers_of: list[set[str]] = [set() for _ in range(world)]
-        for key, units_k in self.gather_units.items():
-            g = self.gathers[key]
+        engine_of = operator.attrgetter("engine")
+        for units_k in self.gather_units.values():
             for w, nb, _ in units_k:
                 bytes_per_engine[w.engine] += nb
+        for g in self.gathers.values():
             for rank, ws in g.by_rank.items():
-                peers_of[rank].update(w.engine for w in ws)
+                peers_of[rank].update(map(engine_of, ws))
+        for lg in self.local_gathers.values():
+            peers_of[lg.rank].update(map(engine_of, lg.writes))
         for i, r in enumerate(self.assigned):
             pc, engine = self.directs[i][0], self.directs[i][1]
             peers_of[r].add(engine)
@@ -1471,8 +1604,66 @@ def _gather_mesh(src: _Source, problems: list[str]) -> tuple[int, ...] | None:
     return meshes[0]
 
 
+@dataclasses.dataclass(slots=True)
+class _ShardMemo:
+    """Geometry of FP8 units that depends only on boxes and on how their sources are sharded
+    (`_Source.sig`), computed once per distinct case instead of once per expert and layer."""
+
+    sigs: dict[tuple[object, ...], int] = dataclasses.field(default_factory=dict)
+    local: dict[tuple[object, ...], tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    bands: dict[tuple[object, ...], list[_BandTemplate] | None] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def local_holder(self, parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int, ...]:
+        sigs = self.sigs
+        key = tuple((p.source_box, table[p.source].sig(sigs)) for p in parts)
+        got = self.local.get(key)
+        if got is None:
+            got = self.local[key] = _local_holder(parts, table)
+        return got
+
+    def row_bands(
+        self, parts: Sequence[Part], ubox: Box, block: tuple[int, int], table: dict[str, _Source]
+    ) -> list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] | None:
+        sigs = self.sigs
+        key = (
+            ubox,
+            block,
+            tuple((p.source_box, p.dest_box, table[p.source].sig(sigs)) for p in parts),
+        )
+        if key in self.bands:
+            tmpl = self.bands[key]
+        else:
+            tmpl = self.bands[key] = _row_bands(parts, ubox, block, table)
+        if tmpl is None:
+            return None
+        return [
+            (
+                bbox,
+                tuple(
+                    parts[i] if sb is None else Part(parts[i].source, sb, db)
+                    for i, sb, db in bparts
+                ),
+                holders,
+            )
+            for bbox, bparts, holders in tmpl
+        ]
+
+
+_BandTemplate = tuple[Box, tuple[tuple[int, Box | None, Box], ...], tuple[int, ...]]
+"""A band of `_row_bands`: its box, its parts as (index of the unit's part, clipped source box
+or None for the whole part, clipped destination box), and the ranks holding it."""
+
+
 def _quant_units(
-    rc: Recipe, dt: DestTensor, st: DestTensor, table: dict[str, _Source], *, bands: bool
+    rc: Recipe,
+    dt: DestTensor,
+    st: DestTensor,
+    table: dict[str, _Source],
+    *,
+    bands: bool,
+    memo: _ShardMemo,
 ) -> list[_QuantUnit]:
     """Quantization units of an FP8 recipe (one per leading index, e.g. per expert; with
     `bands`, a unit spanning trainer shards on block rows becomes one unit per shard band)."""
@@ -1503,8 +1694,8 @@ def _quant_units(
             )
             if c is not None
         )
-        local = _local_holder(parts, table)
-        cut = _row_bands(parts, ubox, rc.quant.block, table) if bands and not local else None
+        local = memo.local_holder(parts, table)
+        cut = memo.row_bands(parts, ubox, rc.quant.block, table) if bands and not local else None
         # The leading slice's row-major index (0 without leading dims).
         flat = 0
         for i, n in zip(idx, lead, strict=True):
@@ -1570,7 +1761,7 @@ def _quant_units(
 
 def _row_bands(
     parts: Sequence[Part], ubox: Box, block: tuple[int, int], table: dict[str, _Source]
-) -> list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] | None:
+) -> list[_BandTemplate] | None:
     """Cut a quant unit into bands of whole block rows that each lie in one rank's own shards.
 
     A unit (one expert's fused gate_up, a tensor-parallel slice) usually spans several trainer
@@ -1636,21 +1827,21 @@ def _row_bands(
         merged.append((a, b, holders))
     if any(m[0] % block[0] for m in merged):
         return None  # a block would mix rows of two ranks
-    bands: list[tuple[Box, tuple[Part, ...], tuple[int, ...]]] = []
+    bands: list[_BandTemplate] = []
     for a, b, holders in merged:
-        bparts = []
-        for p, sd in zip(parts, row_dim, strict=True):
+        bparts: list[tuple[int, Box | None, Box]] = []
+        for i, (p, sd) in enumerate(zip(parts, row_dim, strict=True)):
             d0, d1 = p.dest_box[rd]
             if d1 <= a or b <= d0:
                 continue
             if a <= d0 and d1 <= b:
-                bparts.append(p)
+                bparts.append((i, None, p.dest_box))
                 continue
             assert sd is not None  # a one-row part lies inside any band it meets
             r0, r1 = max(a, d0), min(b, d1)
             s0 = p.source_box[sd][0] + r0 - d0
             src = (*p.source_box[:sd], (s0, s0 + r1 - r0), *p.source_box[sd + 1 :])
-            bparts.append(Part(p.source, src, (*p.dest_box[:rd], (r0, r1), *p.dest_box[rd + 1 :])))
+            bparts.append((i, src, (*p.dest_box[:rd], (r0, r1), *p.dest_box[rd + 1 :])))
         bbox = (*ubox[:rd], (a, b), *ubox[rd + 1 :])
         bands.append((bbox, tuple(bparts), tuple(sorted(holders))))
     return bands
