@@ -15,6 +15,7 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,14 +62,16 @@ def main() -> int:
     ap.add_argument("--json", dest="json_path")
     ns = ap.parse_args()
     sources, dests = cluster_manifests(get_preset(ns.preset))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     schedule = plan(sources, dests, PlannerConfig())
-    plan_s = time.perf_counter() - t0
+    plan_s, plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     gc.disable()  # the digest walks millions of objects; nothing cyclic is made
     summary = rank_summary(schedule)
     out = {
         "preset": ns.preset,
         "plan_s": plan_s,
+        "plan_cpu_s": plan_cpu_s,
+        "load_average_1min": os.getloadavg()[0],
         "schedule_digest": schedule_digest(schedule),
         "fingerprint": schedule.fingerprint,
         "num_tasks": sum(s[2] for s in summary),

@@ -128,6 +128,38 @@ OFFLOADED: Final = 3
 
 _new = object.__new__
 _QW = tuple(getattr(QuantWrite, f.name).__set__ for f in dataclasses.fields(QuantWrite))
+_RUN = tuple(getattr(WriteRun, f.name).__set__ for f in dataclasses.fields(WriteRun))
+_PART = tuple(getattr(Part, f.name).__set__ for f in dataclasses.fields(Part))
+
+
+def _write_run(
+    region: int,
+    offset_bytes: int,
+    nbytes: int,
+    _s: tuple[Callable[[object, object], None], ...] = _RUN,
+) -> WriteRun:
+    """`WriteRun(...)` built through its slots, as `_quant_write`."""
+    r = _new(WriteRun)
+    _s[0](r, region)
+    _s[1](r, offset_bytes)
+    _s[2](r, nbytes)
+    return r
+
+
+def _part(
+    source: str,
+    source_box: Box,
+    dest_box: Box,
+    _s: tuple[Callable[[object, object], None], ...] = _PART,
+) -> Part:
+    """`Part(...)` built through its slots, as `_quant_write`."""
+    p = _new(Part)
+    _s[0](p, source)
+    _s[1](p, source_box)
+    _s[2](p, dest_box)
+    return p
+
+
 _SW = tuple(getattr(SliceWrite, f.name).__set__ for f in dataclasses.fields(SliceWrite))
 
 
@@ -375,6 +407,8 @@ def _collect_sources(
         "name", "shape", "dtype", "local_box", "mesh", "offloaded", "aliases"
     )
     for m in sorted(sources, key=lambda m: m.rank):
+        if _collect_fast(m, table, box_ok, problems):
+            continue
         rank = m.rank
         seen: set[str] = set()
         mesh_ok: dict[int, bool] = {}
@@ -462,6 +496,64 @@ def _collect_sources(
                     "elements"
                 )
     return table
+
+
+_NAME = operator.attrgetter("name")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_BOX = operator.attrgetter("local_box")
+_MESH = operator.attrgetter("mesh")
+_OFFLOADED = operator.attrgetter("offloaded")
+_ALIASES = operator.attrgetter("aliases")
+
+
+def _collect_fast(
+    m: SourceManifest,
+    table: dict[str, _Source],
+    box_ok: dict[int, tuple[int, ...]],
+    problems: list[str],
+) -> bool:
+    """`_collect_sources`'s per-entry loop for one manifest, column by column: names, dtypes,
+    boxes and meshes are checked in bulk (each distinct box and mesh object once), then the
+    entries are filed. Returns False, having filed nothing, when the manifest has duplicate
+    names, aliases, an unknown dtype, a box that does not fit or a mesh without the rank: the
+    entry-by-entry loop then reports each problem."""
+    ts = m.tensors
+    names = list(map(_NAME, ts))
+    if len(set(names)) != len(names) or any(map(_ALIASES, ts)):
+        return False
+    dtypes = list(map(_DTYPE, ts))
+    if not DTYPE_SIZES.keys() >= set(dtypes):
+        return False
+    rank = m.rank
+    meshes = list(map(_MESH, ts))
+    if not all(rank in mesh for mesh in {id(x): x for x in meshes}.values()):
+        return False
+    shapes = list(map(_SHAPE, ts))
+    boxes = list(map(_BOX, ts))
+    for lb, shape in {
+        (id(b), id(sh)): (b, sh) for b, sh in zip(boxes, shapes, strict=True)
+    }.values():
+        if lb is None or box_ok.get(id(lb)) == shape:
+            continue
+        if not _box_fits(lb, shape):
+            return False
+        box_ok[id(lb)] = shape
+    get = table.get
+    for name, shape, dtype, lb, mesh, off in zip(
+        names, shapes, dtypes, boxes, meshes, map(_OFFLOADED, ts), strict=True
+    ):
+        src = get(name)
+        if src is None:
+            src = table[name] = _Source(name, tuple(shape), dtype, [])
+        elif (src.shape is not shape and src.shape != shape) or src.dtype != dtype:
+            problems.append(
+                f"tensor {name!r}: trainer ranks disagree on shape/dtype "
+                f"({src.shape}/{src.dtype} vs rank {rank}: {tuple(shape)}/{dtype})"
+            )
+            continue
+        src.holders.append((rank, lb, mesh, off))
+    return True
 
 
 def _union_volume(boxes: Iterable[Box]) -> int:
@@ -757,7 +849,7 @@ class _Piece:
     any_offloaded: bool
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _QuantUnit:
     """One quantize-and-write unit of an FP8 recipe, shared by engines placing it alike."""
 
@@ -810,6 +902,11 @@ def _distinct_staging(units: Sequence[_Unit]) -> int:
 
     Quant writes that share their `parts` tuple object are engine replicas' copies of one unit
     (same parts, boxes and block, so equal keys): their key is computed once, not per copy."""
+    first = units[0][0]
+    if type(first) is QuantWrite:
+        parts = first.parts
+        if all(type(w) is QuantWrite and w.parts is parts for w, _, _ in units):
+            return units[0][1]  # one unit, written to each engine replica
     seen: set[int] = set()
     reps: list[tuple[SliceWrite | QuantWrite, int]] = []
     for w, nb, _ in units:
@@ -917,6 +1014,11 @@ class _Layout:
     ]
     gather_seq: dict[_GatherKey, int]  # first recipe index using each copy gather
     pending_seq: dict[tuple[str, ...], int]
+    # Units only one rank can quantize: the arguments of their QuantWrite after the engine
+    # name, then their task key, bytes and elements (each engine only stamps its name).
+    singles: list[tuple[object, ...]] = dataclasses.field(default_factory=list)
+    single_seq: dict[_GatherKey, int] = dataclasses.field(default_factory=dict)
+    single_load: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> bytes
 
 
 def _compile_layout(
@@ -983,6 +1085,26 @@ def _compile_layout(
                 if cands:
                     names = u.sources
                     lay.pending_seq.setdefault(names, seq)
+            if single is not None:
+                lay.singles.append(
+                    (
+                        rc.dest,
+                        st.name,
+                        rc.quant.block,
+                        u.parts,
+                        u.dest_box,
+                        u.scale_box,
+                        u.weight_runs,
+                        u.scale_runs,
+                        single,
+                        u.nbytes,
+                        u.numel,
+                    )
+                )
+                lay.single_seq.setdefault(single, seq)
+                r = single[0][0]
+                lay.single_load[r] = lay.single_load.get(r, 0) + u.nbytes
+                continue
             lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names, single))
     return lay
 
@@ -1170,6 +1292,11 @@ class _Planning:
                     self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
                 for names, sq in lay.pending_seq.items():
                     self.pending_seq[names] = min(sq, self.pending_seq.get(names, sq))
+                # Units one rank alone holds (a band of an FSDP shard) go to it whatever the
+                # balance: filed and counted as each engine is, before any choice is made.
+                for key, sq in lay.single_seq.items():
+                    gather_local.add(key)
+                    gather_seq[key] = min(sq, gather_seq.get(key, sq))
             self.directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
             for key, p, runs, nbytes, dest, dtype in lay.copies:
                 self.gather_units[key].append(
@@ -1179,6 +1306,16 @@ class _Planning:
                         ),
                         nbytes,
                         numel(box_shape(p.dest_box)),
+                    )
+                )
+            for r, nb in lay.single_load.items():
+                load[r] += nb
+            for dest, sdest, block, parts, dbox, sbox, wruns, sruns, key, nb, nel in lay.singles:
+                gather_units[key].append(
+                    (
+                        _quant_write(engine, dest, sdest, block, parts, dbox, sbox, wruns, sruns),
+                        nb,
+                        nel,
                     )
                 )
             for u, dest, sdest, block, sq, quant_names, single in lay.quants:
@@ -1193,21 +1330,7 @@ class _Planning:
                     u.weight_runs,
                     u.scale_runs,
                 )
-                if single is not None:
-                    # A unit one rank alone holds (a band of an FSDP shard) goes to it whatever
-                    # the balance: counted now, before any choice is made.
-                    units_k = gather_units.get(single)
-                    if units_k is None:
-                        gather_units[single] = [(qw, u.nbytes, u.numel)]
-                        gather_local.add(single)
-                        gather_seq[single] = min(sq, gather_seq.get(single, sq))
-                    else:
-                        units_k.append((qw, u.nbytes, u.numel))
-                        gather_local.add(single)  # (a copy gather may have made the list)
-                        if sq < gather_seq[single]:
-                            gather_seq[single] = sq
-                    load[single[0][0]] += u.nbytes
-                elif u.local:
+                if u.local:
                     self.local_units.append(((qw, u.nbytes, u.numel), u.local, u.sources, sq))
                 elif quant_names is not None:
                     self.pending[quant_names].append((qw, u.nbytes, u.numel))
@@ -1614,6 +1737,7 @@ class _ShardMemo:
     bands: dict[tuple[object, ...], list[_BandTemplate] | None] = dataclasses.field(
         default_factory=dict
     )
+    names: dict[str, tuple[str]] = dataclasses.field(default_factory=dict)
 
     def local_holder(self, parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int, ...]:
         sigs = self.sigs
@@ -1642,7 +1766,7 @@ class _ShardMemo:
             (
                 bbox,
                 tuple(
-                    parts[i] if sb is None else Part(parts[i].source, sb, db)
+                    parts[i] if sb is None else _part(parts[i].source, sb, db)
                     for i, sb, db in bparts
                 ),
                 holders,
@@ -1706,33 +1830,32 @@ def _quant_units(
             rows, cols = dt.shape[-2:]
             srows, scols = st.shape[-2:]
             b0 = rc.quant.block[0]
+            wbase = dt.offset_bytes + flat * rows * cols
+            sbase = st.offset_bytes + flat * srows * scols * 4
+            names_of = memo.names
             for bbox, bparts, holders in cut:
                 r0, r1 = bbox[-2]
                 s0, s1 = r0 // b0, -(-r1 // b0)
                 bsbox = (*sbox[:-2], (s0, s1), sbox[-1])
-                wruns = (
-                    WriteRun(
-                        dt.region, dt.offset_bytes + (flat * rows + r0) * cols, (r1 - r0) * cols
-                    ),
-                )
-                sruns = (
-                    WriteRun(
-                        st.region,
-                        st.offset_bytes + (flat * srows + s0) * scols * 4,
-                        (s1 - s0) * scols * 4,
-                    ),
-                )
+                wlen, slen = (r1 - r0) * cols, (s1 - s0) * scols * 4
+                if len(bparts) == 1:
+                    src = bparts[0].source
+                    names = names_of.get(src)
+                    if names is None:
+                        names = names_of[src] = (src,)
+                else:
+                    names = tuple(sorted({p.source for p in bparts}))
                 out.append(
                     _QuantUnit(
                         bbox,
                         bsbox,
                         bparts,
-                        tuple(sorted({p.source for p in bparts})),
-                        wruns,
-                        sruns,
+                        names,
+                        (_write_run(dt.region, wbase + r0 * cols, wlen),),
+                        (_write_run(st.region, sbase + s0 * scols * 4, slen),),
                         holders,
-                        sum(r.nbytes for r in wruns) + sum(r.nbytes for r in sruns),
-                        numel(box_shape(bbox)),
+                        wlen + slen,
+                        wlen,  # elements: whole rows of one leading slice
                     )
                 )
             continue
