@@ -1019,6 +1019,7 @@ class _Layout:
     singles: list[tuple[object, ...]] = dataclasses.field(default_factory=list)
     single_seq: dict[_GatherKey, int] = dataclasses.field(default_factory=dict)
     single_load: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> bytes
+    nbytes: int = 0  # every write of the layout
 
 
 def _compile_layout(
@@ -1052,6 +1053,7 @@ def _compile_layout(
                 direct_by_id[(id(rc), *place)] = tmpl
             pieces, gathered = tmpl
             lay.directs.extend((pc, rc.dest, dt.dtype) for pc in pieces)
+            lay.nbytes += sum(pc.nbytes for pc in pieces) + sum(g[3] for g in gathered)
             for mesh, p, runs, nbytes in gathered:
                 key = (mesh, (p.source,))
                 lay.gather_seq.setdefault(key, seq)
@@ -1067,6 +1069,7 @@ def _compile_layout(
                     rc, dt, st, table, bands=config.quantize_in_shards, memo=shard_memo
                 )
             quant_by_id[(id(rc), *place)] = units
+        lay.nbytes += sum(u.nbytes for u in units)
         for u in units:
             names: tuple[str, ...] | None = None
             single: _GatherKey | None = None
@@ -1242,6 +1245,8 @@ class _Planning:
         self.mesh_group: dict[tuple[int, ...], int] = {}
         self.per_rank: list[list[Task]] = [[] for _ in range(world)]
         self.rank_bytes = [0] * world
+        self.peers_of: list[set[str]] = [set() for _ in range(world)]  # engines each rank writes
+        self.bytes_per_engine = dict.fromkeys(engines, 0)
         self.next_id = 0
 
     def _check(self) -> None:
@@ -1297,6 +1302,8 @@ class _Planning:
                 for key, sq in lay.single_seq.items():
                     gather_local.add(key)
                     gather_seq[key] = min(sq, gather_seq.get(key, sq))
+            # Every write made below lands in the schedule (or the plan fails).
+            self.bytes_per_engine[engine] = lay.nbytes
             self.directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
             for key, p, runs, nbytes, dest, dtype in lay.copies:
                 self.gather_units[key].append(
@@ -1405,26 +1412,34 @@ class _Planning:
         own shards (a one-rank key) need no collective: a light `_LocalGather` each."""
         table, load = self.table, self.load
         budget = self.config.memory_budget_bytes
-        for key in sorted(self.gather_units):
+        over: list[tuple[_GatherKey, int]] = []  # reported in key order, as gathers are built
+        gather_local, gather_seq = self.gather_local, self.gather_seq
+        collective = []
+        # Local ones first, in any order (10^5 of them; they are sorted when batched).
+        for key, units_k in self.gather_units.items():
+            if key not in gather_local:
+                collective.append(key)
+                continue
+            scratch = max([u[2] for u in units_k]) * 4  # assembly in float32
+            staging = _distinct_staging(units_k)
+            self.local_gathers[key] = _LocalGather(
+                key[0][0],
+                key[0],
+                key[1],
+                scratch,
+                [u[0] for u in units_k],
+                staging,
+                sum([u[1] for u in units_k]),
+                gather_seq[key],
+            )
+            if scratch + staging > budget:
+                over.append((key, scratch + staging))
+        # Their unit lists are not needed any more: free them before the tasks are built.
+        self.gather_units = defaultdict(list, {k: self.gather_units[k] for k in collective})
+        for key in sorted(collective):
             mesh, names = key
             units_k = self.gather_units[key]
-            local = key in self.gather_local
             scratch = max([u[2] for u in units_k]) * 4  # assembly in float32
-            if local:
-                staging = _distinct_staging(units_k)
-                self.local_gathers[key] = _LocalGather(
-                    mesh[0],
-                    mesh,
-                    names,
-                    scratch,
-                    [u[0] for u in units_k],
-                    staging,
-                    sum([u[1] for u in units_k]),
-                    self.gather_seq[key],
-                )
-                if scratch + staging > budget:
-                    self._over_budget(names, scratch + staging)
-                continue
             scratch += sum(numel(table[n].shape) * dtype_size(table[n].dtype) for n in names)
             ranks_sorted = sorted(mesh)
             by_rank: dict[int, list[SliceWrite | QuantWrite]] = {r: [] for r in ranks_sorted}
@@ -1449,14 +1464,13 @@ class _Planning:
             )
             need = g.scratch_bytes + max(g.staging.values(), default=0)
             if need > budget:
-                self._over_budget(names, need)
+                over.append((key, need))
+        for key, need in sorted(over):
+            self.problems.append(
+                f"gathering {list(key[1])} needs {need} bytes of temporary memory, more "
+                f"than memory_budget_bytes={budget}"
+            )
         self._check()
-
-    def _over_budget(self, names: tuple[str, ...], need: int) -> None:
-        self.problems.append(
-            f"gathering {list(names)} needs {need} bytes of temporary memory, more "
-            f"than memory_budget_bytes={self.config.memory_budget_bytes}"
-        )
 
     def colour_mesh_groups(self) -> None:
         """Mesh groups: greedy colouring of meshes so that meshes of one group share no rank."""
@@ -1531,9 +1545,12 @@ class _Planning:
         limit = min(self.config.task_target_bytes, self.config.memory_budget_bytes // 2)
         batches: dict[int, _LocalBatch] = {}
 
+        engine_of = operator.attrgetter("engine")
+
         def close(rank: int) -> None:
             b = batches.pop(rank)
             self.rank_bytes[rank] += b.wire
+            self.peers_of[rank].update(map(engine_of, b.writes))
             self.per_rank[rank].append(
                 Task(
                     self.next_id,
@@ -1670,21 +1687,14 @@ class _Planning:
         least among those writing to it."""
         world, engines = self.world, self.engines
         senders_of: dict[str, set[int]] = defaultdict(set)
-        bytes_per_engine = dict.fromkeys(engines, 0)
-        peers_of: list[set[str]] = [set() for _ in range(world)]
+        bytes_per_engine = self.bytes_per_engine
+        peers_of = self.peers_of  # local quant tasks filed theirs
         engine_of = operator.attrgetter("engine")
-        for units_k in self.gather_units.values():
-            for w, nb, _ in units_k:
-                bytes_per_engine[w.engine] += nb
         for g in self.gathers.values():
             for rank, ws in g.by_rank.items():
                 peers_of[rank].update(map(engine_of, ws))
-        for lg in self.local_gathers.values():
-            peers_of[lg.rank].update(map(engine_of, lg.writes))
         for i, r in enumerate(self.assigned):
-            pc, engine = self.directs[i][0], self.directs[i][1]
-            peers_of[r].add(engine)
-            bytes_per_engine[engine] += pc.nbytes
+            peers_of[r].add(self.directs[i][1])
         for rank in range(world):
             for e in peers_of[rank]:
                 senders_of[e].add(rank)
