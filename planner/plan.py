@@ -895,6 +895,30 @@ class _LocalGather:
     staging: int  # each distinct staged unit once (engine replicas' copies share it)
     wire: int
     seq: int
+    stamps: list[_Layout]
+    """Layouts whose single-holder units of this key are written to each of their engines:
+    those writes come first (engines in name order), then `writes`."""
+
+    def all_writes(self) -> list[SliceWrite | QuantWrite]:
+        """This gather's writes, the stamped ones made now."""
+        key = (self.mesh, self.sources)
+        if not self.stamps:
+            return self.writes
+        if len(self.stamps) == 1:
+            lay = self.stamps[0]
+            entries = lay.singles[key]
+            out: list[SliceWrite | QuantWrite] = [
+                _quant_write(e, *args) for e in lay.engines for args, _, _ in entries
+            ]
+        else:
+            by_engine = sorted((e, i) for i, lay in enumerate(self.stamps) for e in lay.engines)
+            out = [
+                _quant_write(e, *args)
+                for e, i in by_engine
+                for args, _, _ in self.stamps[i].singles[key]
+            ]
+        out.extend(self.writes)
+        return out
 
 
 def _distinct_staging(units: Sequence[_Unit]) -> int:
@@ -1003,6 +1027,11 @@ def _direct_template(
 _DirectTemplate = tuple[list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]]
 
 
+_SingleEntry = tuple[tuple[object, ...], int, int]
+"""A single-holder unit of a layout: its QuantWrite's arguments after the engine name, its
+bytes and its elements."""
+
+
 @dataclasses.dataclass(slots=True)
 class _Layout:
     """One engine layout's work, without the engine name."""
@@ -1016,8 +1045,9 @@ class _Layout:
     pending_seq: dict[tuple[str, ...], int]
     # Units only one rank can quantize: the arguments of their QuantWrite after the engine
     # name, then their task key, bytes and elements (each engine only stamps its name).
-    singles: list[tuple[object, ...]] = dataclasses.field(default_factory=list)
+    singles: dict[_GatherKey, list[_SingleEntry]] = dataclasses.field(default_factory=dict)
     single_seq: dict[_GatherKey, int] = dataclasses.field(default_factory=dict)
+    engines: list[str] = dataclasses.field(default_factory=list)  # sorted: those using it
     single_load: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> bytes
     nbytes: int = 0  # every write of the layout
 
@@ -1089,17 +1119,18 @@ def _compile_layout(
                     names = u.sources
                     lay.pending_seq.setdefault(names, seq)
             if single is not None:
-                lay.singles.append(
+                lay.singles.setdefault(single, []).append(
                     (
-                        rc.dest,
-                        st.name,
-                        rc.quant.block,
-                        u.parts,
-                        u.dest_box,
-                        u.scale_box,
-                        u.weight_runs,
-                        u.scale_runs,
-                        single,
+                        (
+                            rc.dest,
+                            st.name,
+                            rc.quant.block,
+                            u.parts,
+                            u.dest_box,
+                            u.scale_box,
+                            u.weight_runs,
+                            u.scale_runs,
+                        ),
                         u.nbytes,
                         u.numel,
                     )
@@ -1241,6 +1272,7 @@ class _Planning:
         self.gather_local: set[_GatherKey] = set()
         self.gathers: dict[_GatherKey, _Gather] = {}  # those that need a collective
         self.local_gathers: dict[_GatherKey, _LocalGather] = {}
+        self.single_layouts: dict[_GatherKey, list[_Layout]] = defaultdict(list)
         self.groups: list[list[tuple[int, ...]]] = []
         self.mesh_group: dict[tuple[int, ...], int] = {}
         self.per_rank: list[list[Task]] = [[] for _ in range(world)]
@@ -1302,6 +1334,7 @@ class _Planning:
                 for key, sq in lay.single_seq.items():
                     gather_local.add(key)
                     gather_seq[key] = min(sq, gather_seq.get(key, sq))
+                    self.single_layouts[key].append(lay)
             # Every write made below lands in the schedule (or the plan fails).
             self.bytes_per_engine[engine] = lay.nbytes
             self.directs.extend([(pc, engine, dest, dtype) for pc, dest, dtype in lay.directs])
@@ -1317,14 +1350,8 @@ class _Planning:
                 )
             for r, nb in lay.single_load.items():
                 load[r] += nb
-            for dest, sdest, block, parts, dbox, sbox, wruns, sruns, key, nb, nel in lay.singles:
-                gather_units[key].append(
-                    (
-                        _quant_write(engine, dest, sdest, block, parts, dbox, sbox, wruns, sruns),
-                        nb,
-                        nel,
-                    )
-                )
+            # Their writes are stamped with the engine names when their tasks are built.
+            lay.engines.append(engine)
             for u, dest, sdest, block, sq, quant_names, single in lay.quants:
                 qw = _quant_write(
                     engine,
@@ -1414,14 +1441,34 @@ class _Planning:
         budget = self.config.memory_budget_bytes
         over: list[tuple[_GatherKey, int]] = []  # reported in key order, as gathers are built
         gather_local, gather_seq = self.gather_local, self.gather_seq
-        collective = []
+        collective = [k for k in self.gather_units if k not in gather_local]
         # Local ones first, in any order (10^5 of them; they are sorted when batched).
-        for key, units_k in self.gather_units.items():
-            if key not in gather_local:
-                collective.append(key)
-                continue
-            scratch = max([u[2] for u in units_k]) * 4  # assembly in float32
-            staging = _distinct_staging(units_k)
+        single_layouts = self.single_layouts
+        no_units: list[_Unit] = []
+        for key in {
+            **single_layouts,
+            **dict.fromkeys(k for k in self.gather_units if k in gather_local),
+        }:
+            units_k = self.gather_units.get(key, no_units)
+            lays = single_layouts.get(key, [])
+            nel = max([u[2] for u in units_k], default=0)
+            wire = sum([u[1] for u in units_k])
+            for lay in lays:
+                entries = lay.singles[key]
+                nel = max(nel, *[e[2] for e in entries])
+                wire += len(lay.engines) * sum([e[1] for e in entries])
+            scratch = nel * 4  # assembly in float32
+            if not units_k and len(lays) == 1 and len(lays[0].singles[key]) == 1:
+                staging = lays[0].singles[key][0][1]  # one unit, written to each engine replica
+            else:
+                staging = _distinct_staging(
+                    [
+                        (_quant_write("", *e[0]), e[1], e[2])
+                        for lay in lays
+                        for e in lay.singles[key]
+                    ]
+                    + units_k
+                )
             self.local_gathers[key] = _LocalGather(
                 key[0][0],
                 key[0],
@@ -1429,8 +1476,9 @@ class _Planning:
                 scratch,
                 [u[0] for u in units_k],
                 staging,
-                sum([u[1] for u in units_k]),
+                wire,
                 gather_seq[key],
+                lays,
             )
             if scratch + staging > budget:
                 over.append((key, scratch + staging))
@@ -1569,7 +1617,7 @@ class _Planning:
         mesh_group = self.mesh_group
         for g in local_gathers:
             rank = g.rank
-            mine = g.writes
+            mine = g.all_writes()
             if not mine:
                 continue
             group = mesh_group.get(g.mesh, 0)

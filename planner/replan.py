@@ -15,6 +15,7 @@ engine added or removed, a recipe or shape that differs, another config) plans f
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import operator
 from collections.abc import Sequence
@@ -87,6 +88,17 @@ class Replanner:
         Raises:
             PlanMismatchError: listing every problem found in the manifests.
         """
+        # As `plan` does: the collector's scans of 10^6 new acyclic objects cost more than
+        # the planning itself.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._plan(dests)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _plan(self, dests: Sequence[DestManifest]) -> Schedule:
         if self._source_hash is None:
             self._source_hash = _hash_sources(self._sources)
         by_name = {d.engine: d for d in dests}
@@ -99,16 +111,8 @@ class Replanner:
                 self._remember(by_name, schedule, last)
                 self.reused_last = True
                 return schedule
-        import gc
-
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self._memo.clear()
-            schedule = _plan(self._sources, dests, self._config, self._source_hash, self._memo)
-        finally:
-            if enabled:
-                gc.enable()
+        self._memo.clear()
+        schedule = _plan(self._sources, dests, self._config, self._source_hash, self._memo)
         self._remember(by_name, schedule, None)
         return schedule
 
