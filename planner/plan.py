@@ -1649,6 +1649,12 @@ class _Planning:
         for i, r in enumerate(self.assigned):
             queues[r][self.directs[i][1]].append(i)
         zero_memo: dict[int, bool] = {}  # id(piece) * world + rank -> zero-copy
+        # id(piece) -> a number naming what it stages (source, box, dtype): pieces of equal
+        # geometry from different templates stage the same bytes.
+        sid_of: dict[int, int] = {}
+        sid_by_value: dict[tuple[str, Box, str], int] = {}
+        rank_bytes = self.rank_bytes
+        target = config.task_target_bytes
         half_budget = config.memory_budget_bytes // 2
         for rank in range(world):
             q = queues[rank]
@@ -1662,7 +1668,8 @@ class _Planning:
                 active = [lst for lst in active if len(lst) > depth]
             batch: list[SliceWrite] = []
             staging = h2d = batch_bytes = 0
-            staged: set[tuple[str, Box, str]] = set()
+            staged: set[int] = set()
+            sent = 0
             for i in order:
                 pc, engine, dest, dtype = self.directs[i]
                 zkey = id(pc) * world + rank
@@ -1678,30 +1685,33 @@ class _Planning:
                     zero_memo[zkey] = zero
                 # Another engine replica's copy of a piece this batch stages already costs no
                 # staging: the executor stages each distinct piece of a task once.
-                skey = (pc.source, pc.source_box, dtype)
-                cost = 0 if zero or skey in staged else pc.nbytes
-                if batch and (
-                    batch_bytes + pc.nbytes > config.task_target_bytes
-                    or staging + cost > half_budget
-                ):
+                skey = sid_of.get(id(pc))
+                if skey is None:
+                    skey = sid_of[id(pc)] = sid_by_value.setdefault(
+                        (pc.source, pc.source_box, dtype), len(sid_by_value)
+                    )
+                nb = pc.nbytes
+                cost = 0 if zero or skey in staged else nb
+                if batch and (batch_bytes + nb > target or staging + cost > half_budget):
                     self._direct_task(rank, batch, staging, h2d)
                     batch, staging, h2d, batch_bytes = [], 0, 0, 0
                     staged.clear()
-                    cost = 0 if zero else pc.nbytes
+                    cost = 0 if zero else nb
                 if not zero:
                     staged.add(skey)
                 batch.append(
-                    SliceWrite(
+                    _slice_write(
                         engine, dest, pc.source, pc.source_box, pc.dest_box, dtype, pc.runs, zero
                     )
                 )
                 staging += cost
-                batch_bytes += pc.nbytes
-                self.rank_bytes[rank] += pc.nbytes
+                batch_bytes += nb
+                sent += nb
                 if pc.any_offloaded and pc.offloaded.get(rank, False):
                     h2d += numel(box_shape(pc.source_box)) * pc.src_itemsize
             if batch:
                 self._direct_task(rank, batch, staging, h2d)
+            rank_bytes[rank] += sent
 
     def _direct_task(self, rank: int, batch: list[SliceWrite], staging: int, h2d: int) -> None:
         self.per_rank[rank].append(
