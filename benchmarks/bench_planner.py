@@ -48,6 +48,12 @@ def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def _rss_now_gib() -> float:
+    """Resident memory now (Linux), not the peak: what the inputs and the schedule keep."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def max_rank_plan_bytes(schedule: Any, dests: Any) -> int:
     """The largest rank's `RankPlan` as the control plane stores it (msgpack, sealed), which
     must fit one store value (`weight_transfer.control.MAX_VALUE_BYTES`)."""
@@ -119,6 +125,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         cpu_times.append(time.process_time() - c0)
     assert schedule is not None and replanner is not None
     rss_plan = _rss_gib()
+    rss_kept = _rss_now_gib()
     # Re-plans: engine k (a different one each time) restarted and joined with its tensors
     # elsewhere; the Replanner rewrites the tasks writing into it and reuses the rest.
     replan_s: list[float] = []
@@ -149,6 +156,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
             "load_average_1min": os.getloadavg()[0],
             "peak_rss_gib_after_manifests": rss_manifests,
             "peak_rss_gib": rss_plan,
+            "rss_gib_after_plan": rss_kept,
             "peak_rss_gib_after_replans": rss_replan,
             "num_tasks": sum(len(r.tasks) for r in schedule.ranks),
             "num_writes": sum(len(t.writes) for r in schedule.ranks for t in r.tasks),
@@ -186,6 +194,7 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         "simulate_s": t_sim,
         "peak_rss_gib_after_manifests": rss_manifests,
         "peak_rss_gib": rss_plan,
+        "rss_gib_after_plan": rss_kept,
         "num_tasks": result.num_tasks,
         "total_write_bytes": result.total_write_bytes,
         "max_engine_region_bytes": max(engine_sizes.values()),

@@ -1272,6 +1272,8 @@ class _Planning:
         self.gather_local: set[_GatherKey] = set()
         self.gathers: dict[_GatherKey, _Gather] = {}  # those that need a collective
         self.local_gathers: dict[_GatherKey, _LocalGather] = {}
+        # (seq, mesh, sources) of every one-rank gather: the order their units are batched in.
+        self.local_order: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
         self.single_layouts: dict[_GatherKey, list[_Layout]] = defaultdict(list)
         self.groups: list[list[tuple[int, ...]]] = []
         self.mesh_group: dict[tuple[int, ...], int] = {}
@@ -1445,10 +1447,22 @@ class _Planning:
         # Local ones first, in any order (10^5 of them; they are sorted when batched).
         single_layouts = self.single_layouts
         no_units: list[_Unit] = []
-        for key in {
-            **single_layouts,
-            **dict.fromkeys(k for k in self.gather_units if k in gather_local),
-        }:
+        order = self.local_order
+        general = dict.fromkeys(k for k in self.gather_units if k in gather_local)
+        for key, lays in single_layouts.items():
+            # One unit of one layout, written to that layout's engines (each band of Kimi-K2's
+            # experts): nothing to record beyond its place in the order.
+            if key not in general and len(lays) == 1:
+                entries = lays[0].singles[key]
+                if len(entries) == 1:
+                    _, nb, nel = entries[0]
+                    if nb + nel * 4 > budget:
+                        over.append((key, nb + nel * 4))
+                    order.append((gather_seq[key], key[0], key[1]))
+                    continue
+            general[key] = None
+        for key in general:
+            order.append((gather_seq[key], key[0], key[1]))
             units_k = self.gather_units.get(key, no_units)
             lays = single_layouts.get(key, [])
             nel = max([u[2] for u in units_k], default=0)
@@ -1555,9 +1569,6 @@ class _Planning:
                 shift = (mi * len(gs)) // len(members)
                 for pos, g in enumerate(gs[shift:] + gs[:shift]):
                     ordered.append((gi, pos, mi, g))
-        local_gathers = sorted(
-            self.local_gathers.values(), key=lambda g: (g.seq, g.mesh, g.sources)
-        )
         ordered.sort(key=lambda x: (x[0], x[1], x[2]))
         for g in [x[3] for x in ordered]:
             group = self.mesh_group.get(g.mesh, 0)
@@ -1579,9 +1590,9 @@ class _Planning:
                     )
                 )
             self.next_id += 1
-        self._local_quant_tasks(local_gathers)
+        self._local_quant_tasks()
 
-    def _local_quant_tasks(self, local_gathers: list[_LocalGather]) -> None:
+    def _local_quant_tasks(self) -> None:
         """Local quantization units as tasks of about `task_target_bytes` each.
 
         A rank's units that need no collective (whole units in its shards, and the bands of
@@ -1614,29 +1625,40 @@ class _Planning:
             )
             self.next_id += 1
 
-        mesh_group = self.mesh_group
-        for g in local_gathers:
-            rank = g.rank
-            mine = g.all_writes()
-            if not mine:
-                continue
-            group = mesh_group.get(g.mesh, 0)
-            nbytes = g.staging
+        mesh_group, local_gathers, single_layouts = (
+            self.mesh_group,
+            self.local_gathers,
+            self.single_layouts,
+        )
+        self.local_order.sort()
+        for _, mesh, names in self.local_order:
+            key = (mesh, names)
+            g = local_gathers.get(key)
+            if g is None:  # one unit of one layout (see `build_gathers`)
+                lay = single_layouts[key][0]
+                args, nbytes, nel = lay.singles[key][0]
+                mine = [_quant_write(e, *args) for e in lay.engines]
+                wire, scratch = nbytes * len(mine), nel * 4
+            else:
+                mine = g.all_writes()
+                if not mine:
+                    continue
+                nbytes, wire, scratch = g.staging, g.wire, g.scratch_bytes
+            rank = mesh[0]
+            group = mesh_group.get(mesh, 0)
             b = batches.get(rank)
             if b is not None and (b.group != group or b.staging + nbytes > limit):
                 close(rank)
                 b = None
             if b is None:
-                batches[rank] = _LocalBatch(
-                    group, list(g.sources), list(mine), nbytes, g.wire, g.scratch_bytes
-                )
+                batches[rank] = _LocalBatch(group, list(names), mine, nbytes, wire, scratch)
             else:
-                b.names.extend(g.sources)
+                b.names.extend(names)
                 b.writes.extend(mine)
                 b.staging += nbytes
-                b.wire += g.wire
-                if g.scratch_bytes > b.scratch:
-                    b.scratch = g.scratch_bytes
+                b.wire += wire
+                if scratch > b.scratch:
+                    b.scratch = scratch
         for rank in sorted(batches):
             close(rank)
 
