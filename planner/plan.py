@@ -1095,7 +1095,7 @@ def _compile_layout(
         if units is None:
             units = quant_by_value.get((rc, *place))
             if units is None:
-                units = quant_by_value[(rc, *place)] = _quant_units(
+                units = quant_by_value[(rc, *place)] = _quant_units_like(
                     rc, dt, st, table, bands=config.quantize_in_shards, memo=shard_memo
                 )
             quant_by_id[(id(rc), *place)] = units
@@ -1828,6 +1828,7 @@ class _ShardMemo:
         default_factory=dict
     )
     names: dict[str, tuple[str]] = dataclasses.field(default_factory=dict)
+    units: dict[tuple[object, ...], list[_UnitTemplate]] = dataclasses.field(default_factory=dict)
 
     def local_holder(self, parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int, ...]:
         sigs = self.sigs
@@ -1868,6 +1869,91 @@ class _ShardMemo:
 _BandTemplate = tuple[Box, tuple[tuple[int, Box | None, Box], ...], tuple[int, ...]]
 """A band of `_row_bands`: its box, its parts as (index of the unit's part, clipped source box
 or None for the whole part, clipped destination box), and the ranks holding it."""
+
+
+_UnitTemplate = tuple["_QuantUnit", tuple[tuple[int, Box, Box], ...], tuple[int, ...]]
+"""A quant unit computed with placeholder sources and tensors at offset 0 of region 0, its
+parts as (index of the recipe's part, source box, destination box), and the indices of its
+sources."""
+
+
+def _quant_units_like(
+    rc: Recipe,
+    dt: DestTensor,
+    st: DestTensor,
+    table: dict[str, _Source],
+    *,
+    bands: bool,
+    memo: _ShardMemo,
+) -> list[_QuantUnit]:
+    """`_quant_units`, computed once per geometry: recipes whose parts have equal boxes and
+    whose sources are sharded alike (`_Source.sig`: the same expert in every layer) into
+    tensors of equal shapes share one template, instantiated with their sources and places."""
+    assert rc.quant is not None
+    srcs = [p.source for p in rc.parts]
+    sigs = memo.sigs
+    key = (
+        tuple((p.source_box, p.dest_box, table[p.source].sig(sigs)) for p in rc.parts),
+        dt.shape,
+        st.shape,
+        rc.quant.block,
+        bands,
+    )
+    tmpl = memo.units.get(key)
+    if tmpl is None:
+        anon = [f"#{i}" for i in range(len(srcs))]
+        units = _quant_units(
+            Recipe(
+                rc.dest,
+                tuple(
+                    Part(a, p.source_box, p.dest_box) for a, p in zip(anon, rc.parts, strict=True)
+                ),
+                rc.quant,
+            ),
+            DestTensor(dt.name, dt.shape, dt.dtype, 0, 0),
+            DestTensor(st.name, st.shape, st.dtype, 0, 0),
+            {a: table[n] for a, n in zip(anon, srcs, strict=True)},
+            bands=bands,
+            memo=memo,
+        )
+        tmpl = memo.units[key] = [
+            (
+                u,
+                tuple((int(p.source[1:]), p.source_box, p.dest_box) for p in u.parts),
+                tuple(sorted({int(n[1:]) for n in u.sources})),
+            )
+            for u in units
+        ]
+    names_of = memo.names
+    wreg, woff, sreg, soff = dt.region, dt.offset_bytes, st.region, st.offset_bytes
+    out: list[_QuantUnit] = []
+    for u, ptmpl, idxs in tmpl:
+        if len(idxs) == 1:
+            src = srcs[idxs[0]]
+            names = names_of.get(src)
+            if names is None:
+                names = names_of[src] = (src,)
+        else:
+            names = tuple(sorted({srcs[i] for i in idxs}))
+        wr, sr = u.weight_runs, u.scale_runs
+        out.append(
+            _QuantUnit(
+                u.dest_box,
+                u.scale_box,
+                tuple([_part(srcs[i], sb, db) for i, sb, db in ptmpl]),
+                names,
+                (_write_run(wreg, wr[0].offset_bytes + woff, wr[0].nbytes),)
+                if len(wr) == 1
+                else tuple([_write_run(wreg, r.offset_bytes + woff, r.nbytes) for r in wr]),
+                (_write_run(sreg, sr[0].offset_bytes + soff, sr[0].nbytes),)
+                if len(sr) == 1
+                else tuple([_write_run(sreg, r.offset_bytes + soff, r.nbytes) for r in sr]),
+                u.local,
+                u.nbytes,
+                u.numel,
+            )
+        )
+    return out
 
 
 def _quant_units(
