@@ -462,11 +462,24 @@ def _collect_sources(
                 f"trainer tensor {alias!r} is listed both as a tensor and as an alias of {name!r}"
             )
     covered_memo: dict[tuple[Box, ...], int] = {}
+    mesh_of, box_of = operator.itemgetter(MESH), operator.itemgetter(LOCAL_BOX)
     for src in table.values():
+        holders = src.holders
+        meshes = list(map(mesh_of, holders))
+        ids = list(map(id, meshes))
+        objs = dict(zip(ids, meshes, strict=True))
+        if len(objs) == 1:
+            # One mesh object (a plain FSDP tensor): every rank of it holds the tensor once
+            # (names are unique per rank and each rank is in its mesh), so the count decides.
+            mesh = meshes[0]
+            if len(mesh) == 1 or len(holders) == len(mesh):
+                if None not in map(box_of, holders):
+                    _check_coverage(src, covered_memo, problems)
+                continue
         # Group by the identity of mesh tuples first (cheap), then merge equal meshes.
         by_mesh_id: dict[int, tuple[tuple[int, ...], list[int]]] = {}
         has_none = False
-        for rank, lb, mesh, _ in src.holders:
+        for rank, lb, mesh, _ in holders:
             if lb is None:
                 has_none = True
             got = by_mesh_id.get(id(mesh))
@@ -485,17 +498,23 @@ def _collect_sources(
                     f"{sorted(set(mesh) - have)}"
                 )
         if not has_none:
-            # Tensors of one shape sharded alike share their boxes: compute coverage once.
-            distinct = tuple(sorted(src.by_box()))
-            covered = covered_memo.get(distinct, -1)
-            if covered < 0:
-                covered = covered_memo[distinct] = _union_volume(distinct)
-            if covered < numel(src.shape):
-                problems.append(
-                    f"tensor {src.name!r}: trainer shards cover {covered} of {numel(src.shape)} "
-                    "elements"
-                )
+            _check_coverage(src, covered_memo, problems)
     return table
+
+
+def _check_coverage(
+    src: _Source, covered_memo: dict[tuple[Box, ...], int], problems: list[str]
+) -> None:
+    """Report a tensor whose shards (all boxes) do not cover it."""
+    # Tensors of one shape sharded alike share their boxes: compute coverage once.
+    distinct = tuple(sorted(src.by_box()))
+    covered = covered_memo.get(distinct, -1)
+    if covered < 0:
+        covered = covered_memo[distinct] = _union_volume(distinct)
+    if covered < numel(src.shape):
+        problems.append(
+            f"tensor {src.name!r}: trainer shards cover {covered} of {numel(src.shape)} elements"
+        )
 
 
 _NAME = operator.attrgetter("name")
@@ -1395,7 +1414,8 @@ class _Planning:
         work.sort(key=operator.itemgetter(0), reverse=True)
         for nbytes, kind, i in work:
             if kind == 0:
-                r = min(directs[i][0].candidates, key=load.__getitem__)  # candidates are sorted
+                cands = directs[i][0].candidates  # sorted: min keeps the lowest of equals
+                r = cands[0] if len(cands) == 1 else min(cands, key=load.__getitem__)
                 self.assigned[i] = r
             else:
                 unit, cands, names, sq = local_units[i]
