@@ -1291,8 +1291,12 @@ class _Planning:
         self.gather_local: set[_GatherKey] = set()
         self.gathers: dict[_GatherKey, _Gather] = {}  # those that need a collective
         self.local_gathers: dict[_GatherKey, _LocalGather] = {}
-        # (seq, mesh, sources) of every one-rank gather: the order their units are batched in.
-        self.local_order: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
+        # (seq, mesh, sources) of every one-rank gather, the order their units are batched in
+        # (unique: the rest of each entry is never compared), then for a gather of one unit of
+        # one layout that layout and unit (`build_gathers`), else None and None.
+        self.local_order: list[
+            tuple[int, tuple[int, ...], tuple[str, ...], _Layout | None, _SingleEntry | None]
+        ] = []
         self.single_layouts: dict[_GatherKey, list[_Layout]] = defaultdict(list)
         self.groups: list[list[tuple[int, ...]]] = []
         self.mesh_group: dict[tuple[int, ...], int] = {}
@@ -1478,11 +1482,11 @@ class _Planning:
                     _, nb, nel = entries[0]
                     if nb + nel * 4 > budget:
                         over.append((key, nb + nel * 4))
-                    order.append((gather_seq[key], key[0], key[1]))
+                    order.append((gather_seq[key], key[0], key[1], lays[0], entries[0]))
                     continue
             general[key] = None
         for key in general:
-            order.append((gather_seq[key], key[0], key[1]))
+            order.append((gather_seq[key], key[0], key[1], None, None))
             units_k = self.gather_units.get(key, no_units)
             lays = single_layouts.get(key, [])
             nel = max([u[2] for u in units_k], default=0)
@@ -1645,21 +1649,15 @@ class _Planning:
             )
             self.next_id += 1
 
-        mesh_group, local_gathers, single_layouts = (
-            self.mesh_group,
-            self.local_gathers,
-            self.single_layouts,
-        )
+        mesh_group, local_gathers = self.mesh_group, self.local_gathers
         self.local_order.sort()
-        for _, mesh, names in self.local_order:
-            key = (mesh, names)
-            g = local_gathers.get(key)
-            if g is None:  # one unit of one layout (see `build_gathers`)
-                lay = single_layouts[key][0]
-                args, nbytes, nel = lay.singles[key][0]
+        for _, mesh, names, lay, entry in self.local_order:
+            if lay is not None and entry is not None:  # one unit of one layout
+                args, nbytes, nel = entry
                 mine = [_quant_write(e, *args) for e in lay.engines]
                 wire, scratch = nbytes * len(mine), nel * 4
             else:
+                g = local_gathers[(mesh, names)]
                 mine = g.all_writes()
                 if not mine:
                     continue
