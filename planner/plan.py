@@ -34,7 +34,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Literal
+from typing import Final
 
 import msgpack
 
@@ -1057,9 +1057,7 @@ class _Layout:
 
     directs: list[tuple[_Piece, str, str]]  # (piece, dest, dtype)
     copies: list[tuple[_GatherKey, Part, tuple[WriteRun, ...], int, str, str]]
-    quants: list[
-        tuple[_QuantUnit, str, str, tuple[int, int], int, tuple[str, ...] | None, _GatherKey | None]
-    ]
+    quants: list[tuple[_QuantUnit, str, str, tuple[int, int], int, tuple[str, ...] | None]]
     gather_seq: dict[_GatherKey, int]  # first recipe index using each copy gather
     pending_seq: dict[tuple[str, ...], int]
     # Units only one rank can quantize: the arguments of their QuantWrite after the engine
@@ -1078,11 +1076,10 @@ def _compile_layout(
     problems: list[str],
     direct_by_id: dict[tuple[object, ...], _DirectTemplate],
     direct_by_value: dict[tuple[object, ...], _DirectTemplate],
-    quant_by_id: dict[tuple[object, ...], list[_QuantUnit]],
-    quant_by_value: dict[tuple[object, ...], list[_QuantUnit]],
+    quant_by_id: dict[tuple[object, ...], _QuantUnits],
+    quant_by_value: dict[tuple[object, ...], _QuantUnits],
     cands_of: dict[tuple[str, ...], list[tuple[int, ...]]],
     shard_memo: _ShardMemo,
-    single_keys: dict[_GatherKey, _GatherKey],
 ) -> _Layout:
     """Write templates of one engine layout; a quant unit that is not local and whose sources
     share no mesh has no source set (the caller reports it per engine)."""
@@ -1110,24 +1107,32 @@ def _compile_layout(
             continue
         st = tensors[rc.quant.scale_dest]
         place = (dt.shape, dt.region, dt.offset_bytes, st.shape, st.region, st.offset_bytes)
-        units = quant_by_id.get((id(rc), *place))
-        if units is None:
-            units = quant_by_value.get((rc, *place))
-            if units is None:
-                units = quant_by_value[(rc, *place)] = _quant_units_like(
+        got = quant_by_id.get((id(rc), *place))
+        if got is None:
+            got = quant_by_value.get((rc, *place))
+            if got is None:
+                got = quant_by_value[(rc, *place)] = _quant_units_like(
                     rc, dt, st, table, bands=config.quantize_in_shards, memo=shard_memo
                 )
-            quant_by_id[(id(rc), *place)] = units
+            quant_by_id[(id(rc), *place)] = got
+        singles, units = got
+        # Units only one rank can quantize: their task key is known now.
+        lay_singles, single_load = lay.singles, lay.single_load
+        for key, entry in singles:
+            lst = lay_singles.get(key)
+            if lst is None:
+                lay_singles[key] = [entry]
+                lay.single_seq[key] = seq  # recipes come in order: the first is the least
+            else:
+                lst.append(entry)
+            r = key[0][0]
+            single_load[r] = single_load.get(r, 0) + entry[1]
+            lay.nbytes += entry[1]
         lay.nbytes += sum(u.nbytes for u in units)
         for u in units:
             names: tuple[str, ...] | None = None
-            single: _GatherKey | None = None
             if u.local:
                 names = u.sources
-                if len(u.local) == 1:
-                    # Only this rank can quantize it: its task key is known now.
-                    key = (u.local, names)
-                    single = single_keys.setdefault(key, key)
             else:
                 cands = cands_of.get(u.sources)
                 if cands is None:
@@ -1137,28 +1142,7 @@ def _compile_layout(
                 if cands:
                     names = u.sources
                     lay.pending_seq.setdefault(names, seq)
-            if single is not None:
-                lay.singles.setdefault(single, []).append(
-                    (
-                        (
-                            rc.dest,
-                            st.name,
-                            rc.quant.block,
-                            u.parts,
-                            u.dest_box,
-                            u.scale_box,
-                            u.weight_runs,
-                            u.scale_runs,
-                        ),
-                        u.nbytes,
-                        u.numel,
-                    )
-                )
-                lay.single_seq.setdefault(single, seq)
-                r = single[0][0]
-                lay.single_load[r] = lay.single_load.get(r, 0) + u.nbytes
-                continue
-            lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names, single))
+            lay.quants.append((u, rc.dest, st.name, rc.quant.block, seq, names))
     return lay
 
 
@@ -1321,16 +1305,11 @@ class _Planning:
         """
         direct_by_id: dict[tuple[object, ...], _DirectTemplate] = {}
         direct_by_value: dict[tuple[object, ...], _DirectTemplate] = {}
-        quant_by_id: dict[tuple[object, ...], list[_QuantUnit]] = {}
-        quant_by_value: dict[tuple[object, ...], list[_QuantUnit]] = {}
+        quant_by_id: dict[tuple[object, ...], _QuantUnits] = {}
+        quant_by_value: dict[tuple[object, ...], _QuantUnits] = {}
         layouts: dict[tuple[int, int], _Layout] = {}
         shard_memo = _ShardMemo()
-        single_keys: dict[_GatherKey, _GatherKey] = {}
-        gather_units, gather_seq, gather_local = (
-            self.gather_units,
-            self.gather_seq,
-            self.gather_local,
-        )
+        gather_seq, gather_local = self.gather_seq, self.gather_local
         load = self.load
         table, problems = self.table, self.problems
         for d in sorted(dests, key=lambda d: d.engine):
@@ -1348,7 +1327,6 @@ class _Planning:
                     quant_by_value,
                     self.cands_of,
                     shard_memo,
-                    single_keys,
                 )
                 for key, sq in lay.gather_seq.items():
                     self.gather_seq[key] = min(sq, self.gather_seq.get(key, sq))
@@ -1377,7 +1355,7 @@ class _Planning:
                 load[r] += nb
             # Their writes are stamped with the engine names when their tasks are built.
             lay.engines.append(engine)
-            for u, dest, sdest, block, sq, quant_names, single in lay.quants:
+            for u, dest, sdest, block, sq, quant_names in lay.quants:
                 qw = _quant_write(
                     engine,
                     dest,
@@ -1916,6 +1894,9 @@ _BandTemplate = tuple[Box, tuple[tuple[int, Box | None, Box], ...], tuple[int, .
 or None for the whole part, clipped destination box), and the ranks holding it."""
 
 
+_QuantUnits = tuple[list[tuple["_GatherKey", "_SingleEntry"]], list["_QuantUnit"]]
+"""A recipe's units: those one rank alone can quantize, as (task key, entry), then the rest."""
+
 _UnitTemplate = tuple["_QuantUnit", tuple[tuple[int, Box, Box], ...], tuple[int, ...]]
 """A quant unit computed with placeholder sources and tensors at offset 0 of region 0, its
 parts as (index of the recipe's part, source box, destination box), and the indices of its
@@ -1930,10 +1911,13 @@ def _quant_units_like(
     *,
     bands: bool,
     memo: _ShardMemo,
-) -> list[_QuantUnit]:
+) -> _QuantUnits:
     """`_quant_units`, computed once per geometry: recipes whose parts have equal boxes and
     whose sources are sharded alike (`_Source.sig`: the same expert in every layer) into
-    tensors of equal shapes share one template, instantiated with their sources and places."""
+    tensors of equal shapes share one template, instantiated with their sources and places.
+
+    Units that only one rank can quantize come first as (task key, `_SingleEntry`): they are
+    never balanced, so they skip the `_QuantUnit` (Kimi-K2: 553k expert bands)."""
     assert rc.quant is not None
     srcs = [p.source for p in rc.parts]
     sigs = memo.sigs
@@ -1971,6 +1955,8 @@ def _quant_units_like(
         ]
     names_of = memo.names
     wreg, woff, sreg, soff = dt.region, dt.offset_bytes, st.region, st.offset_bytes
+    dest, sdest, block = rc.dest, st.name, rc.quant.block
+    singles: list[tuple[_GatherKey, _SingleEntry]] = []
     out: list[_QuantUnit] = []
     for u, ptmpl, idxs in tmpl:
         if len(idxs) == 1:
@@ -1981,24 +1967,35 @@ def _quant_units_like(
         else:
             names = tuple(sorted({srcs[i] for i in idxs}))
         wr, sr = u.weight_runs, u.scale_runs
+        parts = tuple([_part(srcs[i], sb, db) for i, sb, db in ptmpl])
+        wruns = (
+            (_write_run(wreg, wr[0].offset_bytes + woff, wr[0].nbytes),)
+            if len(wr) == 1
+            else tuple([_write_run(wreg, r.offset_bytes + woff, r.nbytes) for r in wr])
+        )
+        sruns = (
+            (_write_run(sreg, sr[0].offset_bytes + soff, sr[0].nbytes),)
+            if len(sr) == 1
+            else tuple([_write_run(sreg, r.offset_bytes + soff, r.nbytes) for r in sr])
+        )
+        if len(u.local) == 1:
+            singles.append(
+                (
+                    (u.local, names),
+                    (
+                        (dest, sdest, block, parts, u.dest_box, u.scale_box, wruns, sruns),
+                        u.nbytes,
+                        u.numel,
+                    ),
+                )
+            )
+            continue
         out.append(
             _QuantUnit(
-                u.dest_box,
-                u.scale_box,
-                tuple([_part(srcs[i], sb, db) for i, sb, db in ptmpl]),
-                names,
-                (_write_run(wreg, wr[0].offset_bytes + woff, wr[0].nbytes),)
-                if len(wr) == 1
-                else tuple([_write_run(wreg, r.offset_bytes + woff, r.nbytes) for r in wr]),
-                (_write_run(sreg, sr[0].offset_bytes + soff, sr[0].nbytes),)
-                if len(sr) == 1
-                else tuple([_write_run(sreg, r.offset_bytes + soff, r.nbytes) for r in sr]),
-                u.local,
-                u.nbytes,
-                u.numel,
+                u.dest_box, u.scale_box, parts, names, wruns, sruns, u.local, u.nbytes, u.numel
             )
         )
-    return out
+    return singles, out
 
 
 def _quant_units(

@@ -31,7 +31,6 @@ from weight_transfer.planner.plan import (
 from weight_transfer.planner.types import (
     DestManifest,
     QuantWrite,
-    RankSchedule,
     Schedule,
     SliceWrite,
     SourceManifest,
@@ -126,9 +125,7 @@ class Replanner:
         for k in [k for k in self._memo if k not in keep]:
             del self._memo[k]
 
-    def _rewrite(
-        self, last: _Last, dests: dict[str, DestManifest], changed: list[str]
-    ) -> Schedule:
+    def _rewrite(self, last: _Last, dests: dict[str, DestManifest], changed: list[str]) -> Schedule:
         problems: list[str] = []
         moves: dict[str, dict[str, tuple[_Place, _Place]]] = {}
         for e in changed:

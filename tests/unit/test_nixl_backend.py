@@ -403,7 +403,5 @@ def test_devices_reach_ucx_and_a_default_transport_stays_on_lo() -> None:
     assert _netifs_opened("(('ucx_devices', 'lo'),)", listen_host="0.0.0.0") == {"lo"}
     with pytest.raises(ConfigurationError, match="ucx_devices.*UCX_NET_DEVICES"):
         NixlTransport(
-            TransportConfig(
-                name="nixl", options=(("ucx_devices", "lo"), ("UCX_NET_DEVICES", "lo"))
-            )
+            TransportConfig(name="nixl", options=(("ucx_devices", "lo"), ("UCX_NET_DEVICES", "lo")))
         )

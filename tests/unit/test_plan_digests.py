@@ -71,4 +71,6 @@ def test_schedule_bytes_unchanged(
     sources, dests = cluster_manifests(p)
     schedule = plan(sources, dests, PlannerConfig(quantize_in_shards=bands))
     got = hashlib.sha256(schedule_to_json(schedule).encode()).hexdigest()
-    assert got == digest, f"{preset} {overrides} bands={bands}: schedule differs from the pinned one"
+    assert got == digest, (
+        f"{preset} {overrides} bands={bands}: schedule differs from the pinned one"
+    )
