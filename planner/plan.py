@@ -546,32 +546,37 @@ def _collect_fast(
         return False
     rank = m.rank
     meshes = list(map(_MESH, ts))
-    if not all(rank in mesh for mesh in {id(x): x for x in meshes}.values()):
+    if not all(rank in mesh for mesh in dict(zip(map(id, meshes), meshes, strict=True)).values()):
         return False
     shapes = list(map(_SHAPE, ts))
     boxes = list(map(_BOX, ts))
-    for lb, shape in {
-        (id(b), id(sh)): (b, sh) for b, sh in zip(boxes, shapes, strict=True)
-    }.values():
+    pairs = dict(
+        zip(
+            zip(map(id, boxes), map(id, shapes), strict=True),
+            zip(boxes, shapes, strict=True),
+            strict=True,
+        )
+    )
+    for lb, shape in pairs.values():
         if lb is None or box_ok.get(id(lb)) == shape:
             continue
         if not _box_fits(lb, shape):
             return False
         box_ok[id(lb)] = shape
     get = table.get
-    for name, shape, dtype, lb, mesh, off in zip(
-        names, shapes, dtypes, boxes, meshes, map(_OFFLOADED, ts), strict=True
-    ):
+    # The holder tuples are made by zip, in C.
+    holders = zip(itertools.repeat(rank), boxes, meshes, map(_OFFLOADED, ts), strict=False)
+    for name, shape, dtype, holder in zip(names, shapes, dtypes, holders, strict=True):
         src = get(name)
         if src is None:
-            src = table[name] = _Source(name, tuple(shape), dtype, [])
+            src = table[name] = _Source(name, tuple(shape), dtype, [holder])
         elif (src.shape is not shape and src.shape != shape) or src.dtype != dtype:
             problems.append(
                 f"tensor {name!r}: trainer ranks disagree on shape/dtype "
                 f"({src.shape}/{src.dtype} vs rank {rank}: {tuple(shape)}/{dtype})"
             )
-            continue
-        src.holders.append((rank, lb, mesh, off))
+        else:
+            src.holders.append(holder)
     return True
 
 
