@@ -1051,7 +1051,18 @@ def _direct_template(
 _DirectTemplate = tuple[list[_Piece], list[tuple[tuple[int, ...], Part, tuple[WriteRun, ...], int]]]
 
 
-_SingleEntry = tuple[tuple[object, ...], int, int]
+_QuantArgs = tuple[
+    str,
+    str,
+    tuple[int, int],
+    tuple[Part, ...],
+    Box,
+    Box,
+    tuple[WriteRun, ...],
+    tuple[WriteRun, ...],
+]
+"""A QuantWrite's fields after the engine name."""
+_SingleEntry = tuple[_QuantArgs, int, int]
 """A single-holder unit of a layout: its QuantWrite's arguments after the engine name, its
 bytes and its elements."""
 
@@ -1123,14 +1134,14 @@ def _compile_layout(
         singles, units = got
         # Units only one rank can quantize: their task key is known now.
         lay_singles, single_load = lay.singles, lay.single_load
-        for key, entry in singles:
-            lst = lay_singles.get(key)
+        for skey, entry in singles:
+            lst = lay_singles.get(skey)
             if lst is None:
-                lay_singles[key] = [entry]
-                lay.single_seq[key] = seq  # recipes come in order: the first is the least
+                lay_singles[skey] = [entry]
+                lay.single_seq[skey] = seq  # recipes come in order: the first is the least
             else:
                 lst.append(entry)
-            r = key[0][0]
+            r = skey[0][0]
             single_load[r] = single_load.get(r, 0) + entry[1]
             lay.nbytes += entry[1]
         lay.nbytes += sum(u.nbytes for u in units)
@@ -1673,6 +1684,7 @@ class _Planning:
                 continue
             # Each engine of the layout gets the unit's write (`_quant_write`, inlined: this
             # loop makes 2.4 M writes for Kimi-K2).
+            assert lay is not None
             a0, a1, a2, a3, a4, a5, a6, a7 = args
             append = b.writes.append
             for e in lay.engines:
@@ -1855,7 +1867,7 @@ class _ShardMemo:
     bands: dict[tuple[object, ...], list[_BandTemplate] | None] = dataclasses.field(
         default_factory=dict
     )
-    names: dict[str, tuple[str]] = dataclasses.field(default_factory=dict)
+    names: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     units: dict[tuple[object, ...], list[_UnitTemplate]] = dataclasses.field(default_factory=dict)
 
     def local_holder(self, parts: Sequence[Part], table: dict[str, _Source]) -> tuple[int, ...]:
