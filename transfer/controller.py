@@ -35,7 +35,7 @@ from weight_transfer.backends.base import (
 from weight_transfer.config import ControllerConfig, ControlPlaneConfig
 from weight_transfer.control import ControlPlane
 from weight_transfer.planner import codec
-from weight_transfer.planner.plan import plan
+from weight_transfer.planner.replan import Replanner
 from weight_transfer.planner.types import DestManifest, Schedule, SourceManifest
 from weight_transfer.presence import PresenceListener
 from weight_transfer.protocol import (
@@ -182,6 +182,8 @@ class Controller:
         self.control = ControlPlane(control, server=True, member="controller")
         self.schedule: Schedule | None = None
         self.sources: list[SourceManifest] = []
+        # Plans for these sources; a re-plan after an engine rejoined reuses the last schedule.
+        self._planner: Replanner | None = None
         self.dests: list[DestManifest] = []
         self.joins: dict[str, EngineJoin] = {}
         self.epoch = 0
@@ -371,14 +373,17 @@ class Controller:
                     f"engine {joins[0].manifest.engine!r} uses {joins[0].transport!r}"
                 )
         t0 = time.perf_counter()
-        schedule = plan(self.sources, [j.manifest for j in joins], self.config.planner)
+        if self._planner is None:
+            self._planner = Replanner(self.sources, self.config.planner)
+        schedule = self._planner.plan([j.manifest for j in joins])
         log.info(
-            "plan %d: %d tasks for %d ranks -> %d engines in %.3f s",
+            "plan %d: %d tasks for %d ranks -> %d engines in %.3f s (%s)",
             epoch,
             sum(len(r.tasks) for r in schedule.ranks),
             len(self.sources),
             len(joins),
             time.perf_counter() - t0,
+            "last plan reused" if self._planner.reused_last else "planned from scratch",
         )
         by_name = {j.manifest.engine: j for j in joins}
         return _Plan(
