@@ -5,7 +5,7 @@ Start every process from one shell, so that all of them share one token:
     python examples/engine.py 0 2 & python examples/engine.py 1 2 &
     torchrun --nproc-per-node 2 examples/trainer.py
 A real engine passes its own parameters (an nn.Module or {name: tensor}) instead of
-allocating them; with vLLM, use the plug-in instead (README, "Use with vLLM").
+allocating them; with vLLM, use the plug-in instead (docs/vllm.md, "Use with vLLM").
 """
 
 import os

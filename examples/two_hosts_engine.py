@@ -1,4 +1,4 @@
-"""Host B of README "Two hosts": one engine rank (tp rank, tp size from argv) receiving three
+"""Host B of docs/two_hosts.md: one engine rank (tp rank, tp size from argv) receiving three
 updates from the trainer on host A, publishing a digest of its tensors after each.
 
     WT_TOKEN=... python examples/two_hosts_engine.py host-b.toml 0 2

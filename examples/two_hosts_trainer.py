@@ -1,4 +1,4 @@
-"""Host A of README "Two hosts": the trainer (rank 0, hosting the control plane), three updates
+"""Host A of docs/two_hosts.md: the trainer (rank 0, hosting the control plane), three updates
 into the engines on host B, each verified against the engines' published digests.
 
     WT_TOKEN=... python examples/two_hosts_trainer.py host-a.toml

@@ -2,10 +2,17 @@
 both need to know about a patch.
 
 A run of `numel` engine elements whose bytes changed in `num_changed` places is sent as a
-*sparse chunk list* (chunks of `CHUNK_ELEMENTS`; an int32 count per chunk; a 16-bit index and the
-new value per changed element) or, when that is not smaller, *dense* (the run's bytes as a full
-update would write them). `weight_transfer.kernels.delta` implements the encoding and its
-apply; `docs/delta.md` describes the format.
+*sparse chunk list* (chunks of `CHUNK_ELEMENTS`; the chunks' offsets as int64, one entry more
+than chunks; a 16-bit index and the new value per changed element, each part padded to 8 bytes)
+or, when that is not smaller, *dense* (the run's bytes as a full update would write them).
+`weight_transfer.kernels.delta` implements the encoding and its apply; `docs/delta.md`
+describes the format.
+
+The sizes here are a model for the simulator and the density measurements: they count
+`COUNT_BYTES` (4) per chunk and leave out the offsets' end entry, the padding and the patch
+table's 64-byte row per segment, so they are short of the wire by 4 bytes per chunk plus at most
+86 bytes per run. The runtime decides sparse or dense from the exact size
+(`weight_transfer.delta.patch`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ CHUNK_ELEMENTS = 1 << 16
 INDEX_BYTES = 2
 """Bytes of one entry's index."""
 COUNT_BYTES = 4
-"""Bytes of one chunk's count."""
+"""Bytes per chunk in the size model (the wire carries an int64 offset per chunk: 8)."""
 
 
 def num_chunks(numel: int) -> int:

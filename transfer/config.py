@@ -37,9 +37,9 @@ MIN_TOKEN_BITS = 128
 """Least randomness a control plane token must carry (as `token_bits` estimates it)."""
 
 PUBLISHED_SAMPLE_TOKENS = frozenset({"xOsNmkg5xHsBzlmZY7kjnbNV9YnevoHswB73Axu9t-8"})
-"""Tokens this project prints as samples (the README's TOML example): anyone can read them, so
-none is accepted as a real one. tests/unit/test_config.py checks that every sample token in the
-README and docs is listed here."""
+"""Tokens this project prints as samples (the TOML example of docs/configuration.md): anyone can
+read them, so none is accepted as a real one. tests/unit/test_config.py checks that every sample
+token in the README and docs is listed here."""
 
 
 def new_token() -> str:

@@ -231,13 +231,13 @@ def test_config_repr_hides_the_token() -> None:
 
 
 def test_readme_toml_example_builds_a_transport_on_this_host(tmp_path: Path) -> None:
-    """The README's TOML example is refused for its published sample token; with a token of
-    one's own it loads and its transport options work on a CPU host."""
+    """The TOML example of docs/configuration.md is refused for its published sample token; with
+    a token of one's own it loads and its transport options work on a CPU host."""
     import re
 
     from weight_transfer.config import new_token
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     start = readme.index("```toml\n") + len("```toml\n")
     text = readme[start : readme.index("```", start)]
     path = tmp_path / "example.toml"

@@ -1,5 +1,5 @@
-"""The README's API example runs as written: examples/engine.py and examples/trainer.py, the
-same code as the README's blocks, run verbatim as separate programs (two engine ranks and a
+"""The API example of docs/api.md runs as written: examples/engine.py and examples/trainer.py, the
+same code as its blocks, run verbatim as separate programs (two engine ranks and a
 two-rank torchrun trainer); and the installed package is found from a folder that has its own
 `planner/`, `transfer/` and `backends/` packages."""
 
@@ -18,8 +18,8 @@ EXAMPLES = ROOT / "examples"
 
 
 def _readme_block(after: str) -> str:
-    """The first ```python block after the line `after` in the README."""
-    readme = (ROOT / "README.md").read_text()
+    """The first ```python block after the line `after` in docs/api.md."""
+    readme = (ROOT / "docs" / "api.md").read_text()
     start = readme.index(after)
     m = re.compile(r"```python\n(.*?)```", re.S).search(readme, start)
     assert m is not None, after
@@ -34,7 +34,7 @@ def test_readme_blocks_are_the_example_files() -> None:
 def test_examples_import_only_the_public_api() -> None:
     """The examples are what users copy: they import `weight_transfer` (and
     `weight_transfer.engines.vllm`, the plug-in's public module) only, never the internal
-    modules the README calls unstable (two_hosts_* once imported `weight_transfer.config` and
+    modules docs/api.md calls unstable (two_hosts_* once imported `weight_transfer.config` and
     `weight_transfer.planner.*`). Every imported name is one the package exports."""
     import ast
 

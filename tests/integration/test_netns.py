@@ -1,9 +1,9 @@
 """Hosts for real: members in network namespaces, every byte and control message crossing links.
 
 Each member binds and advertises its own address, configured only through the public
-configuration: the README's "Two hosts" section run as written (one TOML per host), three
-emulated hosts each with its own TOML over tcp and ucx, and a vLLM engine in its own namespace
-fed by FSDP2 trainers in another through `TrainerInitInfo` / `EngineInitInfo`.
+configuration: docs/two_hosts.md (once the README's "Two hosts") run as written (one TOML per
+host), three emulated hosts each with its own TOML over tcp and ucx, and a vLLM engine in its own
+namespace fed by FSDP2 trainers in another through `TrainerInitInfo` / `EngineInitInfo`.
 
 A cut link: the trainer (with the controller) runs in one namespace, the engine in the other;
 every byte and every control message crosses the veth. Update 1 must verify bit-exactly; then
@@ -306,9 +306,8 @@ NUM_ENGINES = 2
 
 
 def _readme_two_hosts() -> tuple[dict[str, str], str, str]:
-    """README "Two hosts": its TOML files by name, and the commands of host A and of host B."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Two hosts\n", 1)[1].split("\n## ", 1)[0]
+    """docs/two_hosts.md: its TOML files by name, and the commands of host A and of host B."""
+    section = (REPO / "docs" / "two_hosts.md").read_text()
     files = dict(re.findall(r"`([\w.-]+\.toml)`:\n\n```toml\n(.*?)```", section, re.S))
     host_a = section.split("On host A:\n\n```bash\n", 1)[1].split("```", 1)[0]
     host_b = section.split("On host B:\n\n```bash\n", 1)[1].split("```", 1)[0]
@@ -317,7 +316,7 @@ def _readme_two_hosts() -> tuple[dict[str, str], str, str]:
 
 @pytest.mark.timeout(300)
 def test_readme_two_hosts_runs_as_written(tmp_path: Path) -> None:
-    """The README's files and commands, host A and host B being two namespaces with the README's
+    """docs/two_hosts.md's files and commands, host A and host B being two namespaces with its
     addresses. Before each member resolved its own address, host B's engines bound the control
     plane's address (10.0.0.1) and failed: "tcp: cannot listen on '10.0.0.1'"."""
     reason = _netns_unavailable_reason()

@@ -1517,7 +1517,7 @@ def test_uncovered_model_is_refused(tmp_path: Path) -> None:
     assert expected in r.stdout + r.stderr
 
 
-# -- the README's example ------------------------------------------------------------------------
+# -- docs/vllm.md's example ------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -1531,8 +1531,9 @@ def _own_lines(stdout: str) -> list[str]:
 
 
 def test_readme_example_runs_as_written() -> None:
-    """The README's "Use with vLLM" code is examples/vllm_update.py, and it runs and verifies."""
-    readme = (REPO / "README.md").read_text()
+    """The "Use with vLLM" code of docs/vllm.md is examples/vllm_update.py, and it runs and
+    verifies."""
+    readme = (REPO / "docs" / "vllm.md").read_text()
     section = readme.split("## Use with vLLM", 1)[1]
     block = section.split("```python\n", 1)[1].split("```", 1)[0]
     example = REPO / "examples" / "vllm_update.py"

@@ -216,7 +216,7 @@ def test_published_sample_tokens_are_refused():
     samples = set()
     for path in texts:
         samples |= set(re.findall(r'token\s*=\s*"([^"]+)"', path.read_text()))
-    assert samples, "the README shows a sample token in its TOML example"
+    assert samples, "docs/configuration.md shows a sample token in its TOML example"
     assert samples <= PUBLISHED_SAMPLE_TOKENS, samples - PUBLISHED_SAMPLE_TOKENS
     for token in PUBLISHED_SAMPLE_TOKENS:
         assert token_bits(token) >= 128  # it would pass as random: only the list refuses it

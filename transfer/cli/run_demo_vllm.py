@@ -1,6 +1,6 @@
 """`weight-transfer demo-vllm`: the demo's update, into a real running vLLM engine.
 
-Needs vLLM (on CPU: README, "Use with vLLM"). The demo saves a tiny random
+Needs vLLM (on CPU: docs/vllm.md, "Use with vLLM"). The demo saves a tiny random
 Llama, starts a `vllm.LLM` on it with the `weight_transfer` plug-in, and starts `train_ranks`
 trainer processes (FSDP2 over gloo, AdamW between updates). Trainer rank 0 drives vLLM's four
 phases; this process runs them on its `LLM` (as vLLM's HTTP routes would). Every update is

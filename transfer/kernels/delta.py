@@ -2,11 +2,14 @@
 
 What changed between the bytes last sent (the *snapshot*) and the new engine bytes of one
 contiguous run of elements is encoded as a *sparse chunk list*: the run is cut into chunks of
-`CHUNK_ELEMENTS` (65,536) elements; per chunk an int32 count of changed elements; then, chunk
-after chunk, each changed element's 16-bit index inside its chunk and its new value (the
-element's bytes: 1 for FP8, 2 for BF16, 4 for float32 scales). On the wire that is
-``2 + value_bytes`` bytes per changed element plus 4 bytes per chunk; a run whose encoding would
-not be smaller than the run itself is sent dense instead (the caller decides; `sparse_nbytes`).
+`CHUNK_ELEMENTS` (65,536) elements; the chunks' offsets, int64, the exclusive prefix sum of the
+per-chunk change counts (one entry more than chunks); then, chunk after chunk, each changed
+element's 16-bit index inside its chunk and its new value (the element's bytes: 1 for FP8, 2 for
+BF16, 4 for float32 scales). On the wire (`weight_transfer.delta.patch`) that is
+``2 + value_bytes`` bytes per changed element plus 8 bytes per chunk and one, indices and values
+each padded to 8 bytes; a run whose encoding would not be smaller than the run itself is sent
+dense instead (the caller decides from the exact size; `sparse_nbytes` is the simulator's
+model, which counts 4 bytes per chunk).
 
 Comparison is bitwise (the tensors are viewed as integers of their element size), so -0.0 vs
 0.0 and NaN payloads count as changes and the result is bit-exact by construction.
