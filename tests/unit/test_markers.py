@@ -71,3 +71,20 @@ def test_doctor_and_markers_agree(
         assert not status.gpu_ok and status.gpu_reason == availability.cuda_unavailable_reason()
         assert markers.requires_cuda.kwargs["reason"] == status.gpu_reason
     assert missing <= (skip_reason is not None)
+
+
+def test_rdma_tests_live_where_the_vm_run_collects_them() -> None:
+    """tests/softroce/run (CI's VM step) collects only tests/conformance and
+    tests/integration/test_rdma.py; an rdma test anywhere else would never run."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    allowed = {root / "integration" / "test_rdma.py", Path(__file__).resolve()}
+    for path in root.rglob("*.py"):
+        if path in allowed or (root / "conformance") in path.parents:
+            continue
+        assert "pytest.mark." + "rdma" not in path.read_text(), path
+    assert (
+        "tests/conformance tests/integration/test_rdma.py"
+        in (root / "softroce" / "run").read_text()
+    )
