@@ -141,28 +141,29 @@ def run(cfg: BenchConfig) -> dict[str, object]:
         assert replanner.reused_last, "the re-plan should have reused the last schedule"
         current[k] = dests[k]
     rss_replan = _rss_gib()
+    out: dict[str, object] = {
+        "preset": cfg.preset,
+        "quantize_in_shards": not cfg.gather_fp8,
+        "describe": preset.describe(),
+        "num_manifest_entries": sum(len(m.tensors) for m in sources),
+        "manifests_s": t_manifests,
+        "plan_s_median": sorted(times)[len(times) // 2],
+        "plan_s_all": times,
+        "plan_cpu_s_all": cpu_times,
+        "replan_one_engine_s_all": replan_s,
+        "replan_one_engine_cpu_s_all": replan_cpu_s,
+        "load_average_1min": os.getloadavg()[0],
+        "peak_rss_gib_after_manifests": rss_manifests,
+        "peak_rss_gib": rss_plan,
+        "rss_gib_after_plan": rss_kept,
+        "peak_rss_gib_after_replans": rss_replan,
+        "num_tasks": sum(len(r.tasks) for r in schedule.ranks),
+        "num_writes": sum(len(t.writes) for r in schedule.ranks for t in r.tasks),
+        "bytes_per_rank_max": max(schedule.bytes_per_rank),
+        "bytes_per_rank_min": min(schedule.bytes_per_rank),
+    }
     if not cfg.simulate:
-        return {
-            "preset": cfg.preset,
-            "quantize_in_shards": not cfg.gather_fp8,
-            "describe": preset.describe(),
-            "num_manifest_entries": sum(len(m.tensors) for m in sources),
-            "manifests_s": t_manifests,
-            "plan_s_median": sorted(times)[len(times) // 2],
-            "plan_s_all": times,
-            "plan_cpu_s_all": cpu_times,
-            "replan_one_engine_s_all": replan_s,
-            "replan_one_engine_cpu_s_all": replan_cpu_s,
-            "load_average_1min": os.getloadavg()[0],
-            "peak_rss_gib_after_manifests": rss_manifests,
-            "peak_rss_gib": rss_plan,
-            "rss_gib_after_plan": rss_kept,
-            "peak_rss_gib_after_replans": rss_replan,
-            "num_tasks": sum(len(r.tasks) for r in schedule.ranks),
-            "num_writes": sum(len(t.writes) for r in schedule.ranks for t in r.tasks),
-            "bytes_per_rank_max": max(schedule.bytes_per_rank),
-            "bytes_per_rank_min": min(schedule.bytes_per_rank),
-        }
+        return out
     # Correctness before timing matters: every engine receives what its tensors hold.
     engine_sizes = {d.engine: sum(t.nbytes for t in d.regions if t.index == 0) for d in dests}
     t0 = time.perf_counter()
@@ -179,39 +180,26 @@ def run(cfg: BenchConfig) -> dict[str, object]:
     base = broadcast_baseline(
         train_bytes, list(schedule.bytes_per_engine), preset.rates, fp8=preset.engine.fp8
     )
-    out: dict[str, object] = {
-        "preset": cfg.preset,
-        "quantize_in_shards": not cfg.gather_fp8,
-        "describe": preset.describe(),
-        "num_manifest_entries": sum(len(m.tensors) for m in sources),
-        "manifests_s": t_manifests,
-        "plan_s_median": sorted(times)[len(times) // 2],
-        "plan_s_all": times,
-        "plan_cpu_s_all": cpu_times,
-        "replan_one_engine_s_all": replan_s,
-        "replan_one_engine_cpu_s_all": replan_cpu_s,
-        "load_average_1min": os.getloadavg()[0],
-        "simulate_s": t_sim,
-        "peak_rss_gib_after_manifests": rss_manifests,
-        "peak_rss_gib": rss_plan,
-        "rss_gib_after_plan": rss_kept,
-        "num_tasks": result.num_tasks,
-        "total_write_bytes": result.total_write_bytes,
-        "max_engine_region_bytes": max(engine_sizes.values()),
-        "predicted_s": result.predicted_s,
-        "control_plane_s": result.control_plane_s,
-        "update_s": result.update_s,
-        "max_rank_plan_bytes": max_rank_plan_bytes(schedule, dests),
-        "lower_bound_s": result.lower_bound_s,
-        "predicted_over_bound": result.predicted_s / result.lower_bound_s,
-        "bottleneck": result.bottleneck,
-        "stage_bound_s": result.stage_bound_s,
-        "trainer_nic_imbalance": result.trainer_nic_bytes.imbalance,
-        "engine_nic_imbalance": result.engine_nic_bytes.imbalance,
-        "baseline_s": base.predicted_s,
-        "trainer_model_bytes": train_bytes,
-        "engine_replica_bytes": replica_bytes,
-    }
+    out.update(
+        {
+            "simulate_s": t_sim,
+            "total_write_bytes": result.total_write_bytes,
+            "max_engine_region_bytes": max(engine_sizes.values()),
+            "predicted_s": result.predicted_s,
+            "control_plane_s": result.control_plane_s,
+            "update_s": result.update_s,
+            "max_rank_plan_bytes": max_rank_plan_bytes(schedule, dests),
+            "lower_bound_s": result.lower_bound_s,
+            "predicted_over_bound": result.predicted_s / result.lower_bound_s,
+            "bottleneck": result.bottleneck,
+            "stage_bound_s": result.stage_bound_s,
+            "trainer_nic_imbalance": result.trainer_nic_bytes.imbalance,
+            "engine_nic_imbalance": result.engine_nic_bytes.imbalance,
+            "baseline_s": base.predicted_s,
+            "trainer_model_bytes": train_bytes,
+            "engine_replica_bytes": replica_bytes,
+        }
+    )
     return out
 
 
